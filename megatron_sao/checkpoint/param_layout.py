@@ -1,0 +1,71 @@
+"""The full (unsharded) Megatron parameter set of a model: names and shapes, from a `ModelSpec`.
+
+Used to validate converted state dicts before anything is written (a missing tensor or a shape
+that does not fit the config fails with the tensor's name) and to enumerate what each rank owns.
+"""
+
+from __future__ import annotations
+
+from megatron_sao.models.hf_config import ModelSpec
+
+ROLES = ("actor", "critic")
+
+
+def layer_param_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+    """Canonical full names and shapes of one decoder layer (global layer index)."""
+    h, d = spec.hidden_size, spec.head_dim
+    qkv_rows = (spec.num_attention_heads + 2 * spec.num_kv_heads) * d
+    p = f"decoder.layers.{layer}."
+    out = {
+        p + "input_layernorm.weight": (h,),
+        p + "self_attention.linear_qkv.weight": (qkv_rows, h),
+        p + "self_attention.linear_proj.weight": (h, spec.num_attention_heads * d),
+        p + "pre_mlp_layernorm.weight": (h,),
+    }
+    if spec.qk_layernorm:
+        out[p + "self_attention.q_layernorm.weight"] = (d,)
+        out[p + "self_attention.k_layernorm.weight"] = (d,)
+    if spec.is_moe:
+        out[p + "mlp.router.weight"] = (spec.num_experts, h)
+        for e in range(spec.num_experts):
+            q = f"{p}mlp.experts.local_experts.{e}."
+            out[q + "linear_fc1.weight"] = (2 * spec.moe_ffn_hidden_size, h)
+            out[q + "linear_fc2.weight"] = (h, spec.moe_ffn_hidden_size)
+    else:
+        out[p + "mlp.linear_fc1.weight"] = (2 * spec.ffn_hidden_size, h)
+        out[p + "mlp.linear_fc2.weight"] = (h, spec.ffn_hidden_size)
+    return out
+
+
+def full_param_shapes(spec: ModelSpec, role: str = "actor") -> dict[str, tuple[int, ...]]:
+    """Every canonical full parameter of the model (the conversion's contract).
+
+    Tied actors have no `output_layer.weight` entry: the head *is* the embedding (Megatron's
+    last PP stage holds a copy, filled from the embedding by the loader).
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    out: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (spec.vocab_size, spec.hidden_size)}
+    for layer in range(spec.num_layers):
+        out.update(layer_param_shapes(spec, layer))
+    out["decoder.final_layernorm.weight"] = (spec.hidden_size,)
+    if role == "critic":
+        out["value_head.weight"] = (1, spec.hidden_size)
+    elif not spec.tie_word_embeddings:
+        out["output_layer.weight"] = (spec.vocab_size, spec.hidden_size)
+    return out
+
+
+def validate_full_state(state: dict, spec: ModelSpec, role: str) -> None:
+    """Raise ValueError naming the first missing / unexpected / wrongly shaped tensor."""
+    expected = full_param_shapes(spec, role)
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise ValueError(f"missing Megatron tensor(s) for {spec.arch} {role}: {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''}")
+    unexpected = [k for k in state if k not in expected]
+    if unexpected:
+        raise ValueError(f"unexpected Megatron tensor(s) for {spec.arch} {role}: {unexpected[:5]}")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise ValueError(f"tensor {name} has shape {tuple(state[name].shape)}, config expects {shape}")

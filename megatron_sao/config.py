@@ -1,0 +1,431 @@
+"""Typed configuration: one dataclass per concern, loaded from YAML with dotted overrides.
+
+    cfg = load_config("examples/tiny_cpu.yaml", overrides=["algorithm.critic_steps=1", "run.dir=/tmp/x"])
+
+Every key is checked: an unknown key, a value of the wrong type or an impossible value raises
+ConfigError naming the dotted key. Paper defaults (SAO, arXiv:2607.07508) are the dataclass
+defaults; `presets` holds the per-domain settings (math, coding) that a YAML selects with
+`preset: math`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the dotted key."""
+
+
+# ------------------------------------------------------------------------------------- sections
+
+
+@dataclass
+class RunConfig:
+    name: str = "sao"
+    dir: str = "runs/sao"  # run directory: config snapshot, checkpoints, metrics.jsonl, TensorBoard
+    seed: int = 1234
+    total_steps: int = 100  # actor steps (critic warm-up steps count separately)
+    save_every: int = 50
+    eval_every: int = 25
+    log_every: int = 1
+    tensorboard: bool = True
+    console: Literal["rich", "plain", "none"] = "rich"
+    max_consecutive_nonfinite: int = 3  # NaN/inf steps in a row before the run stops with a checkpoint
+
+
+@dataclass
+class ModelConfig:
+    # An HF directory (config.json + safetensors + tokenizer) or a built-in preset name such as
+    # "tiny_qwen3_moe" (random init, own char tokenizer; no download).
+    path: str = "tiny_qwen3_moe"
+    tokenizer: Optional[str] = None  # defaults to `path`
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_seq_len: int = 256
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    micro_batch_size: int = 8
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    init: Optional[str] = None  # HF dir or megatron checkpoint dir; None = model.path
+
+
+@dataclass
+class CriticConfig:
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-6))
+    init: Optional[str] = None  # a saved critic (megatron or HF) or None = the actor's HF weights
+    value_head_init: Literal["normal", "zero"] = "normal"
+    # Parameter-name patterns frozen during RL. "attention" = the frozen-attention preset
+    # (qkv, output projection, q/k norms); [] trains everything (the "no frozen attention" ablation).
+    freeze: list[str] = field(default_factory=lambda: ["attention"])
+
+
+@dataclass
+class AlgorithmConfig:
+    # sao: critic + skip-observation token GAE + DIS.  grpo: n rollouts per prompt, group baseline,
+    # PPO clip.  grpo_dis: grpo advantages with the DIS loss.  running_mean: DIS with a running-mean
+    # baseline instead of a critic.
+    name: Literal["sao", "grpo", "grpo_dis", "running_mean"] = "sao"
+    advantage: Literal["token", "step_avg", "step_last"] = "token"  # token-level GAE or step-level
+    gamma: float = 1.0
+    critic_lambda: float = 1.0
+    policy_alpha: float = 1.5  # lambda_policy = clip(1 - 1/(alpha * l), 0, 1)
+    policy_lambda: Optional[float] = None  # a fixed policy lambda instead of the adaptive one
+    eps_low: float = 0.3  # DIS keeps 1-eps_low < r < 1+eps_high
+    eps_high: float = 5.0
+    ppo_clip_low: float = 0.2  # grpo baseline only
+    ppo_clip_high: float = 0.28
+    critic_steps: int = 2  # K critic optimizer steps per actor step
+    critic_warmup_steps: int = 10  # critic-only steps before the actor moves
+    group_size: int = 8  # grpo: rollouts per prompt
+    running_mean_window: int = 512  # running_mean: rewards kept in the baseline window
+    whiten_advantages: bool = False
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.name == "sao"
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["hf", "vllm", "vllm_server"] = "hf"
+    server_urls: list[str] = field(default_factory=list)  # vllm_server / disaggregated
+    concurrency: int = 32  # single-rollout episodes in flight
+    max_turns: int = 50
+    max_total_tokens: int = 131072
+    max_new_tokens_per_turn: int = 8192
+    temperature: float = 1.0
+    top_p: float = 1.0
+    inflight_policy: Literal["keep", "abort"] = "keep"
+    weight_sync_bucket_mb: int = 512
+    timeout_s: float = 600.0  # every request and collective; a dead engine is reported after this
+    gpu_memory_utilization: float = 0.5
+    colocate: bool = False  # vLLM on the trainer GPUs with sleep/wake
+
+
+@dataclass
+class EnvConfig:
+    name: str = "toy_tool"  # toy_tool | math_python | coding | style_shift
+    train_data: Optional[str] = None  # jsonl (or generator spec for toy_tool)
+    eval_data: Optional[str] = None
+    eval_size: int = 200
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BufferConfig:
+    batch_size: int = 128  # trajectories per actor step (single rollout: = prompts per step)
+    max_staleness: int = 4  # max policy-version lag of any action token
+    staleness_policy: Literal["drop", "keep"] = "drop"  # drop (and count) or keep for DIS to mask
+    max_pending: int = 1024  # admission control: finished trajectories held before the driver pauses
+
+
+@dataclass
+class TrainerConfig:
+    mode: Literal["async", "sync"] = "async"
+    global_batch_tokens: Optional[int] = None  # optional cap for micro-batching by tokens
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 1000
+    batch_size: int = 64
+    lr: float = 1e-3
+    demonstrations: int = 20000
+    error_rate: float = 0.3
+
+
+@dataclass
+class ValuePretrainConfig:
+    steps: int = 50
+    batch_size: int = 64
+
+
+@dataclass
+class ClusterConfig:
+    # embedded: everything on one machine (CPU demo); colocated: vLLM shares the trainer GPUs with
+    # sleep/wake; disaggregated: vLLM servers on their own nodes, weights over NCCL.
+    placement: Literal["embedded", "colocated", "disaggregated"] = "embedded"
+    trainer_nodes: int = 1
+    rollout_nodes: int = 0
+    gpus_per_node: int = 8
+    rollout_tp: int = 1  # vLLM tensor parallel size of one server
+    rollout_port: int = 8000
+    master_port: int = 29500
+
+
+@dataclass
+class SAOConfig:
+    preset: Optional[str] = None
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    value_pretrain: ValuePretrainConfig = field(default_factory=ValuePretrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+# ------------------------------------------------------------------------------------- presets
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Paper settings for reasoning with a Python tool (AIME): DIS band 0.7..6.0.
+    "math": {"algorithm": {"eps_low": 0.3, "eps_high": 5.0, "critic_steps": 2, "critic_warmup_steps": 10,
+                           "policy_alpha": 1.5, "critic_lambda": 1.0, "gamma": 1.0},
+             "actor": {"optim": {"lr": 1e-6}}, "critic": {"optim": {"lr": 5e-6}},
+             "buffer": {"batch_size": 128},
+             "rollout": {"max_total_tokens": 131072, "max_turns": 50, "temperature": 1.0, "top_p": 1.0},
+             "env": {"name": "math_python"}},
+    # Paper settings for coding (SWE): DIS band 0.2..4.0.
+    "coding": {"algorithm": {"eps_low": 0.8, "eps_high": 3.0, "critic_steps": 2, "critic_warmup_steps": 10,
+                             "policy_alpha": 1.5, "critic_lambda": 1.0, "gamma": 1.0},
+               "actor": {"optim": {"lr": 1e-6}}, "critic": {"optim": {"lr": 5e-6}},
+               "buffer": {"batch_size": 128},
+               "rollout": {"max_total_tokens": 131072, "max_turns": 300},
+               "env": {"name": "coding"}},
+}
+
+
+# ------------------------------------------------------------------------------------- validation
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def validate(cfg: SAOConfig) -> SAOConfig:
+    a, p, r, b = cfg.algorithm, cfg.parallel, cfg.rollout, cfg.buffer
+    _check(0 < a.eps_low < 1, "algorithm.eps_low", f"must be in (0, 1), got {a.eps_low}")
+    _check(a.eps_high > 0, "algorithm.eps_high", f"must be > 0, got {a.eps_high}")
+    _check(0 <= a.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {a.gamma}")
+    _check(0 <= a.critic_lambda <= 1, "algorithm.critic_lambda", f"must be in [0, 1], got {a.critic_lambda}")
+    _check(a.policy_alpha > 0, "algorithm.policy_alpha", f"must be > 0, got {a.policy_alpha}")
+    if a.policy_lambda is not None:
+        _check(0 <= a.policy_lambda <= 1, "algorithm.policy_lambda", f"must be in [0, 1], got {a.policy_lambda}")
+    _check(a.critic_steps >= 1, "algorithm.critic_steps", f"must be >= 1, got {a.critic_steps}")
+    _check(a.critic_warmup_steps >= 0, "algorithm.critic_warmup_steps", "must be >= 0")
+    _check(a.group_size >= 1, "algorithm.group_size", "must be >= 1")
+    if a.name in ("grpo", "grpo_dis"):
+        _check(a.group_size >= 2, "algorithm.group_size", f"{a.name} needs at least 2 rollouts per prompt")
+        _check(b.batch_size % a.group_size == 0, "buffer.batch_size",
+               f"must be a multiple of algorithm.group_size ({a.group_size}) for {a.name}")
+    if a.advantage != "token":
+        _check(a.name == "sao", "algorithm.advantage", "step-level GAE needs the critic (algorithm.name: sao)")
+    for k in ("tp", "pp", "ep", "micro_batch_size"):
+        _check(getattr(p, k) >= 1, f"parallel.{k}", f"must be >= 1, got {getattr(p, k)}")
+    _check(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel", "needs parallel.tp > 1")
+    _check(r.concurrency >= 1, "rollout.concurrency", "must be >= 1")
+    _check(r.max_turns >= 1, "rollout.max_turns", "must be >= 1")
+    _check(r.max_new_tokens_per_turn >= 1, "rollout.max_new_tokens_per_turn", "must be >= 1")
+    _check(r.max_total_tokens >= r.max_new_tokens_per_turn or r.max_total_tokens >= 1,
+           "rollout.max_total_tokens", "must be >= 1")
+    _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
+    _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    _check(r.timeout_s > 0, "rollout.timeout_s", "must be > 0")
+    if r.backend == "vllm_server":
+        _check(bool(r.server_urls), "rollout.server_urls", "backend vllm_server needs at least one url")
+    _check(b.batch_size >= 1, "buffer.batch_size", "must be >= 1")
+    _check(b.max_staleness >= 0, "buffer.max_staleness", "must be >= 0")
+    _check(b.max_pending >= b.batch_size, "buffer.max_pending", "must be >= buffer.batch_size")
+    _check(cfg.run.total_steps >= 0, "run.total_steps", "must be >= 0")
+    for k in ("save_every", "eval_every", "log_every"):
+        _check(getattr(cfg.run, k) >= 0, f"run.{k}", "must be >= 0")
+    for role in ("actor", "critic"):
+        o = getattr(cfg, role).optim
+        _check(o.lr >= 0, f"{role}.optim.lr", f"must be >= 0, got {o.lr}")
+        _check(o.clip_grad >= 0, f"{role}.optim.clip_grad", "must be >= 0")
+    _check(cfg.model.max_seq_len >= 2, "model.max_seq_len", "must be >= 2")
+    _check(0 <= cfg.sft.error_rate <= 1, "sft.error_rate", "must be in [0, 1]")
+    if cfg.preset is not None:
+        _check(cfg.preset in PRESETS, "preset", f"unknown preset {cfg.preset!r}; known: {sorted(PRESETS)}")
+    return cfg
+
+
+# ------------------------------------------------------------------------------------- loading
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for t in args:
+            if t is type(None):
+                continue
+            try:
+                return _coerce(value, t, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: cannot be None")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(args)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+        return _from_dict(tp, value, key)
+    if origin in (list, Sequence):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else list(value)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _from_dict(cls: type, data: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = prefix or "top level"
+        raise ConfigError(f"{prefix + '.' if prefix else ''}{unknown[0]}: unknown key at {where} "
+                          f"(known: {sorted(names)})")
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else k
+        kwargs[k] = _coerce(v, hints[k], key)
+    # Nested sections not given keep their defaults but must still be dataclass instances.
+    obj = cls(**kwargs)
+    return obj
+
+
+def _deep_merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _merge_into_defaults(cls: type, data: dict) -> dict:
+    """Fill nested sections so that a partial section keeps the other defaults of that section."""
+    defaults = to_dict(cls())
+    return _deep_merge(defaults, data)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key.path=value")
+    key, raw = item.split("=", 1)
+    key = key.strip().lstrip("-")
+    if not key:
+        raise ConfigError(f"override {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from e
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    data = _deep_merge({}, data)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{'.'.join(path[:i + 1])}: is a value, cannot set {'.'.join(path)}")
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+def config_from_dict(data: dict, overrides: Sequence[str] = ()) -> SAOConfig:
+    data = apply_overrides(data or {}, overrides)
+    preset = data.get("preset")
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"preset: unknown preset {preset!r}; known: {sorted(PRESETS)}")
+        # The preset sits between the defaults and the file: the file (and overrides) win.
+        data = _deep_merge(PRESETS[preset], data)
+    data = _merge_into_defaults(SAOConfig, data)
+    return validate(_from_dict(SAOConfig, data))
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> SAOConfig:
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: invalid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: top level must be a mapping")
+    return config_from_dict(data, overrides)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: SAOConfig, path: str | Path) -> None:
+    """Write the resolved config (the run's snapshot) atomically."""
+    p = Path(path)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(p)

@@ -1,0 +1,168 @@
+"""Run Megatron-Core on a CPU-only torch build (gloo), applied only when CUDA is absent.
+
+Megatron-Core assumes CUDA in a handful of places that have nothing to do with the math. Each patch
+below names the call it fixes, so that the engineer who upgrades megatron-core can drop the ones that
+are no longer needed. On a machine with CUDA `ensure_cpu_compat()` does nothing at all.
+
+Patches (measured on megatron-core 0.16.1 and 0.19.2, torch 2.13 CPU; see
+shared/reference/feasibility/megatron_cpu for the failures they fix):
+1. torch.cuda.current_device() -> cpu: RotaryEmbedding moves inv_freq to the current CUDA device.
+2. A TorchFunctionMode that maps device="cuda" (factories, .to, .cuda) to cpu: pipeline schedules,
+   DDP buffers and optimizer code hard-code device="cuda".
+3. torch.cuda Stream/Event/synchronize stubs: DDP grad sync, p2p communication, MoE dispatchers.
+4. Tensor.type() reports "torch.cuda.*" names for CPU tensors: the distributed optimizer and grad
+   clipping assert parameters are CUDA tensors by type name.
+5. moe_utils.te_general_gemm = None: 0.16.1 leaves the name undefined without TransformerEngine, so
+   every MoE router forward raises NameError.
+6. token_dispatcher.maybe_move_tensor_to_cpu: CPU split sizes must become numpy for all_to_all.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_LOCK = threading.Lock()
+_APPLIED: list[str] = []
+
+
+def applied_patches() -> list[str]:
+    """Names of the patches in force (empty on a CUDA machine)."""
+    return list(_APPLIED)
+
+
+def _is_cuda(dev) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, *a, **k):
+        return _NullEvent()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+class _NullEvent:
+    def __init__(self, *a, **k):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+_MODE: _CudaToCpuMode | None = None
+
+
+def _patch_torch_cuda() -> None:
+    global _MODE
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    _APPLIED.append("torch.cuda.current_device -> cpu")
+
+    # The mode is entered on the importing thread and stays for the life of the process: every
+    # Megatron call that builds a tensor on "cuda" must land on the CPU, including inside autograd.
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()
+    _APPLIED.append("TorchFunctionMode device='cuda' -> cpu")
+
+    torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullEvent
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()
+    torch.cuda.default_stream = lambda *a, **k: _NullStream()
+    torch.cuda.stream = lambda s=None: _NullStream()
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda: None
+    _APPLIED.append("torch.cuda stream/event/synchronize stubs")
+
+    original_type = torch.Tensor.type
+
+    def _type(self, *args, **kwargs):
+        if not args and not kwargs:
+            name = original_type(self)
+            if self.device.type == "cpu" and name.startswith("torch.") and not name.startswith("torch.cuda."):
+                return "torch.cuda." + name[len("torch."):]
+            return name
+        return original_type(self, *args, **kwargs)
+
+    torch.Tensor.type = _type
+    _APPLIED.append("Tensor.type() -> torch.cuda.* names for CPU tensors")
+
+
+def _patch_megatron() -> None:
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        _APPLIED.append("moe_utils.te_general_gemm = None")
+
+    original_move = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy() if as_numpy else tensor
+        return original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    _APPLIED.append("token_dispatcher.maybe_move_tensor_to_cpu: CPU tensors stay on CPU")
+
+
+def ensure_cpu_compat() -> bool:
+    """Apply every patch once if CUDA is absent. Returns True when the CPU path is active.
+
+    Call it before importing/building any Megatron model. Idempotent and thread-safe.
+    """
+    if torch.cuda.is_available():
+        return False
+    with _LOCK:
+        if not _APPLIED:
+            _patch_torch_cuda()
+            _patch_megatron()
+    return True

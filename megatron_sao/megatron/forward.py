@@ -1,0 +1,195 @@
+"""Forward passes through Megatron's pipeline schedules: per-token log-probs, values, and losses.
+
+All model calls go through `get_forward_backward_func()`, so the same code runs with and without
+pipeline parallelism. The schedule calls `forward_step(data_iterator, model)` once per
+micro-batch; on the last pipeline stage it then calls the returned `loss_func(output_tensor)`.
+
+Loss scaling (how a global token-mean comes out exactly): the model config has
+`calculate_per_token_loss=True` and every loss_func returns a 3-tuple (loss, 1, metrics). With
+that flag Megatron (a) does not divide the loss by the number of micro-batches, and (b) builds the
+DDP grad buffers with gradient_scaling_factor = 1, i.e. gradients are SUMMED over DP ranks. The
+engine's finalize hook passes num_tokens=None, so nothing divides afterwards either. The user loss
+divides each micro-batch's token sum by the GLOBAL action-token count (`loss_denominator`), so
+the sum over micro-batches and DP ranks of those losses - and of their gradients - is exactly
+the token-mean over the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_sao.megatron.batching import Batch
+
+LossFn = Callable[[torch.Tensor, Batch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+_ONE = torch.ones((), dtype=torch.int)
+_WEIGHT = "__action_tokens__"  # per-micro-batch weight for mean-type metrics
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(tokens[:, t] | tokens[:, :t]) placed at position t ([b, s]); position 0 gets 0.
+
+    `logits` is [b, s, V/TP]: the vocab stays sharded; Megatron's vocab-parallel cross entropy
+    reduces max and sum-exp over the TP group, so no rank ever holds the full vocabulary.
+    """
+    from megatron.core import tensor_parallel
+
+    labels = torch.roll(tokens, shifts=-1, dims=1)  # labels[:, t] = tokens[:, t + 1]
+    # The last column has no next token: its (wrapped) label is computed and thrown away.
+    nll = tensor_parallel.vocab_parallel_cross_entropy(logits.float().contiguous(), labels)
+    zeros = torch.zeros_like(nll[:, :1])
+    return torch.cat([zeros, -nll[:, :-1]], dim=1)
+
+
+def model_inputs(mb: Batch, causal_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tokens = mb["tokens"]
+    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    return tokens, positions.contiguous(), causal_mask
+
+
+def head_output(role: str, output: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Actor: logits -> per-token log-probs [b, s]. Critic: values [b, s, 1] -> [b, s]."""
+    if role == "actor":
+        return token_logprobs(output, tokens)
+    if output.dim() != 3 or output.shape[-1] != 1 or output.shape[:2] != tokens.shape:
+        raise RuntimeError(f"critic model returned shape {tuple(output.shape)}, expected [b, s, 1] "
+                           f"with [b, s] = {list(tokens.shape)}")
+    return output.squeeze(-1).float()
+
+
+def run_schedule(
+    model_chunks: list,
+    micro_batches: list[Batch],
+    seq_length: int,
+    make_loss_func: Callable[[Batch], Callable],
+    causal_mask: torch.Tensor,
+    *,
+    forward_only: bool,
+) -> list:
+    """One pass of Megatron's forward(-backward) schedule over `micro_batches`.
+
+    Returns the per-micro-batch metric dicts (non-empty on the last pipeline stage only).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator: Iterator[Batch], model):
+        mb = next(data_iterator)
+        tokens, positions, mask = model_inputs(mb, causal_mask)
+        return model(tokens, positions, mask), make_loss_func(mb)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=model_chunks,
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batches[0]["tokens"].shape[0],
+        forward_only=forward_only,
+    )
+
+
+def forward_outputs(
+    role: str, model_chunks: list, micro_batches: list[Batch], seq_length: int, causal_mask: torch.Tensor,
+) -> list[torch.Tensor]:
+    """Per-micro-batch [b, s] outputs (log-probs or values), forward only; [] off the last stage."""
+
+    def make_loss_func(mb: Batch):
+        def loss_func(output: torch.Tensor):
+            out = head_output(role, output, mb["tokens"]).detach()
+            return torch.zeros((), dtype=torch.float32), _ONE, {"out": out}
+
+        return loss_func
+
+    with torch.no_grad():
+        store = run_schedule(model_chunks, micro_batches, seq_length, make_loss_func, causal_mask, forward_only=True)
+    return [d["out"] for d in store]
+
+
+def gather_to_all(local_rows: torch.Tensor | None, shape: tuple[int, int], ctx) -> torch.Tensor:
+    """Assemble the full [rows, cols] output on every rank.
+
+    The last pipeline stage holds this DP rank's rows (identical across its TP ranks): all-gather
+    them over DP, then broadcast over the pipeline group from the last stage.
+    """
+    rows, cols = shape
+    per_rank = rows // ctx.dp
+    full = torch.empty((rows, cols), dtype=torch.float32, device=ctx.device)
+    if ctx.is_last_stage:
+        assert local_rows is not None and local_rows.shape == (per_rank, cols), (None if local_rows is None else local_rows.shape)
+        if ctx.dp > 1:
+            dist.all_gather_into_tensor(full, local_rows.contiguous().to(full.device), group=ctx.dp_group)
+        else:
+            full.copy_(local_rows)
+    if ctx.pp > 1:
+        dist.broadcast(full, src=ctx.last_stage_rank, group=ctx.pp_group)
+    return full
+
+
+def make_train_loss_func(role: str, loss_fn: LossFn, denominator: torch.Tensor):
+    """Wrap a user loss `loss_fn(output [b,s], micro_batch, denominator) -> (loss, metrics)`."""
+
+    def make_loss_func(mb: Batch):
+        def loss_func(output: torch.Tensor):
+            out = head_output(role, output, mb["tokens"])
+            result = loss_fn(out, mb, denominator)
+            if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
+                raise TypeError("loss_fn must return (loss: 0-dim tensor, metrics: dict[str, 0-dim tensor])")
+            loss, metrics = result
+            if not torch.is_tensor(loss) or loss.dim() != 0:
+                raise TypeError(f"loss_fn returned a loss of shape {getattr(loss, 'shape', type(loss))}; need a 0-dim tensor")
+            reported = {"loss": loss.detach().float(), _WEIGHT: mb["action_mask"].float().sum()}
+            for k, v in metrics.items():
+                reported[k] = (v.detach() if torch.is_tensor(v) else torch.tensor(v)).float().reshape(())
+            return loss, _ONE, reported
+
+        return loss_func
+
+    return make_loss_func
+
+
+def _reduction(key: str) -> str:
+    if key.endswith("_max"):
+        return "max"
+    if key.endswith("_min"):
+        return "min"
+    if key == "loss" or key.endswith("_count") or key.endswith("_sum"):
+        return "sum"
+    return "mean"
+
+
+def reduce_step_metrics(store: list[dict[str, torch.Tensor]], ctx) -> dict[str, float]:
+    """Combine per-micro-batch metrics over micro-batches and DP ranks; every rank gets the dict.
+
+    Rules by key: `loss`, `*_count`, `*_sum` are summed (the loss is already divided by the global
+    denominator, so its sum is the global token-mean); `*_max` / `*_min` take max / min; any other
+    key is a per-micro-batch mean over action tokens and is averaged with weights = that
+    micro-batch's action-token count (exact for means and fractions over action tokens).
+    """
+    payload: list = [None]
+    if ctx.is_last_stage:
+        keys = sorted(k for k in store[0] if k != _WEIGHT) if store else []
+        weights = torch.stack([d[_WEIGHT] for d in store]).double() if store else torch.zeros(0)
+        out = {}
+        for k in keys:
+            vals = torch.stack([d[k] for d in store]).double()
+            rule = _reduction(k)
+            if rule == "max":
+                v, op = vals.max().reshape(1), dist.ReduceOp.MAX
+            elif rule == "min":
+                v, op = vals.min().reshape(1), dist.ReduceOp.MIN
+            elif rule == "sum":
+                v, op = vals.sum().reshape(1), dist.ReduceOp.SUM
+            else:  # weighted mean: reduce (sum w*x, sum w) and divide at the end
+                # Micro-batches without action tokens (weight 0) may report NaN means: drop them.
+                x = torch.where(weights > 0, vals, torch.zeros_like(vals))
+                v = torch.stack([(x * weights).sum(), weights.sum()])
+                op = dist.ReduceOp.SUM
+            if ctx.dp > 1:
+                dist.all_reduce(v, op=op, group=ctx.dp_group)
+            out[k] = float(v[0] / v[1]) if rule == "mean" and v[1] > 0 else (float("nan") if rule == "mean" else float(v[0]))
+        payload = [out]
+    if ctx.pp > 1:
+        dist.broadcast_object_list(payload, src=ctx.last_stage_rank, group=ctx.pp_group)
+    return payload[0]

@@ -1,0 +1,204 @@
+"""torch.distributed + Megatron-Core parallel state, behind one small `ParallelContext`.
+
+`init_parallel(sizes)` is the only place that creates process groups. It reads the launcher's
+environment (torchrun: RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*; srun: SLURM_PROCID/SLURM_NTASKS/
+SLURM_LOCALID), falls back to a single local process, picks nccl with CUDA and gloo without, and
+then builds Megatron's TP/PP/EP/DP groups. The expert-tensor-parallel size comes from
+`ParallelSizes.expert_tp` (set `etp=1` to keep experts whole on each EP rank; TP=2+EP=2 on two
+ranks needs it), so the sharding code and the process groups read the same number.
+
+Every collective made through these groups inherits the process-group timeout, so a rank that dies
+or hangs turns into an error on the others instead of a silent hang (weight sync relies on that).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launcher_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun or srun; (0, 1, 0) for a plain `python`."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
+        rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+        if world > 1 and "MASTER_ADDR" not in os.environ:
+            raise RuntimeError(
+                "srun launch without MASTER_ADDR/MASTER_PORT: export them in the sbatch script "
+                "(e.g. MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1))"
+            )
+        return rank, world, int(os.environ.get("SLURM_LOCALID", 0))
+    return 0, 1, 0
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Ranks and sizes of this process in the Megatron world (groups are fetched on demand).
+
+    Megatron's parallel_state is process-global, so the groups themselves are properties that read
+    it rather than copies that could go stale after `destroy_parallel()`.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    ep_rank: int
+    dp_rank: int
+    sequence_parallel: bool
+    backend: str
+    device: torch.device
+    timeout_s: float
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_group()
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_group()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group()
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_expert_model_parallel_group()
+
+    @property
+    def last_stage_rank(self) -> int:
+        """Global rank of the last pipeline stage in this rank's pipeline (same TP/DP coordinates)."""
+        return dist.get_global_rank(self.pp_group, self.pp - 1)
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank}/{self.world_size} tp {self.tp_rank}/{self.tp} pp {self.pp_rank}/{self.pp} "
+            f"ep {self.ep_rank}/{self.ep} dp {self.dp_rank}/{self.dp} sp={self.sequence_parallel} "
+            f"backend={self.backend}"
+        )
+
+
+def _validate_sizes(tp: int, pp: int, ep: int, etp: int, sequence_parallel: bool, world: int) -> None:
+    for name, v in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"ParallelSizes.{name} must be a positive int, got {v!r}")
+    if world % (tp * pp) != 0:
+        raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
+    dp = world // (tp * pp)
+    if (dp * tp) % (ep * etp) != 0:
+        # Megatron lays the expert grid (etp x ep) over the dp*tp ranks of one pipeline stage.
+        raise ValueError(f"etp*ep = {etp}*{ep} must divide dp*tp = {dp}*{tp} (world {world}, pp {pp})")
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel=True needs tp > 1")
+
+
+def init_parallel(sizes, *, seed: int = 1234, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelContext:
+    """Initialise torch.distributed (if needed) and Megatron parallel state for `sizes`.
+
+    Args:
+        sizes: a `ParallelSizes` (tp, pp, ep, sequence_parallel, expert_tp).
+        seed: base seed for Megatron's model-parallel RNG tracker and torch's default generator.
+        timeout_s: process-group timeout applied to every collective.
+    """
+    ensure_cpu_compat()
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    tp, pp, ep, sp = int(sizes.tp), int(sizes.pp), int(sizes.ep), bool(sizes.sequence_parallel)
+    etp = int(getattr(sizes, "expert_tp", tp))
+    rank, world, local_rank = _launcher_env()
+    _validate_sizes(tp, pp, ep, etp, sp, world)
+    use_cuda = torch.cuda.is_available()
+    backend = "nccl" if use_cuda else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            if world > 1:
+                raise RuntimeError("MASTER_PORT is not set for a multi-process launch")
+            os.environ["MASTER_PORT"] = str(_free_port())
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
+    elif dist.get_world_size() != world:
+        raise RuntimeError(f"torch.distributed already initialised with world size {dist.get_world_size()}, env says {world}")
+    if ps.model_parallel_is_initialized():
+        raise RuntimeError("Megatron parallel state is already initialised: call destroy_parallel() first")
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        distributed_timeout_minutes=max(1, int(round(timeout_s / 60.0))),
+    )
+    # The inference tracker avoids torch.cuda RNG state calls (absent on CPU); dropout is 0 in
+    # every config this project builds, so no TP-region randomness is lost.
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not use_cuda)
+    torch.manual_seed(seed)
+    return ParallelContext(
+        rank=dist.get_rank(),
+        world_size=world,
+        local_rank=local_rank,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        etp=etp,
+        dp=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        sequence_parallel=sp,
+        backend=backend,
+        device=torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"),
+        timeout_s=timeout_s,
+    )
+
+
+def destroy_parallel(*, destroy_process_group: bool = True) -> None:
+    """Tear down Megatron parallel state (and the default process group unless told not to)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if destroy_process_group and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,125 @@
+"""Freeze parameters by name pattern (SAO's critic keeps its attention frozen during RL).
+
+Patterns are matched against *canonical* parameter names (see
+`megatron_sao.checkpoint.names.canonical_name`), so one preset works for the local and the TE
+layer spec. A pattern is an fnmatch glob, or a regular expression when prefixed with "re:".
+
+Decision on the critic preset: SAO freezes "attention parameters" and trains the MoE projections
+and the value head. We freeze q/k/v/o and the q/k norms, and also the input layernorm: it only
+feeds attention, and with the TE spec it is physically part of `linear_qkv` (layer_norm_weight),
+so freezing it keeps both specs identical. The router, experts, pre-MLP norm, embeddings, final
+norm and value head stay trainable.
+
+Pipeline parallel: a pattern may match nothing on one stage (e.g. "decoder.final_layernorm.*"
+on the first stage). Pass `allow_empty_on_this_rank=True` there and check globally with
+`check_patterns_matched_globally`, which all-reduces the per-pattern match counts.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from megatron_sao.checkpoint.names import canonical_name
+
+logger = logging.getLogger(__name__)
+
+CRITIC_FROZEN_ATTENTION: tuple[str, ...] = (
+    "decoder.layers.*.input_layernorm.weight",
+    "decoder.layers.*.self_attention.linear_qkv.weight",
+    "decoder.layers.*.self_attention.linear_proj.weight",
+    "decoder.layers.*.self_attention.q_layernorm.weight",
+    "decoder.layers.*.self_attention.k_layernorm.weight",
+)
+
+
+@dataclass
+class FreezeReport:
+    """What `apply_freeze` did on this rank."""
+
+    trainable_names: list[str] = field(default_factory=list)
+    frozen_names: list[str] = field(default_factory=list)
+    trainable_params: int = 0
+    frozen_params: int = 0
+    matches_per_pattern: dict[str, int] = field(default_factory=dict)
+
+    def log_line(self) -> str:
+        total = self.trainable_params + self.frozen_params
+        return (f"params: {self.trainable_params:,} trainable, {self.frozen_params:,} frozen "
+                f"({len(self.frozen_names)} tensors frozen, {total:,} total on this rank)")
+
+
+def _compile(pattern: str):
+    if pattern.startswith("re:"):
+        rx = re.compile(pattern[3:])
+        return lambda name: rx.search(name) is not None
+    return lambda name: fnmatch.fnmatchcase(name, pattern)
+
+
+def _named_parameters(model_chunks) -> Iterable[tuple[str, torch.nn.Parameter]]:
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            yield canonical_name(name), param
+
+
+def apply_freeze(model_chunks, patterns: Sequence[str], *, allow_empty_on_this_rank: bool = False) -> FreezeReport:
+    """Set requires_grad=False on every parameter whose canonical name matches a pattern.
+
+    Call before building DDP/the optimizer (Megatron's DDP only allocates grad buffers for
+    parameters that require grad). Raises ValueError naming any pattern that matches nothing,
+    unless `allow_empty_on_this_rank` (then verify with `check_patterns_matched_globally`).
+    Names are the local (per-rank) layer indices, so globs like "decoder.layers.*" are
+    layer-agnostic; select specific global layers only via regexes on canonical names.
+    """
+    if isinstance(patterns, str):
+        raise TypeError("patterns must be a sequence of strings, not a single string")
+    matchers = [(p, _compile(p)) for p in patterns]
+    report = FreezeReport(matches_per_pattern={p: 0 for p in patterns})
+    for name, param in _named_parameters(model_chunks):
+        hit = False
+        for pattern, match in matchers:
+            if match(name):
+                report.matches_per_pattern[pattern] += 1
+                hit = True
+        if hit:
+            param.requires_grad_(False)
+        if param.requires_grad:
+            report.trainable_names.append(name)
+            report.trainable_params += param.numel()
+        else:
+            report.frozen_names.append(name)
+            report.frozen_params += param.numel()
+    empty = [p for p, n in report.matches_per_pattern.items() if n == 0]
+    if empty and not allow_empty_on_this_rank:
+        raise ValueError(f"freeze pattern(s) matched no parameter: {empty}")
+    logger.info("freeze: %s", report.log_line())
+    return report
+
+
+def check_patterns_matched_globally(report: FreezeReport, group=None) -> None:
+    """All-reduce per-pattern match counts; raise if a pattern matched nothing on every rank."""
+    patterns = list(report.matches_per_pattern)
+    counts = torch.tensor([report.matches_per_pattern[p] for p in patterns], dtype=torch.long)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(counts, group=group)
+    empty = [p for p, c in zip(patterns, counts.tolist()) if c == 0]
+    if empty:
+        raise ValueError(f"freeze pattern(s) matched no parameter on any rank: {empty}")
+
+
+def log_param_counts(model_chunks, role: str = "model") -> tuple[int, int]:
+    """Log and return (trainable, frozen) parameter counts on this rank."""
+    trainable = frozen = 0
+    for _, param in _named_parameters(model_chunks):
+        if param.requires_grad:
+            trainable += param.numel()
+        else:
+            frozen += param.numel()
+    logger.info("%s params on this rank: %s trainable, %s frozen", role, f"{trainable:,}", f"{frozen:,}")
+    return trainable, frozen

@@ -1,0 +1,58 @@
+"""Which Megatron layer spec to build: TransformerEngine on CUDA, the local spec otherwise.
+
+The local spec is Megatron's pure-PyTorch implementation (DotProductAttention, ColumnParallel/
+RowParallelLinear, SequentialMLP experts). It is what runs on a CPU (no TE, no CUDA) and what the
+exact-logits tests check. Its only gap is normalisation: `WrappedTorchNorm` refuses sequence
+parallel, so every norm is swapped for `SPRMSNorm` (same math, same parameter name `weight`).
+
+Parameter names differ between the two specs (TE folds the input norm into linear_qkv and uses
+grouped-GEMM expert weights); `megatron_sao.checkpoint.names.canonical_name` maps both to one
+naming, so nothing else needs to know which spec was built.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_sao.models.norms import SPRMSNorm
+
+
+def transformer_engine_usable() -> bool:
+    """True when TransformerEngine is importable and a CUDA device exists."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def _with_sp_norms(layer_spec):
+    """A copy of one layer spec with every norm replaced by `SPRMSNorm`."""
+    layer_spec = copy.deepcopy(layer_spec)
+    sub = layer_spec.submodules
+    sub.input_layernorm = SPRMSNorm
+    sub.pre_mlp_layernorm = SPRMSNorm
+    attn_sub = sub.self_attention.submodules
+    if getattr(attn_sub, "q_layernorm", None) is not None:
+        attn_sub.q_layernorm = SPRMSNorm
+    if getattr(attn_sub, "k_layernorm", None) is not None:
+        attn_sub.k_layernorm = SPRMSNorm
+    return layer_spec
+
+
+def decoder_block_spec(config: TransformerConfig, *, use_te: bool, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """Block spec (the layers of this pipeline stage + final norm) for a GPT decoder."""
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
+                                       vp_stage=vp_stage)
+    if use_te:
+        return block
+    # get_gpt_decoder_block_spec repeats one spec object per layer: convert each distinct one once.
+    converted: dict[int, object] = {}
+    layers = []
+    for spec in block.layer_specs:
+        if id(spec) not in converted:
+            converted[id(spec)] = _with_sp_norms(spec)
+        layers.append(converted[id(spec)])
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SPRMSNorm)

@@ -1,0 +1,334 @@
+"""A small torch rollout engine: continuous batching over a transformers causal LM, on one worker thread.
+
+Why it exists: tests, CPU demos and a reference for the log-prob semantics every backend must match.
+It is not meant to be fast on large models (vLLM is).
+
+Design. One dedicated thread owns the model; the asyncio side only enqueues work and awaits futures,
+so the event loop stays responsive. The thread loops: run queued commands (weight update, pause,
+abort), admit pending requests up to ``max_batch_size`` (each is prefilled alone, no padding), then do
+one decode step for every active request together: per-request KV caches are left-padded into one
+batch cache with an attention mask and explicit position ids, so padding never changes a result.
+Commands run *between* steps, which is what makes pause/update/resume atomic with respect to decoding.
+
+Versions: every token records the version of the weights whose forward produced the logits it was
+sampled from. With ``inflight_policy="keep"`` a request admitted before an update keeps its KV cache
+(computed by the old weights, as in vLLM's pause(mode="keep")) and continues under the new version.
+With ``"abort"`` the update first ends all active requests with ``finish_reason="abort"`` and their
+partial tokens; requests still waiting for admission simply run under the new weights.
+
+A model that is not a transformers model (e.g. a wrapped Megatron module) can be used with
+``use_kv_cache=False``: it is called as ``model(input_ids[1, T])`` and must return logits [1, T, V]
+(or an object with ``.logits``); each step recomputes the whole sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from megatron_sao.rollout.engine import EngineConfig, GenerationResult, InflightPolicy, SamplingParams, WeightBucket
+from megatron_sao.rollout.hf_weights import WeightTargets, apply_update, plan_update
+from megatron_sao.rollout.sampling import sample_token
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    generator: torch.Generator
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer [1, H, L, D]
+    next_logits: torch.Tensor | None = None  # [V], logits for the next token
+    logits_version: int = 0  # weights version that produced next_logits
+    cancelled: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.token_ids)
+
+
+def _logits_of(out: object) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.logits  # type: ignore[attr-defined]
+
+
+class HFEngine:
+    """``RolloutEngine`` over any causal LM ``nn.Module``; see the module docstring for semantics."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_model_len: int,
+        inflight_policy: InflightPolicy = "keep",
+        max_batch_size: int = 8,
+        eos_token_ids: Iterable[int] = (),
+        use_kv_cache: bool | None = None,
+        seed: int = 0,
+        name: str = "hf",
+    ) -> None:
+        if inflight_policy not in ("keep", "abort"):
+            raise ValueError(f"HFEngine inflight_policy must be 'keep' or 'abort', got {inflight_policy!r}")
+        self.model = model.eval()
+        self.name = name
+        self.version = 0
+        self.max_model_len = max_model_len
+        self.inflight_policy: InflightPolicy = inflight_policy
+        self.max_batch_size = max_batch_size
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        if use_kv_cache is None:
+            from transformers import PreTrainedModel
+
+            use_kv_cache = isinstance(model, PreTrainedModel)
+        self.use_kv_cache = use_kv_cache
+        self._targets = WeightTargets(model)
+        self._rng = random.Random(seed)
+        self._cond = threading.Condition()
+        self._pending: deque[_Request] = deque()
+        self._active: list[_Request] = []
+        self._commands: deque[tuple[Callable[[], object], asyncio.Future, asyncio.AbstractEventLoop]] = deque()
+        self._paused = False
+        self._closed = False
+        self.last_update_bytes = 0
+        self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, cfg: EngineConfig) -> "HFEngine":
+        """Load ``cfg.model_path`` with transformers (eager-free sdpa attention, ``cfg.dtype``)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        hf_cfg = AutoConfig.from_pretrained(cfg.model_path)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=cfg.torch_dtype).to(cfg.device)
+        eos = hf_cfg.eos_token_id
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            model,
+            max_model_len=cfg.max_model_len,
+            inflight_policy=cfg.inflight_policy,
+            max_batch_size=cfg.max_batch_size,
+            eos_token_ids=eos_ids,
+            seed=cfg.seed,
+            name=f"hf:{cfg.model_path}",
+        )
+
+    # ------------------------------------------------------------------ async API (event loop side)
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
+        if not prompt_ids:
+            raise ValueError(f"{self.name}: generate got an empty prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"{self.name}: prompt has {len(prompt_ids)} tokens, max_model_len is {self.max_model_len}")
+        loop = asyncio.get_running_loop()
+        seed = sampling.seed if sampling.seed is not None else self._rng.randrange(2**63)
+        req = _Request(list(prompt_ids), sampling, loop.create_future(), loop, torch.Generator().manual_seed(seed))
+        with self._cond:
+            self._check_open()
+            self._pending.append(req)
+            self._cond.notify()
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            req.cancelled = True  # the worker drops it at the next step
+            raise
+
+    async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """Validate the whole update here, then apply it on the worker thread between two steps."""
+        plan = plan_update(self._targets, buckets, owner=self.name)  # raises before anything changes
+
+        def _apply() -> None:
+            if self.inflight_policy == "abort":
+                self._finish_all_active("abort")
+            self.last_update_bytes = apply_update(plan)
+            self.version = version
+
+        await self._command(_apply)
+
+    async def pause(self) -> None:
+        """Stop decoding after the current step; requests stay in flight (KV kept) until resume."""
+        await self._command(lambda: setattr(self, "_paused", True))
+
+    async def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify()
+
+    async def abort_all(self) -> None:
+        """End every active request now with finish_reason "abort" and its partial tokens."""
+        await self._command(lambda: self._finish_all_active("abort"))
+
+    async def health(self) -> bool:
+        return self._thread.is_alive() and not self._closed
+
+    async def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        await asyncio.to_thread(self._thread.join, 30.0)
+        for req in list(self._pending) + self._active:
+            self._resolve(req, exc=RuntimeError(f"{self.name}: engine closed"))
+        self._pending.clear()
+        self._active.clear()
+
+    async def logprobs(self, token_ids: list[int], start: int) -> list[float]:
+        """Log-probs (T=1) of ``token_ids[start:]`` under the current weights, for weight-sync checks."""
+
+        def _score() -> list[float]:
+            with torch.no_grad():
+                logits = _logits_of(self.model(torch.tensor([token_ids])))[0].float()
+            lp = torch.log_softmax(logits[start - 1 : -1], dim=-1)
+            return lp.gather(-1, torch.tensor(token_ids[start:])[:, None])[:, 0].tolist()
+
+        return await self._command(_score)
+
+    # ------------------------------------------------------------------ worker thread
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.name}: engine is closed")
+
+    async def _command(self, fn: Callable[[], object]) -> object:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cond:
+            self._check_open()
+            self._commands.append((fn, fut, loop))
+            self._cond.notify()
+        return await fut
+
+    def _resolve(self, req: _Request, result: GenerationResult | None = None, exc: BaseException | None = None) -> None:
+        def _set() -> None:
+            if req.future.done():
+                return
+            if exc is not None:
+                req.future.set_exception(exc)
+            else:
+                req.future.set_result(result)
+
+        try:
+            req.loop.call_soon_threadsafe(_set)
+        except RuntimeError:  # the caller's loop is gone; nobody is waiting
+            pass
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        req.kv = req.next_logits = None
+        self._resolve(req, GenerationResult(req.token_ids, req.logprobs, req.versions, reason))
+
+    def _finish_all_active(self, reason: str) -> None:
+        for req in self._active:
+            self._finish(req, reason)
+        self._active = []
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._commands and (
+                    self._paused or (not self._pending and not self._active)
+                ):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                commands = list(self._commands)
+                self._commands.clear()
+                admitted: list[_Request] = []
+                if not self._paused:
+                    while self._pending and len(self._active) + len(admitted) < self.max_batch_size:
+                        admitted.append(self._pending.popleft())
+            for fn, fut, loop in commands:
+                try:
+                    res, err = fn(), None
+                except Exception as e:  # reported to the caller of the command
+                    res, err = None, e
+                loop.call_soon_threadsafe(
+                    lambda f=fut, r=res, e=err: None if f.done() else (f.set_exception(e) if e else f.set_result(r))
+                )
+            if self._paused:
+                continue
+            batch = [r for r in self._active + admitted if not r.cancelled]
+            try:
+                for req in admitted:
+                    if not req.cancelled:
+                        self._prefill(req)
+                self._active = self._step(batch)
+            except Exception as e:  # a failed forward fails the requests it touched, not the engine
+                for req in batch:
+                    self._resolve(req, exc=RuntimeError(f"{self.name}: generation failed: {e!r}"))
+                self._active = []
+
+    @torch.no_grad()
+    def _prefill(self, req: _Request) -> None:
+        ids = torch.tensor([req.prompt_ids])
+        if self.use_kv_cache:
+            out = self.model(input_ids=ids, use_cache=True)
+            req.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        else:
+            out = self.model(ids)
+        req.next_logits = _logits_of(out)[0, -1]
+        req.logits_version = self.version
+
+    @torch.no_grad()
+    def _step(self, batch: list[_Request]) -> list[_Request]:
+        """Sample one token for each request, finish the done ones, run one forward for the rest."""
+        running: list[_Request] = []
+        for req in batch:
+            token, logprob = sample_token(req.next_logits, req.sampling, req.generator)
+            req.token_ids.append(token)
+            req.logprobs.append(logprob)
+            req.versions.append(req.logits_version)
+            if token in req.sampling.stop_token_ids or token in self.eos_token_ids:
+                self._finish(req, "stop")
+            elif len(req.token_ids) >= req.sampling.max_new_tokens or req.seq_len >= self.max_model_len:
+                self._finish(req, "length")
+            else:
+                running.append(req)
+        if running:
+            if self.use_kv_cache:
+                self._decode_batched(running)
+            else:
+                for req in running:
+                    req.next_logits = _logits_of(self.model(torch.tensor([req.prompt_ids + req.token_ids])))[0, -1]
+                    req.logits_version = self.version
+        return running
+
+    def _decode_batched(self, reqs: list[_Request]) -> None:
+        """One decode step for all ``reqs``: left-pad their caches into one batch, then split back."""
+        from transformers import DynamicCache
+
+        lens = [r.seq_len - 1 for r in reqs]  # cached tokens; the newest token is the input
+        width = max(lens)
+        n_layers = len(reqs[0].kv)
+        layers = []
+        for i in range(n_layers):
+            ks, vs = [], []
+            for r, n in zip(reqs, lens):
+                k, v = r.kv[i]
+                pad = width - n
+                ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)) if pad else k)
+                vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)) if pad else v)
+            layers.append((torch.cat(ks), torch.cat(vs)))
+        mask = torch.zeros(len(reqs), width + 1, dtype=torch.long)
+        for b, n in enumerate(lens):
+            mask[b, width - n :] = 1
+        out = self.model(
+            input_ids=torch.tensor([[r.token_ids[-1]] for r in reqs]),
+            attention_mask=mask,
+            position_ids=torch.tensor([[n] for n in lens]),
+            past_key_values=DynamicCache(layers),
+            use_cache=True,
+        )
+        logits = _logits_of(out)[:, -1]
+        new_layers = out.past_key_values.layers
+        for b, (r, n) in enumerate(zip(reqs, lens)):
+            start = width - n
+            r.kv = [(layer.keys[b : b + 1, :, start:], layer.values[b : b + 1, :, start:]) for layer in new_layers]
+            r.next_logits = logits[b]
+            r.logits_version = self.version
+

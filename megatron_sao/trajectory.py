@@ -1,0 +1,433 @@
+"""The Trajectory: the one contract between rollout and training.
+
+One prompt gives one trajectory (single rollout). It holds the token ids in order (prompt, actions,
+observations), which of them the policy sampled, the log-prob and policy version recorded by the
+rollout engine for each sampled token, the turn spans, and one scalar reward that training places on
+the last action token. Nothing on the training side knows which engine or environment produced it.
+
+Invariants (checked by `Trajectory.validate`, which the constructor calls):
+- tokens, action_mask, rollout_logprobs and versions have the same length T >= 1;
+- rollout_logprobs == 0 and versions == -1 exactly where action_mask is False (an observation token
+  never carries a log-prob: it was not sampled);
+- rollout_logprobs <= 0 and finite, versions >= 0 on action tokens;
+- the turn spans tile [0, T) in order, and a span is "action" exactly where the mask is True;
+- a terminated or truncated trajectory has at least one action token (its reward needs a home);
+- status "truncated" needs `bootstrap` ("critic" = the trainer bootstraps from the critic's value of
+  the final state, or a float given by the producer); other statuses must not set it;
+- a "failed" trajectory has reward 0 and an `error`; the trainer excludes it from training and counts it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal, Sequence
+
+import torch
+
+Status = Literal["terminated", "truncated", "failed"]
+SpanKind = Literal["prompt", "action", "observation"]
+STATUSES: tuple[str, ...] = ("terminated", "truncated", "failed")
+SPAN_KINDS: tuple[str, ...] = ("prompt", "action", "observation")
+FORMAT_VERSION = 1
+
+
+class TrajectoryError(ValueError):
+    """A trajectory that breaks the contract. The message names the field and the trajectory."""
+
+
+@dataclass(frozen=True)
+class Span:
+    start: int
+    end: int  # exclusive
+    kind: str  # one of SPAN_KINDS
+
+
+@dataclass(eq=False)
+class Trajectory:
+    tokens: torch.Tensor  # int64 [T]
+    action_mask: torch.Tensor  # bool [T]
+    rollout_logprobs: torch.Tensor  # float32 [T], 0 off the action mask
+    versions: torch.Tensor  # int64 [T], -1 off the action mask
+    spans: list[Span]
+    reward: float
+    status: str
+    bootstrap: float | str | None = None  # truncated only: "critic" or a value
+    prompt_id: str = ""
+    env: str = ""
+    traj_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    error: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.tokens = torch.as_tensor(self.tokens, dtype=torch.int64).reshape(-1)
+        self.action_mask = torch.as_tensor(self.action_mask, dtype=torch.bool).reshape(-1)
+        self.rollout_logprobs = torch.as_tensor(self.rollout_logprobs, dtype=torch.float32).reshape(-1)
+        self.versions = torch.as_tensor(self.versions, dtype=torch.int64).reshape(-1)
+        self.spans = [s if isinstance(s, Span) else Span(*s) for s in self.spans]
+        self.reward = float(self.reward)
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def _fail(self, msg: str) -> None:
+        raise TrajectoryError(f"trajectory {self.traj_id} (prompt {self.prompt_id!r}): {msg}")
+
+    def validate(self) -> None:
+        T = self.tokens.numel()
+        if T == 0:
+            self._fail("tokens is empty")
+        for name in ("action_mask", "rollout_logprobs", "versions"):
+            n = getattr(self, name).numel()
+            if n != T:
+                self._fail(f"{name} has length {n}, tokens has length {T}")
+        if (self.tokens < 0).any():
+            self._fail("tokens contains negative ids")
+        off = ~self.action_mask
+        if (self.rollout_logprobs[off] != 0).any():
+            n = int((self.rollout_logprobs[off] != 0).sum())
+            self._fail(f"rollout_logprobs is nonzero on {n} non-action (observation/prompt) token(s)")
+        if (self.versions[off] != -1).any():
+            self._fail("versions must be -1 on non-action tokens")
+        on = self.action_mask
+        lp = self.rollout_logprobs[on]
+        if not torch.isfinite(lp).all() or (lp > 0).any():
+            self._fail("rollout_logprobs on action tokens must be finite and <= 0")
+        if (self.versions[on] < 0).any():
+            self._fail("versions on action tokens must be >= 0")
+        self._validate_spans(T)
+        if self.status not in STATUSES:
+            self._fail(f"status {self.status!r} is not one of {STATUSES}")
+        if not math.isfinite(self.reward):
+            self._fail(f"reward {self.reward} is not finite")
+        if self.status in ("terminated", "truncated") and not bool(on.any()):
+            self._fail(f"a {self.status} trajectory needs at least one action token to carry its reward")
+        if self.status == "truncated":
+            if self.bootstrap is None:
+                self._fail("a truncated trajectory needs a bootstrap ('critic' or a value)")
+            if isinstance(self.bootstrap, str) and self.bootstrap != "critic":
+                self._fail(f"bootstrap {self.bootstrap!r} must be 'critic' or a float")
+        elif self.bootstrap is not None:
+            self._fail(f"bootstrap is only allowed on truncated trajectories (status {self.status})")
+        if self.status == "failed":
+            if not self.error:
+                self._fail("a failed trajectory must record its error")
+            if self.reward != 0.0:
+                self._fail("a failed trajectory must have reward 0")
+
+    def _validate_spans(self, T: int) -> None:
+        if not self.spans:
+            self._fail("spans is empty")
+        pos = 0
+        for i, s in enumerate(self.spans):
+            if s.kind not in SPAN_KINDS:
+                self._fail(f"span {i} kind {s.kind!r} is not one of {SPAN_KINDS}")
+            if s.start != pos or s.end <= s.start:
+                self._fail(f"span {i} ({s.start}, {s.end}) does not continue at {pos}: spans must tile the tokens")
+            seg = self.action_mask[s.start:s.end]
+            if s.kind == "action" and not bool(seg.all()):
+                self._fail(f"span {i} is an action span but covers non-action tokens")
+            if s.kind != "action" and bool(seg.any()):
+                self._fail(f"span {i} is a {s.kind} span but covers action tokens")
+            pos = s.end
+        if pos != T:
+            self._fail(f"spans end at {pos}, tokens has length {T}")
+
+    # ------------------------------------------------------------------ views
+    @property
+    def length(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def num_action_tokens(self) -> int:
+        return int(self.action_mask.sum())
+
+    @property
+    def num_turns(self) -> int:
+        return sum(1 for s in self.spans if s.kind == "action")
+
+    @property
+    def last_action_index(self) -> int:
+        idx = torch.nonzero(self.action_mask).flatten()
+        return int(idx[-1]) if idx.numel() else -1
+
+    @property
+    def trainable(self) -> bool:
+        return self.status != "failed"
+
+    def min_version(self) -> int:
+        v = self.versions[self.action_mask]
+        return int(v.min()) if v.numel() else -1
+
+    def turn_ids(self) -> torch.Tensor:
+        """int64 [T]: index of the action turn for action tokens, -1 elsewhere (for step-level GAE)."""
+        out = torch.full((self.length,), -1, dtype=torch.int64)
+        turn = 0
+        for s in self.spans:
+            if s.kind == "action":
+                out[s.start:s.end] = turn
+                turn += 1
+        return out
+
+    # ------------------------------------------------------------------ metadata (JSON-safe)
+    def meta(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "traj_id": self.traj_id,
+            "prompt_id": self.prompt_id,
+            "env": self.env,
+            "reward": self.reward,
+            "status": self.status,
+            "bootstrap": self.bootstrap,
+            "error": self.error,
+            "spans": [[s.start, s.end, s.kind] for s in self.spans],
+            "timings": self.timings,
+            "info": self.info,
+        }
+
+
+class TrajectoryBuilder:
+    """Builds a trajectory by appending token ids, never by re-tokenizing text.
+
+    Sampled ids go in exactly as sampled (stop/EOS included, with its log-prob); observation text is
+    tokenized on its own by the caller (chat-template role markers included) and added as observation.
+    """
+
+    def __init__(self, prompt_id: str = "", env: str = "", traj_id: str | None = None):
+        self.prompt_id, self.env = prompt_id, env
+        self.traj_id = traj_id or uuid.uuid4().hex
+        self.tokens: list[int] = []
+        self.mask: list[bool] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.spans: list[Span] = []
+        self.timings: dict[str, float] = {}
+        self.info: dict[str, Any] = {}
+        self._t0 = time.time()
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(self.mask)
+
+    def _append(self, ids: Sequence[int], kind: str, logprobs=None, versions=None) -> None:
+        ids = [int(i) for i in ids]
+        if not ids:
+            return
+        start = len(self.tokens)
+        self.tokens += ids
+        is_action = kind == "action"
+        self.mask += [is_action] * len(ids)
+        self.logprobs += [float(x) for x in logprobs] if is_action else [0.0] * len(ids)
+        self.versions += [int(v) for v in versions] if is_action else [-1] * len(ids)
+        # Merge with the previous span of the same kind (e.g. two observation chunks in a row).
+        if self.spans and self.spans[-1].kind == kind:
+            self.spans[-1] = Span(self.spans[-1].start, start + len(ids), kind)
+        else:
+            self.spans.append(Span(start, start + len(ids), kind))
+
+    def add_prompt(self, ids: Sequence[int]) -> None:
+        self._append(ids, "prompt")
+
+    def add_observation(self, ids: Sequence[int]) -> None:
+        self._append(ids, "observation")
+
+    def add_action(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int] | int) -> None:
+        if isinstance(versions, int):
+            versions = [versions] * len(ids)
+        if not (len(ids) == len(logprobs) == len(versions)):
+            raise TrajectoryError(
+                f"trajectory {self.traj_id}: action has {len(ids)} ids, {len(logprobs)} logprobs, "
+                f"{len(versions)} versions")
+        self._append(ids, "action", logprobs, versions)
+
+    def finish(self, status: str, reward: float = 0.0, bootstrap: float | str | None = None,
+               error: str | None = None, info: dict | None = None) -> Trajectory:
+        self.timings.setdefault("rollout_s", time.time() - self._t0)
+        if status == "truncated" and bootstrap is None:
+            bootstrap = "critic"
+        return Trajectory(
+            tokens=torch.tensor(self.tokens, dtype=torch.int64),
+            action_mask=torch.tensor(self.mask, dtype=torch.bool),
+            rollout_logprobs=torch.tensor(self.logprobs, dtype=torch.float32),
+            versions=torch.tensor(self.versions, dtype=torch.int64),
+            spans=list(self.spans), reward=reward, status=status, bootstrap=bootstrap,
+            prompt_id=self.prompt_id, env=self.env, traj_id=self.traj_id, error=error,
+            timings=dict(self.timings), info={**self.info, **(info or {})})
+
+
+# ---------------------------------------------------------------------- collation
+
+
+@dataclass
+class TrajectoryBatch:
+    """A padded batch, [B, T] per-token tensors, right padded. Training works on this.
+
+    rewards holds each trajectory's reward on its last action token (0 elsewhere);
+    bootstrap_mask marks truncated rows whose final value comes from the critic (bootstrap_values
+    holds the given values, or 0 until the trainer fills them from the critic).
+    """
+
+    tokens: torch.Tensor  # int64 [B, T]
+    attention_mask: torch.Tensor  # bool [B, T] (real tokens)
+    action_mask: torch.Tensor  # bool [B, T]
+    rollout_logprobs: torch.Tensor  # float32 [B, T]
+    versions: torch.Tensor  # int64 [B, T]
+    rewards: torch.Tensor  # float32 [B, T]
+    turn_ids: torch.Tensor  # int64 [B, T]
+    lengths: torch.Tensor  # int64 [B]
+    bootstrap_values: torch.Tensor  # float32 [B]
+    bootstrap_from_critic: torch.Tensor  # bool [B]
+    traj_ids: list[str]
+    prompt_ids: list[str]
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
+
+
+def collate_padded(trajs: Sequence[Trajectory], pad_id: int = 0, pad_to_multiple: int = 1) -> TrajectoryBatch:
+    if not trajs:
+        raise ValueError("collate_padded: no trajectories")
+    failed = [t.traj_id for t in trajs if not t.trainable]
+    if failed:
+        raise ValueError(f"collate_padded: failed trajectories cannot be trained on: {failed}")
+    B = len(trajs)
+    T = max(t.length for t in trajs)
+    T = -(-T // pad_to_multiple) * pad_to_multiple
+    tokens = torch.full((B, T), pad_id, dtype=torch.int64)
+    attn = torch.zeros((B, T), dtype=torch.bool)
+    amask = torch.zeros((B, T), dtype=torch.bool)
+    lps = torch.zeros((B, T), dtype=torch.float32)
+    vers = torch.full((B, T), -1, dtype=torch.int64)
+    rew = torch.zeros((B, T), dtype=torch.float32)
+    turns = torch.full((B, T), -1, dtype=torch.int64)
+    boot = torch.zeros(B, dtype=torch.float32)
+    boot_critic = torch.zeros(B, dtype=torch.bool)
+    for i, t in enumerate(trajs):
+        n = t.length
+        tokens[i, :n] = t.tokens
+        attn[i, :n] = True
+        amask[i, :n] = t.action_mask
+        lps[i, :n] = t.rollout_logprobs
+        vers[i, :n] = t.versions
+        turns[i, :n] = t.turn_ids()
+        rew[i, t.last_action_index] = t.reward
+        if t.status == "truncated":
+            if t.bootstrap == "critic":
+                boot_critic[i] = True
+            else:
+                boot[i] = float(t.bootstrap)
+    return TrajectoryBatch(tokens, attn, amask, lps, vers, rew, turns,
+                           torch.tensor([t.length for t in trajs], dtype=torch.int64), boot, boot_critic,
+                           [t.traj_id for t in trajs], [t.prompt_id for t in trajs])
+
+
+@dataclass
+class PackedBatch:
+    """Trajectories concatenated into one row ([1, sum T]) with cu_seqlens, for THD/varlen kernels."""
+
+    tokens: torch.Tensor  # int64 [1, N]
+    position_ids: torch.Tensor  # int64 [1, N], restarting at 0 for each trajectory
+    cu_seqlens: torch.Tensor  # int32 [B+1]
+    action_mask: torch.Tensor  # bool [1, N]
+    rollout_logprobs: torch.Tensor  # float32 [1, N]
+    versions: torch.Tensor  # int64 [1, N]
+    rewards: torch.Tensor  # float32 [1, N]
+    traj_ids: list[str]
+
+
+def collate_packed(trajs: Sequence[Trajectory]) -> PackedBatch:
+    if not trajs:
+        raise ValueError("collate_packed: no trajectories")
+    padded = collate_padded(trajs)
+    keep = padded.attention_mask
+    lengths = padded.lengths
+    pos = torch.cat([torch.arange(int(n)) for n in lengths])
+    cu = torch.zeros(len(trajs) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
+    return PackedBatch(padded.tokens[keep][None], pos[None], cu, padded.action_mask[keep][None],
+                       padded.rollout_logprobs[keep][None], padded.versions[keep][None],
+                       padded.rewards[keep][None], padded.traj_ids)
+
+
+# ---------------------------------------------------------------------- on-disk format
+# One safetensors file holds any number of trajectories: the per-token tensors concatenated, an
+# offsets tensor, and the JSON metadata of each trajectory in the safetensors header. Lossless
+# (float32 log-probs stay bit-exact), memory-mappable, and written atomically (temp file + rename).
+
+
+def save_trajectories(path: str | os.PathLike, trajs: Sequence[Trajectory]) -> None:
+    from safetensors.torch import save_file
+
+    trajs = list(trajs)
+    lengths = torch.tensor([t.length for t in trajs], dtype=torch.int64)
+    offsets = torch.zeros(len(trajs) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+
+    def cat(name, dtype):
+        return torch.cat([getattr(t, name) for t in trajs]).to(dtype) if trajs else torch.zeros(0, dtype=dtype)
+
+    tensors = {
+        "offsets": offsets,
+        "tokens": cat("tokens", torch.int64),
+        "action_mask": cat("action_mask", torch.uint8),
+        "rollout_logprobs": cat("rollout_logprobs", torch.float32),
+        "versions": cat("versions", torch.int64),
+    }
+    metadata = {"format": "megatron_sao.trajectories", "format_version": str(FORMAT_VERSION),
+                "meta": json.dumps([t.meta() for t in trajs])}
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_trajectories(path: str | os.PathLike) -> list[Trajectory]:
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata() or {}
+        if metadata.get("format") != "megatron_sao.trajectories":
+            raise ValueError(f"{path}: not a megatron_sao trajectory file (format={metadata.get('format')!r})")
+        if int(metadata.get("format_version", -1)) > FORMAT_VERSION:
+            raise ValueError(f"{path}: format version {metadata['format_version']} is newer than this code "
+                             f"({FORMAT_VERSION})")
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    metas = json.loads(metadata["meta"])
+    offsets = t["offsets"].tolist()
+    out = []
+    for i, m in enumerate(metas):
+        a, b = offsets[i], offsets[i + 1]
+        out.append(Trajectory(
+            tokens=t["tokens"][a:b], action_mask=t["action_mask"][a:b].bool(),
+            rollout_logprobs=t["rollout_logprobs"][a:b], versions=t["versions"][a:b],
+            spans=[Span(s, e, k) for s, e, k in m["spans"]], reward=m["reward"], status=m["status"],
+            bootstrap=m["bootstrap"], prompt_id=m["prompt_id"], env=m["env"], traj_id=m["traj_id"],
+            error=m["error"], timings=m["timings"], info=m["info"]))
+    return out
+
+
+def trajectories_equal(a: Trajectory, b: Trajectory) -> bool:
+    """Exact equality of every field (bit-exact tensors), for tests and resume checks."""
+    return (torch.equal(a.tokens, b.tokens) and torch.equal(a.action_mask, b.action_mask)
+            and torch.equal(a.rollout_logprobs.view(torch.int32), b.rollout_logprobs.view(torch.int32))
+            and torch.equal(a.versions, b.versions) and a.meta() == b.meta())
+
+
+def iter_action_segments(traj: Trajectory) -> Iterable[Span]:
+    return (s for s in traj.spans if s.kind == "action")

@@ -1,0 +1,61 @@
+"""Typed config: YAML + dotted overrides, presets, and errors that name the key."""
+
+import pytest
+
+from megatron_sao.config import ConfigError, dump_config, load_config
+
+
+def test_defaults_are_the_paper_settings():
+    cfg = load_config()
+    a = cfg.algorithm
+    assert (a.eps_low, a.eps_high, a.critic_steps, a.critic_warmup_steps) == (0.3, 5.0, 2, 10)
+    assert (a.policy_alpha, a.critic_lambda, a.gamma) == (1.5, 1.0, 1.0)
+    assert cfg.actor.optim.lr == 1e-6 and cfg.critic.optim.lr == 5e-6
+    assert cfg.critic.freeze == ["attention"]
+
+
+def test_presets_and_precedence(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("preset: coding\nalgorithm:\n  eps_high: 2.5\n")
+    cfg = load_config(p, ["algorithm.critic_steps=3", "rollout.server_urls=[http://a:8000]"])
+    assert cfg.algorithm.eps_low == 0.8  # from the preset
+    assert cfg.algorithm.eps_high == 2.5  # the file wins over the preset
+    assert cfg.algorithm.critic_steps == 3  # overrides win over the file
+    assert cfg.rollout.server_urls == ["http://a:8000"]
+    assert cfg.env.name == "coding"
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["algorithm.foo=1"], "algorithm.foo: unknown key"),
+    (["bogus=1"], "bogus: unknown key"),
+    (["algorithm.eps_low=1.5"], "algorithm.eps_low: must be in"),
+    (["algorithm.critic_steps=0"], "algorithm.critic_steps"),
+    (["algorithm.critic_steps=two"], "algorithm.critic_steps: expected an integer"),
+    (["rollout.backend=tgi"], "rollout.backend: 'tgi' is not one of"),
+    (["rollout.backend=vllm_server"], "rollout.server_urls"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel: needs parallel.tp > 1"),
+    (["algorithm.name=grpo", "buffer.batch_size=12", "algorithm.group_size=8"], "buffer.batch_size"),
+    (["algorithm.advantage=step_avg", "algorithm.name=running_mean"], "algorithm.advantage"),
+    (["preset=physics"], "preset: unknown preset"),
+    (["run.seed=1.5"], "run.seed: expected an integer"),
+    (["algorithm.eps_low"], "expected key.path=value"),
+])
+def test_errors_name_the_key(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, overrides)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algorithm: [1, 2\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad)
+
+
+def test_snapshot_round_trip(tmp_path):
+    cfg = load_config(None, ["preset=math", "run.name=x", "critic.freeze=[]"])
+    dump_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again == cfg

@@ -137,7 +137,8 @@ class EnvConfig:
     train_data: Optional[str] = None  # jsonl (or generator spec for toy_tool)
     eval_data: Optional[str] = None
     eval_size: int = 200
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # environment constructor arguments
+    task_kwargs: dict[str, Any] = field(default_factory=dict)  # task loader arguments (n, max_ops, data_dir...)
 
 
 @dataclass
@@ -156,17 +157,24 @@ class TrainerConfig:
 
 @dataclass
 class SFTConfig:
+    data: Optional[str] = None  # jsonl of {"messages": [...]}; None = the env's demonstration generator
     steps: int = 1000
     batch_size: int = 64
     lr: float = 1e-3
-    demonstrations: int = 20000
-    error_rate: float = 0.3
+    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    demonstrations: int = 20000  # generated demonstrations (toy_tool)
+    error_rate: float = 0.3  # fraction of generated demonstrations with a mistake in them
+    eval: bool = True  # evaluate the SFT model (the RL starting point) at the end
 
 
 @dataclass
 class ValuePretrainConfig:
-    steps: int = 50
+    rollouts: int = 512  # trajectories of the fixed SFT policy to fit on
+    steps: int = 50  # critic optimizer steps
     batch_size: int = 64
+    lr: Optional[float] = None  # default: critic.optim.lr
+    freeze_attention: bool = False  # the paper freezes attention during RL; pretraining fits it all
 
 
 @dataclass

@@ -12,6 +12,7 @@ advantage estimator is reachable as ``advantages.<name>``.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from megatron_sao.algorithms._checks import (
     check_float_tensor,
@@ -26,13 +27,12 @@ from megatron_sao.algorithms._checks import (
 )
 from megatron_sao.algorithms.baselines import RunningMeanBaseline, broadcast_to_tokens, grpo_advantages
 from megatron_sao.algorithms.masked import masked_mean, masked_var, masked_whiten
-from megatron_sao.algorithms.scan import reverse_linear_scan
+from megatron_sao.algorithms.scan import discounted_suffix_sum
 
 __all__ = [
     "skip_observation_gae",
     "adaptive_lambda",
     "step_level_gae",
-    "next_action_index",
     "grpo_advantages",
     "broadcast_to_tokens",
     "RunningMeanBaseline",
@@ -53,19 +53,27 @@ def _validate_token_inputs(
         raise TypeError(f"values dtype {values.dtype} must match rewards dtype {rewards.dtype}")
 
 
-def next_action_index(action_mask: torch.Tensor) -> torch.Tensor:
-    """For each position t, the index of the first action token strictly after t, or T if none.
+def _compact_actions(action_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Slot of each action token in its row's left-packed action sequence.
 
-    Computed as a suffix minimum (flip + cummin) of ``where(mask, position, T)``, shifted by one:
-    O(B*T), no sort and no Python loop.
+    Returns (slot [B, T] int64: index among the row's action tokens, -1 before the first one;
+    counts [B]: action tokens per row; width: the largest count). O(B*T) via cumsum, no sort.
     """
-    check_mask(action_mask, "action_mask")
-    batch, length = action_mask.shape
-    positions = torch.arange(length, device=action_mask.device).expand(batch, length)
-    sentinel = torch.full_like(positions, length)
-    own_or_sentinel = torch.where(action_mask, positions, sentinel)
-    suffix_min = own_or_sentinel.flip(1).cummin(dim=1).values.flip(1)  # first action at >= t
-    return torch.cat([suffix_min[:, 1:], sentinel[:, :1]], dim=1)  # first action at > t
+    slot = action_mask.long().cumsum(dim=1) - 1
+    counts = action_mask.sum(dim=1)
+    width = int(counts.max()) if counts.numel() else 0
+    return slot, counts, width
+
+
+def _pack(x: torch.Tensor, action_mask: torch.Tensor, slot: torch.Tensor, width: int) -> torch.Tensor:
+    """Left-pack the action tokens of x into [B, width] (entries past a row's count are 0).
+
+    Non-action tokens are scattered into an extra trash column that is then cut off, so their
+    values (even NaN) never reach the packed tensor.
+    """
+    dest = torch.where(action_mask, slot, torch.full_like(slot, width))
+    packed = torch.zeros(x.shape[0], width + 1, dtype=x.dtype, device=x.device)
+    return packed.scatter_(1, dest, x)[:, :width]
 
 
 @torch.no_grad()
@@ -94,11 +102,11 @@ def skip_observation_gae(
     SAO uses this twice per batch: with the length-adaptive ``lam`` (``adaptive_lambda``) for the
     policy advantages, and with lam=1 for the critic's returns.
 
-    Implementation: observation tokens become identity elements of the recurrence (delta = 0,
-    coefficient 1, so A passes through them unchanged) and ``next_action_index`` supplies V_{t'};
-    the recurrence over the whole row is then one ``reverse_linear_scan`` (log-depth doubling,
-    see scan.py). No Python loop over rows or tokens, no sort/gather compaction, and the same code
-    runs on CPU and CUDA in float32/float64. Runs under ``torch.no_grad`` (outputs are targets).
+    Implementation: each row's action tokens are packed to the left (cumsum + scatter, O(B*T), no
+    sort), which makes the chain contiguous with one discount gamma*lam_b per row; the packed
+    recurrence is one ``discounted_suffix_sum`` (blocked matmuls, see scan.py); a gather puts the
+    result back in place. No Python loop over rows or tokens; CPU and CUDA, float32/float64.
+    Runs under ``torch.no_grad`` (outputs are regression/policy targets).
 
     Args:
         rewards: [B, T] float; nonzero only on action tokens (the trajectory contract puts the
@@ -120,19 +128,21 @@ def skip_observation_gae(
     bootstrap = row_bootstrap(bootstrap_values, batch, values)  # [B]
     reject_off_mask_rewards(rewards, action_mask)
 
+    slot, counts, width = _compact_actions(action_mask)
+    if width == 0:
+        return torch.zeros_like(values), torch.zeros_like(values)
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    one = torch.ones((), dtype=values.dtype, device=values.device)
-    nxt = next_action_index(action_mask)
-    has_next = nxt < action_mask.shape[1]
-    next_value = torch.where(
-        has_next, values.gather(1, nxt.clamp(max=action_mask.shape[1] - 1)), bootstrap.unsqueeze(1)
-    )
-    deltas = torch.where(action_mask, rewards + gamma * next_value - values, zero)
-    # Link coefficient from t to t+1: gamma*lam between actions, 0 after a row's last action,
-    # 1 through observation tokens (they carry A_{t'} back to the previous action unchanged).
-    link = torch.where(has_next, gamma * lam_rows, zero)
-    coefs = torch.where(action_mask, link, one)
-    advantages = torch.where(action_mask, reverse_linear_scan(deltas, coefs), zero)
+    packed_values = _pack(values, action_mask, slot, width)
+    packed_rewards = _pack(rewards, action_mask, slot, width)
+    index = torch.arange(width, device=values.device)
+    in_row = index < counts.unsqueeze(1)
+    is_last = index == (counts - 1).unsqueeze(1)
+    following = F.pad(packed_values[:, 1:], (0, 1))  # V_{t'}: the next packed action token
+    next_value = torch.where(is_last, bootstrap.unsqueeze(1), following)
+    deltas = torch.where(in_row, packed_rewards + gamma * next_value - packed_values, zero)
+    # Past a row's last action every delta is 0, so the constant per-row discount ends the chain.
+    packed_adv = discounted_suffix_sum(deltas, gamma * lam_rows.squeeze(1))
+    advantages = torch.where(action_mask, packed_adv.gather(1, slot.clamp(min=0, max=width - 1)), zero)
     returns = torch.where(action_mask, advantages + values, zero)
     return advantages, returns
 
@@ -180,10 +190,9 @@ def _turn_tables(
     if bool(((turn_ids >= 0) != action_mask).any()):
         raise ValueError("turn_ids must be >= 0 exactly on action tokens and -1 elsewhere")
     ids = turn_ids.clamp(min=0).long()
-    batch, length = ids.shape
-    nxt = next_action_index(action_mask)
-    next_ids = ids.gather(1, nxt.clamp(max=length - 1))
-    if bool((action_mask & (nxt < length) & (next_ids < ids)).any()):
+    batch = ids.shape[0]
+    # Non-decreasing along the action tokens <=> every id equals the running max so far.
+    if bool((action_mask & (turn_ids < turn_ids.cummax(dim=1).values)).any()):
         raise ValueError("turn_ids must be non-decreasing along each row's action tokens")
     n_steps = torch.where(action_mask, ids + 1, torch.zeros_like(ids)).amax(dim=1)  # [B]
     max_steps = max(int(n_steps.max()) if batch else 0, 1)
@@ -257,8 +266,8 @@ def step_level_gae(
     following = torch.cat([step_values[:, 1:], step_values[:, :1]], dim=1)  # V_{k+1}, last wraps
     next_value = torch.where(has_next, following, bootstrap.unsqueeze(1))
     deltas = torch.where(in_row, step_rewards + gamma * next_value - step_values, zero)
-    coefs = torch.where(has_next, gamma * lam_rows, zero)
-    step_adv = reverse_linear_scan(deltas, coefs)
+    # Deltas past a row's last step are 0, so one discount per row ends each chain correctly.
+    step_adv = discounted_suffix_sum(deltas, gamma * lam_rows.squeeze(1))
     step_ret = torch.where(in_row, step_adv + step_values, zero)
     advantages = torch.where(action_mask, step_adv.gather(1, ids), zero)
     returns = torch.where(action_mask, step_ret.gather(1, ids), zero)

@@ -29,7 +29,8 @@ def grpo_advantages(
 
     over the trajectories i sharing group g (same prompt). std_g is the unbiased (n - 1) sample
     standard deviation, as in TRL and verl. A group of one trajectory has no baseline to compare
-    against: its advantage is 0 (rather than verl's r / (1 + eps)).
+    against: its advantage is 0 (rather than verl's r / (1 + eps)); so is every advantage of a
+    group whose rewards are all equal, even with eps = 0.
 
     Args:
         rewards: [N] float rewards.
@@ -62,8 +63,11 @@ def grpo_advantages(
         return torch.where(singleton, torch.zeros_like(centred), centred)
     sq = torch.zeros_like(counts).index_add_(0, inverse, centred * centred)
     std = torch.sqrt(sq / (counts - 1).clamp(min=1))
-    adv = centred / (std[inverse] + eps)
-    return torch.where(singleton, torch.zeros_like(adv), adv)
+    denom = std[inverse] + eps
+    # A group of equal rewards has centred == 0; with eps = 0 that would be 0/0, so define it as 0.
+    degenerate = singleton | (denom == 0)
+    adv = centred / torch.where(degenerate, torch.ones_like(denom), denom)
+    return torch.where(degenerate, torch.zeros_like(adv), adv)
 
 
 def broadcast_to_tokens(advantages: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ that does not fit the config fails with the tensor's name) and to enumerate what
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from megatron_sao.models.hf_config import ModelSpec
 
 ROLES = ("actor", "critic")
@@ -69,3 +71,18 @@ def validate_full_state(state: dict, spec: ModelSpec, role: str) -> None:
     for name, shape in expected.items():
         if tuple(state[name].shape) != shape:
             raise ValueError(f"tensor {name} has shape {tuple(state[name].shape)}, config expects {shape}")
+
+
+@lru_cache(maxsize=8)
+def _all_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    shapes = full_param_shapes(spec, "critic")
+    shapes["output_layer.weight"] = (spec.vocab_size, spec.hidden_size)
+    return shapes
+
+
+def expected_shape(global_name: str, spec: ModelSpec) -> tuple[int, ...]:
+    """Full shape of one canonical global parameter; ValueError if the model has no such name."""
+    try:
+        return _all_shapes(spec)[global_name]
+    except KeyError:
+        raise ValueError(f"{spec.arch} model has no Megatron parameter {global_name!r}") from None

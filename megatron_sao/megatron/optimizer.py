@@ -9,6 +9,7 @@ in use (fp16), so with fp32/bf16 a NaN gradient would otherwise be written into 
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 from dataclasses import dataclass
@@ -122,18 +123,26 @@ def model_main_param_pairs(opt) -> list[tuple[torch.nn.Parameter, torch.Tensor]]
     return [(p, p) for g in opt.optimizer.param_groups for p in g["params"]]  # FP32Optimizer
 
 
+def _matcher(pattern: str):
+    if pattern.startswith("re:"):
+        rx = re.compile(pattern[3:])
+        return lambda name: rx.search(name) is not None
+    return lambda name: fnmatch.fnmatchcase(name, pattern)
+
+
 @torch.no_grad()
 def group_grad_norms(optimizer, param_names: dict[int, str], groups: dict[str, list[str]]) -> dict[str, float]:
     """L2 norm of the (reduced, unclipped) gradient restricted to each named parameter group.
 
     Must run after `optimizer.prepare_grads()`. A parameter belongs to a group when any of the
-    group's regexes matches its (local) name with `re.search`; TP-replicated parameters are counted
-    once, mirroring Megatron's own grad-norm computation.
+    group's patterns matches its canonical (local) name - fnmatch globs, or regexes (re.search)
+    prefixed "re:", the same rule as models.freeze. TP-replicated parameters are counted once,
+    mirroring Megatron's own grad-norm computation.
     """
     from megatron.core import tensor_parallel
     from megatron.core.transformer.module import param_is_not_shared
 
-    compiled = {g: [re.compile(p) for p in pats] for g, pats in groups.items()}
+    compiled = {g: [_matcher(p) for p in pats] for g, pats in groups.items()}
     names = list(groups)
     total = torch.zeros(len(names), dtype=torch.float64)
     for opt in sub_optimizers(optimizer):
@@ -147,7 +156,7 @@ def group_grad_norms(optimizer, param_names: dict[int, str], groups: dict[str, l
             name = param_names.get(id(model_p), "")
             sq = float(grad.detach().double().pow(2).sum())
             for i, g in enumerate(names):
-                if any(r.search(name) for r in compiled[g]):
+                if any(match(name) for match in compiled[g]):
                     local[i] += sq
         group = opt.get_grad_stats_parallel_group()
         dist.all_reduce(local, group=group)

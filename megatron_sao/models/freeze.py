@@ -26,6 +26,7 @@ from typing import Iterable, Sequence
 import torch
 
 from megatron_sao.checkpoint.names import canonical_name
+from megatron_sao.models.hf_config import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,16 @@ CRITIC_FROZEN_ATTENTION: tuple[str, ...] = (
     "decoder.layers.*.self_attention.q_layernorm.weight",
     "decoder.layers.*.self_attention.k_layernorm.weight",
 )
+
+_QK_NORM_PATTERNS = CRITIC_FROZEN_ATTENTION[3:]
+
+
+def critic_frozen_attention_patterns(spec: ModelSpec) -> tuple[str, ...]:
+    """`CRITIC_FROZEN_ATTENTION` for this model (without the q/k-norm patterns when it has none,
+    e.g. Llama, since a pattern that matches nothing is an error)."""
+    if spec.qk_layernorm:
+        return CRITIC_FROZEN_ATTENTION
+    return tuple(p for p in CRITIC_FROZEN_ATTENTION if p not in _QK_NORM_PATTERNS)
 
 
 @dataclass

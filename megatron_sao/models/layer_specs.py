@@ -28,16 +28,16 @@ def transformer_engine_usable() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def _with_sp_norms(layer_spec):
-    """A copy of one layer spec with every norm replaced by `SPRMSNorm`."""
+def _with_sp_norms(layer_spec, qk_layernorm: bool):
+    """A copy of one layer spec with every norm replaced by `SPRMSNorm` (q/k norms only when the
+    model has them: otherwise the spec holds IdentityOp there, which must stay)."""
     layer_spec = copy.deepcopy(layer_spec)
     sub = layer_spec.submodules
     sub.input_layernorm = SPRMSNorm
     sub.pre_mlp_layernorm = SPRMSNorm
-    attn_sub = sub.self_attention.submodules
-    if getattr(attn_sub, "q_layernorm", None) is not None:
+    if qk_layernorm:
+        attn_sub = sub.self_attention.submodules
         attn_sub.q_layernorm = SPRMSNorm
-    if getattr(attn_sub, "k_layernorm", None) is not None:
         attn_sub.k_layernorm = SPRMSNorm
     return layer_spec
 
@@ -53,6 +53,6 @@ def decoder_block_spec(config: TransformerConfig, *, use_te: bool, vp_stage: int
     layers = []
     for spec in block.layer_specs:
         if id(spec) not in converted:
-            converted[id(spec)] = _with_sp_norms(spec)
+            converted[id(spec)] = _with_sp_norms(spec, config.qk_layernorm)
         layers.append(converted[id(spec)])
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SPRMSNorm)

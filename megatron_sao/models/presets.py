@@ -15,7 +15,7 @@ _CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"
 
 _COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="silu",
                rms_norm_eps=1e-6, max_position_embeddings=256, attention_bias=False, initializer_range=0.02,
-               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+               bos_token_id=1, eos_token_id=2)  # no pad_token_id: HF would zero its embedding grad (padding_idx)
 
 # Choices that exercise different code paths: Qwen3-MoE untied with renormalised top-k (the
 # flagship's settings); Qwen3 dense with TIED embeddings; Llama (no q/k norm) untied, 3 layers.

@@ -179,7 +179,7 @@ class HFEngine:
         self._pending.clear()
         self._active.clear()
 
-    async def logprobs(self, token_ids: list[int], start: int) -> list[float]:
+    async def score(self, token_ids: list[int], start: int) -> list[float]:
         """Log-probs (T=1) of ``token_ids[start:]`` under the current weights, for weight-sync checks."""
 
         def _score() -> list[float]:

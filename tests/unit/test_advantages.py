@@ -9,16 +9,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_sao.algorithms.advantages import (
-    adaptive_lambda,
-    next_action_index,
-    skip_observation_gae,
-    step_level_gae,
-)
-from megatron_sao.algorithms.scan import reverse_linear_scan
+from megatron_sao.algorithms.advantages import adaptive_lambda, skip_observation_gae, step_level_gae
+from megatron_sao.algorithms.scan import discounted_suffix_sum
 
 torch.set_num_threads(1)
 F64 = torch.float64
+
+
+def assert_close(actual, expected, atol=1e-12, rtol=0.0):
+    """Like torch.testing.assert_close (whose first call imports torch.distributed.tensor: seconds)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (actual, expected)
+    err = (actual - expected).abs()
+    bound = atol + rtol * expected.abs()
+    assert bool((err <= bound).all()), f"max |diff| {err.max().item():.3e} exceeds tolerance:\n{actual}\n{expected}"
 
 
 # ---------------------------------------------------------------- plain per-token references
@@ -104,8 +107,8 @@ def test_gae_matches_reference_loop(seed):
     bootstrap = torch.randn(6, generator=gen, dtype=F64) if seed % 3 == 0 else None
     adv, ret = skip_observation_gae(rewards, values, mask, gamma, lam, bootstrap)
     ref_adv, ref_ret = reference_gae(rewards, values, mask, gamma, lam, bootstrap)
-    torch.testing.assert_close(adv, ref_adv, atol=1e-10, rtol=0)
-    torch.testing.assert_close(ret, ref_ret, atol=1e-10, rtol=0)
+    assert_close(adv, ref_adv, atol=1e-10, rtol=0)
+    assert_close(ret, ref_ret, atol=1e-10, rtol=0)
 
 
 def test_gae_verl_multi_turn_case():
@@ -123,8 +126,8 @@ def test_gae_verl_multi_turn_case():
     assert torch.equal(adv, adv2) and torch.equal(ret, ret2)
     # gamma = lam = 1: A_t = (sum of rewards from t on) - V_t; returns = reward-to-go.
     expected_ret = torch.tensor([[0, 0, 1.4, 1.3, 1.2, 0, 0, 1.1, 1.0, 0, 0]], dtype=F64)
-    torch.testing.assert_close(ret, expected_ret, atol=1e-12, rtol=0)
-    torch.testing.assert_close(adv, torch.where(mask, expected_ret - values, torch.zeros((), dtype=F64)))
+    assert_close(ret, expected_ret, atol=1e-12, rtol=0)
+    assert_close(adv, torch.where(mask, expected_ret - values, torch.zeros((), dtype=F64)))
     # The chain jumps from position 4 straight to 7: with lam=0, A_4 = r_4 + V_7 - V_4.
     adv0, _ = skip_observation_gae(rewards, values, mask, gamma=1.0, lam=0.0)
     assert adv0[0, 4].item() == pytest.approx(0.1 + 0.6 - 0.4, abs=1e-12)
@@ -150,8 +153,8 @@ def test_gae_inserting_observation_tokens_changes_nothing():
     spread = lambda x: torch.zeros(4, 60, dtype=F64).index_copy_(1, torch.arange(0, 60, 3), x)  # noqa: E731
     adv, ret = skip_observation_gae(rewards, values, mask, 0.9, 0.8)
     wide_adv, wide_ret = skip_observation_gae(spread(rewards), spread(values), wide, 0.9, 0.8)
-    torch.testing.assert_close(wide_adv[:, ::3], adv, atol=1e-12, rtol=0)
-    torch.testing.assert_close(wide_ret[:, ::3], ret, atol=1e-12, rtol=0)
+    assert_close(wide_adv[:, ::3], adv, atol=1e-12, rtol=0)
+    assert_close(wide_ret[:, ::3], ret, atol=1e-12, rtol=0)
 
 
 def test_gae_zero_off_mask_and_empty_rows():
@@ -181,7 +184,7 @@ def test_gae_per_row_lambda_equals_separate_calls():
     adv, _ = skip_observation_gae(rewards, values, mask, 0.99, lam)
     for b in range(3):
         row, _ = skip_observation_gae(rewards[b : b + 1], values[b : b + 1], mask[b : b + 1], 0.99, float(lam[b]))
-        torch.testing.assert_close(adv[b : b + 1], row, atol=1e-12, rtol=0)
+        assert_close(adv[b : b + 1], row, atol=1e-12, rtol=0)
 
 
 def test_gae_float32_and_no_grad():
@@ -191,7 +194,7 @@ def test_gae_float32_and_no_grad():
     adv, ret = skip_observation_gae(rewards.float(), values32, mask, 1.0, 0.95)
     assert adv.dtype == torch.float32 and not adv.requires_grad and not ret.requires_grad
     ref_adv, _ = reference_gae(rewards, values.float().double(), mask, 1.0, 0.95)
-    torch.testing.assert_close(adv.double(), ref_adv, atol=1e-5, rtol=1e-5)
+    assert_close(adv.double(), ref_adv, atol=1e-5, rtol=1e-5)
 
 
 def test_gae_rejects_reward_off_mask():
@@ -241,26 +244,43 @@ def test_gae_property_matches_reference(bits, gamma, lam, seed):
     bootstrap = torch.randn(mask.shape[0], generator=gen, dtype=F64)
     adv, ret = skip_observation_gae(rewards, values, mask, gamma, lam, bootstrap)
     ref_adv, ref_ret = reference_gae(rewards, values, mask, gamma, lam, bootstrap)
-    torch.testing.assert_close(adv, ref_adv, atol=1e-10, rtol=0)
-    torch.testing.assert_close(ret, ref_ret, atol=1e-10, rtol=0)
+    assert_close(adv, ref_adv, atol=1e-10, rtol=0)
+    assert_close(ret, ref_ret, atol=1e-10, rtol=0)
 
 
-def test_next_action_index():
-    mask = torch.tensor([[False, True, False, False, True, False]])
-    assert next_action_index(mask).tolist() == [[1, 4, 4, 4, 6, 6]]
+@pytest.mark.parametrize("length", [0, 1, 2, 3, 15, 16, 17, 255, 256, 257, 8193])
+def test_discounted_suffix_sum_matches_loop(length):
+    """Lengths around the block size (16) and its powers exercise the padding and the recursion;
+    discount 1e-20 takes the "negligible discount" path, 0 and 1 are the exact extremes."""
+    gen = torch.Generator().manual_seed(length)
+    x = torch.randn(6, length, generator=gen, dtype=F64)
+    d = torch.tensor([0.0, 1e-20, 1e-6, 0.3, 0.9995, 1.0], dtype=F64)
+    expected = torch.zeros_like(x)
+    acc = torch.zeros(6, dtype=F64)
+    for t in reversed(range(length)):
+        acc = x[:, t] + d * acc
+        expected[:, t] = acc
+    assert_close(discounted_suffix_sum(x, d), expected, atol=1e-9, rtol=1e-12)
+    if length:
+        assert_close(discounted_suffix_sum(x, d, block=2), expected, atol=1e-9, rtol=1e-12)
 
 
-def test_reverse_linear_scan_matches_loop():
-    gen = torch.Generator().manual_seed(6)
-    for length in (1, 2, 3, 7, 8, 9, 33):
-        d = torch.randn(3, length, generator=gen, dtype=F64)
-        c = torch.rand(3, length, generator=gen, dtype=F64)
-        expected = torch.zeros_like(d)
-        acc = torch.zeros(3, dtype=F64)
-        for t in reversed(range(length)):
-            acc = d[:, t] + c[:, t] * acc
-            expected[:, t] = acc
-        torch.testing.assert_close(reverse_linear_scan(d, c), expected, atol=1e-12, rtol=0)
+def test_discounted_suffix_sum_errors():
+    with pytest.raises(ValueError, match="discount must lie in"):
+        discounted_suffix_sum(torch.zeros(1, 4), torch.tensor([1.5]))
+    with pytest.raises(ValueError, match="discount must have shape"):
+        discounted_suffix_sum(torch.zeros(2, 4), torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="block"):
+        discounted_suffix_sum(torch.zeros(1, 4), torch.tensor([0.5]), block=1)
+    with pytest.raises(ValueError, match="block"):
+        discounted_suffix_sum(torch.zeros(1, 4), torch.tensor([0.5]), block=17)
+
+
+def test_discounted_suffix_sum_float32_keeps_dtype():
+    x = torch.ones(2, 100)
+    y = discounted_suffix_sum(x, torch.tensor([1.0, 0.5]))
+    assert y.dtype == torch.float32
+    assert y[0, 0].item() == 100.0 and y[1, 0].item() == pytest.approx(2.0, rel=1e-6)
 
 
 # ---------------------------------------------------------------- adaptive lambda
@@ -270,7 +290,7 @@ def test_adaptive_lambda_values_and_clipping():
     lengths = torch.tensor([0, 1, 2, 3, 100, 10**6])
     lam = adaptive_lambda(lengths, alpha=1.5, dtype=F64)
     expected = [0.0, 1 - 1 / 1.5, 1 - 1 / 3, 1 - 1 / 4.5, 1 - 1 / 150, 1 - 1 / 1.5e6]
-    torch.testing.assert_close(lam, torch.tensor(expected, dtype=F64), atol=1e-15, rtol=0)
+    assert_close(lam, torch.tensor(expected, dtype=F64), atol=1e-15, rtol=0)
     clipped = adaptive_lambda(torch.tensor([1, 2, 4]), alpha=0.25, dtype=F64)
     assert clipped.tolist() == [0.0, 0.0, 0.0]  # 1 - 1/(0.25*4) = 0 exactly; smaller l clip up to 0
     assert adaptive_lambda(torch.tensor([5.0]), alpha=1e9).item() == pytest.approx(1.0)
@@ -309,8 +329,8 @@ def test_step_level_gae_matches_reference(mode, seed):
     gamma, lam = [(1.0, 1.0), (0.9, 0.7)][seed % 2]
     adv, ret = step_level_gae(rewards, values, mask, turn_ids, gamma, lam, mode, bootstrap)
     ref_adv, ref_ret = reference_step_gae(rewards, values, mask, turn_ids, gamma, lam, mode, bootstrap)
-    torch.testing.assert_close(adv, ref_adv, atol=1e-10, rtol=0)
-    torch.testing.assert_close(ret, ref_ret, atol=1e-10, rtol=0)
+    assert_close(adv, ref_adv, atol=1e-10, rtol=0)
+    assert_close(ret, ref_ret, atol=1e-10, rtol=0)
 
 
 def test_step_level_gae_single_token_turns_equal_token_gae():
@@ -323,7 +343,7 @@ def test_step_level_gae_single_token_turns_equal_token_gae():
     token = skip_observation_gae(rewards, values, mask, 0.95, 0.9)
     for mode in ("turn_avg", "turn_last"):
         step = step_level_gae(rewards, values, mask, turn_ids, 0.95, 0.9, mode)
-        torch.testing.assert_close(step[0], token[0], atol=1e-12, rtol=0)
+        assert_close(step[0], token[0], atol=1e-12, rtol=0)
 
 
 def test_step_level_gae_input_errors():

@@ -1,0 +1,292 @@
+"""Who runs what where: roles, ranks, addresses, ports and commands of a multi-node SAO job.
+
+The sbatch scripts stay thin by asking this module for everything that needs arithmetic:
+
+    python -m megatron_sao.cluster.launch_plan --config C --nodelist "node[01-04]" \
+        --node-rank 2 --format bash  [key=value ...]
+
+`--format bash` prints shell assignments for one node (eval'd by slurm/common.sh), `text` prints
+every node's commands (the dry run), `json` the whole plan.
+
+Layout of an allocation of N nodes: the first `T` hosts (T = cluster.trainer_nodes, or
+--trainer-nodes) are trainer nodes running one `torchrun` each (static rendezvous on the first
+trainer host); in disaggregated placement the remaining N - T hosts are rollout nodes running
+gpus_per_node / rollout_tp `vllm serve` processes each, on consecutive ports from
+cluster.rollout_port, and the trainer gets `rollout.backend=vllm_server` plus their URLs. The
+allocation is the truth for node counts: the plan passes the resulting cluster.* values to the
+trainer as overrides so that the trainer's config describes the job it is actually in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Literal, Sequence
+
+from megatron_sao.cluster.hostlist import HostlistError, expand_hostlist
+from megatron_sao.config import ConfigError, SAOConfig, load_config
+
+Role = Literal["trainer", "rollout"]
+
+
+class LaunchPlanError(ValueError):
+    """The allocation cannot host the configured job; the message names the field or variable."""
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One long-running process of a node: argv, extra environment, and its own log file."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log: str
+
+    def shell(self) -> str:
+        """The process as one shell command line (`env K=V ... argv`)."""
+        prefix = ["env", *(f"{k}={v}" for k, v in self.env.items())] if self.env else []
+        return shlex.join(prefix + self.argv)
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    node_rank: int
+    host: str
+    role: Role
+    processes: list[ProcessSpec]
+    wait_for: list[str]  # health URLs that must answer 200 before this node starts its processes
+    health: list[str]  # this node's own health URLs (rollout servers)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    job_id: str
+    run_dir: str
+    placement: str
+    master_addr: str
+    master_port: int
+    trainer_nodes: int
+    rollout_nodes: int
+    gpus_per_node: int
+    server_urls: list[str]
+    trainer_overrides: list[str]  # what the launcher adds to the user's overrides
+    done_file: str  # written by trainer node 0 when training ends; rollout nodes stop on it
+    nodes: list[NodePlan] = field(default_factory=list)
+
+    def node(self, rank: int) -> NodePlan:
+        if not 0 <= rank < len(self.nodes):
+            raise LaunchPlanError(f"--node-rank {rank} is outside the allocation of {len(self.nodes)} node(s)")
+        return self.nodes[rank]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Executables:
+    """Commands used on the nodes (override for containers or non-PATH installs)."""
+
+    torchrun: str = "torchrun"
+    vllm: str = "vllm"
+
+
+def _pos_int(value: int, name: str) -> int:
+    if not isinstance(value, int) or value < 1:
+        raise LaunchPlanError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[str] = (),
+                      run_dir: str, job_id: str = "local", gpus_per_node: int | None = None,
+                      trainer_nodes: int | None = None, model_dir: str | None = None,
+                      restart_count: int = 0, exe: Executables = Executables()) -> LaunchPlan:
+    """Assign roles to `hosts` and build every node's commands for `config` (+ `overrides`).
+
+    Args:
+        config: YAML path handed to `sao train` (made absolute: the nodes may start elsewhere).
+        hosts: expanded node list of the allocation, in SLURM order.
+        run_dir: the run directory (checkpoints, logs); stable across requeues of one job.
+        gpus_per_node / trainer_nodes: allocation facts that win over cluster.* in the config.
+        model_dir: HF checkpoint the vLLM servers load (default: model.path).
+        restart_count: SLURM_RESTART_COUNT, so a requeued job does not see the last attempt's done file.
+    """
+    hosts = list(hosts)
+    if not hosts:
+        raise LaunchPlanError("empty node list (SLURM_JOB_NODELIST)")
+    config = os.path.abspath(config)
+    base = load_config(config, overrides)
+    c = base.cluster
+    G = _pos_int(gpus_per_node if gpus_per_node is not None else c.gpus_per_node, "gpus per node (SAO_GPUS_PER_NODE)")
+    T = _pos_int(trainer_nodes if trainer_nodes is not None else c.trainer_nodes,
+                 "trainer nodes (SAO_TRAINER_NODES / cluster.trainer_nodes)")
+    N = len(hosts)
+    if c.placement == "disaggregated":
+        if N <= T:
+            raise LaunchPlanError(f"placement disaggregated: the allocation has {N} node(s) but cluster.trainer_nodes="
+                                  f"{T} leaves none for vLLM; allocate more nodes (sbatch --nodes) or fewer trainers")
+        R = N - T
+    else:
+        if N != T:
+            raise LaunchPlanError(f"placement {c.placement}: the allocation has {N} node(s) but cluster.trainer_nodes={T}; "
+                                  "they must match (sbatch --nodes or SAO_TRAINER_NODES)")
+        R = 0
+    if c.placement != "embedded" and G % c.rollout_tp:
+        raise LaunchPlanError(f"cluster.rollout_tp={c.rollout_tp} must divide the {G} GPUs per node")
+
+    trainer_hosts, rollout_hosts = hosts[:T], hosts[T:]
+    logs = os.path.join(run_dir, "logs")
+    servers_per_node = G // c.rollout_tp if R else 0
+    server_urls = [f"http://{h}:{c.rollout_port + i}" for h in rollout_hosts for i in range(servers_per_node)]
+    launch_overrides = [f"cluster.trainer_nodes={T}", f"cluster.rollout_nodes={R}", f"cluster.gpus_per_node={G}",
+                        f"run.dir={run_dir}"]
+    if R:
+        launch_overrides += ["rollout.backend=vllm_server", "rollout.server_urls=" + json.dumps(server_urls)]
+    # Re-validate with what the job really is (types, server_urls, ...) before anything starts.
+    cfg = load_config(config, [*overrides, *launch_overrides])
+    master = trainer_hosts[0]
+
+    nodes: list[NodePlan] = []
+    for rank, host in enumerate(trainer_hosts):
+        argv = [exe.torchrun, f"--nnodes={T}", f"--nproc-per-node={G}", f"--node-rank={rank}",
+                f"--master-addr={master}", f"--master-port={c.master_port}",
+                "-m", "megatron_sao.cli", "train", config, *overrides, *launch_overrides]
+        env = {"SAO_NODE_RANK": str(rank), "SAO_WEIGHT_SYNC_PORT": str(c.master_port + 1)}
+        proc = ProcessSpec(f"trainer-{rank}", argv, env, os.path.join(logs, f"trainer-node{rank}-{host}.log"))
+        nodes.append(NodePlan(rank, host, "trainer", [proc], wait_for=[u + "/health" for u in server_urls], health=[]))
+    for j, host in enumerate(rollout_hosts):
+        procs = [_vllm_process(cfg, exe, model_dir, host, i, j, logs, len(server_urls)) for i in range(servers_per_node)]
+        urls = [f"http://{host}:{c.rollout_port + i}/health" for i in range(servers_per_node)]
+        nodes.append(NodePlan(T + j, host, "rollout", procs, wait_for=[], health=urls))
+    done = os.path.join(run_dir, f".trainer-done-{job_id}-{restart_count}")
+    return LaunchPlan(job_id=job_id, run_dir=run_dir, placement=c.placement, master_addr=master,
+                      master_port=c.master_port, trainer_nodes=T, rollout_nodes=R, gpus_per_node=G,
+                      server_urls=server_urls, trainer_overrides=launch_overrides, done_file=done, nodes=nodes)
+
+
+def _vllm_process(cfg: SAOConfig, exe: Executables, model_dir: str | None, host: str, i: int, j: int,
+                  logs: str, num_servers: int) -> ProcessSpec:
+    """Server i of rollout node j: GPUs [i*tp, (i+1)*tp), port rollout_port + i."""
+    c, r = cfg.cluster, cfg.rollout
+    gpus = ",".join(str(g) for g in range(i * c.rollout_tp, (i + 1) * c.rollout_tp))
+    # Enough sequence slots for this server's share of the in-flight episodes.
+    max_seqs = max(1, -(-r.concurrency // num_servers))
+    argv = [exe.vllm, "serve", model_dir or cfg.model.path,
+            "--host", "0.0.0.0", "--port", str(c.rollout_port + i),
+            "--tensor-parallel-size", str(c.rollout_tp),
+            "--dtype", "bfloat16" if cfg.model.dtype == "float32" else cfg.model.dtype,
+            "--max-model-len", str(r.max_total_tokens),
+            "--max-num-seqs", str(max_seqs),
+            "--gpu-memory-utilization", str(r.gpu_memory_utilization),
+            "--seed", str(cfg.run.seed + 1000 * j + i),
+            # Log-probs after temperature/top-p: the distribution the tokens were sampled from.
+            "--logprobs-mode", "processed_logprobs",
+            "--weight-transfer-config", json.dumps({"backend": "nccl"}, separators=(",", ":"))]
+    # Dev mode exposes /pause, /resume and the weight-update routes the trainer drives.
+    env = {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": gpus}
+    return ProcessSpec(f"vllm-{i}", argv, env, os.path.join(logs, f"rollout-node{j}-{host}-{i}.log"))
+
+
+# ------------------------------------------------------------------------------------ rendering
+
+
+def _bash_array(name: str, items: Sequence[str]) -> str:
+    return f"{name}=(" + " ".join(shlex.quote(x) for x in items) + ")"
+
+
+def render_bash(plan: LaunchPlan, rank: int) -> str:
+    """Shell assignments for one node; slurm/common.sh evals them (every value is shlex-quoted)."""
+    n = plan.node(rank)
+    out = [f"SAO_ROLE={n.role}", f"SAO_HOST={shlex.quote(n.host)}", f"SAO_NODE_RANK={n.node_rank}",
+           f"SAO_RUN_DIR={shlex.quote(plan.run_dir)}", f"SAO_DONE_FILE={shlex.quote(plan.done_file)}",
+           f"SAO_NPROCS={len(n.processes)}", _bash_array("SAO_WAIT_FOR", n.wait_for),
+           _bash_array("SAO_HEALTH", n.health)]
+    for i, p in enumerate(n.processes):
+        out.append(f"SAO_PROC_NAME_{i}={shlex.quote(p.name)}")
+        out.append(f"SAO_PROC_LOG_{i}={shlex.quote(p.log)}")
+        out.append(_bash_array(f"SAO_PROC_CMD_{i}", ["env", *(f"{k}={v}" for k, v in p.env.items()), *p.argv]))
+    return "\n".join(out)
+
+
+def render_text(plan: LaunchPlan) -> str:
+    """Every node's commands, for `--dry-run` and for humans."""
+    lines = [f"# job {plan.job_id}: placement={plan.placement} trainer_nodes={plan.trainer_nodes} "
+             f"rollout_nodes={plan.rollout_nodes} gpus_per_node={plan.gpus_per_node} "
+             f"master={plan.master_addr}:{plan.master_port} run_dir={plan.run_dir}"]
+    for n in plan.nodes:
+        lines.append(f"[node {n.node_rank} {n.host} {n.role}]")
+        for url in n.wait_for:
+            lines.append(f"  wait-health {url}")
+        for p in n.processes:
+            lines.append(f"  {p.shell()} > {shlex.quote(p.log)} 2>&1")
+        for url in n.health:
+            lines.append(f"  health {url}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m megatron_sao.cluster.launch_plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--nodelist", required=True, help='SLURM hostlist, e.g. "node[01-04],gpu7"')
+    ap.add_argument("--node-rank", type=int, default=None, help="this node (SLURM_NODEID); needed for --format bash")
+    ap.add_argument("--format", choices=("bash", "text", "json", "memory"), default="text",
+                    help="memory: run the planner on the config as launched (exit 2 if refused)")
+    ap.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory for --format memory")
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--job-id", default="local")
+    ap.add_argument("--restart-count", type=int, default=0)
+    ap.add_argument("--gpus-per-node", type=int, default=None)
+    ap.add_argument("--trainer-nodes", type=int, default=None)
+    ap.add_argument("--model-dir", default=None, help="HF checkpoint for vllm serve (default model.path)")
+    ap.add_argument("--torchrun", default=Executables.torchrun)
+    ap.add_argument("--vllm", default=Executables.vllm)
+    ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
+    return ap
+
+
+def _check_memory(plan: LaunchPlan, args: argparse.Namespace) -> int:
+    """The planner's verdict on the config exactly as the trainer will see it (0 fits, 2 refused)."""
+    from megatron_sao.cluster.layout import LayoutError
+    from megatron_sao.cluster.planner import PlanOptions, render
+    from megatron_sao.cluster.planner import plan as make_plan
+
+    cfg = load_config(os.path.abspath(args.config), [*args.overrides, *plan.trainer_overrides])
+    hf = os.path.join(args.model_dir, "config.json") if args.model_dir else None
+    try:
+        p = make_plan(cfg, hf, PlanOptions(gpu_mem_gib=args.gpu_mem_gib))
+    except LayoutError as e:
+        for issue in e.issues:
+            print(f"sao plan: refused: {issue}", file=sys.stderr)
+        return 2
+    print(render(p, cfg))
+    return 0 if p.fits else 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        plan = build_launch_plan(args.config, expand_hostlist(args.nodelist), overrides=args.overrides,
+                                 run_dir=args.run_dir, job_id=args.job_id, gpus_per_node=args.gpus_per_node,
+                                 trainer_nodes=args.trainer_nodes, model_dir=args.model_dir,
+                                 restart_count=args.restart_count, exe=Executables(args.torchrun, args.vllm))
+        if args.format == "bash":
+            if args.node_rank is None:
+                raise LaunchPlanError("--format bash needs --node-rank (SLURM_NODEID)")
+            print(render_bash(plan, args.node_rank))
+        elif args.format == "memory":
+            return _check_memory(plan, args)
+        elif args.format == "json":
+            print(json.dumps(plan.to_dict(), indent=2))
+        else:
+            print(render_text(plan))
+    except (LaunchPlanError, HostlistError, ConfigError, ValueError) as e:
+        print(f"launch_plan: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""`sao plan`: check a layout and estimate per-GPU memory before a multi-node job is submitted.
+
+    python -m megatron_sao.cluster.planner examples/qwen3_30b_a3b/aime_disaggregated.yaml \
+        --gpu-mem-gib 80 parallel.ep=8
+
+prints the parameter counts, the trainer world (TP/PP/EP/ETP/DP/EDP), per-GPU memory of the actor
+and the critic (weights, gradients, optimizer shards, activations with and without full
+recompute, logits) and of one vLLM server (weights, KV cache), then a verdict. Exit codes: 0 the
+layout fits, 2 it is impossible (the message names the config field), 1 unexpected errors.
+
+Assumptions (stated so a reader can disagree with a number): actor and critic stay resident on
+the same trainer GPUs for the whole step (no CPU offload); Megatron's distributed optimizer with
+bf16 params and fp32 gradient accumulation; 1F1B pipeline schedule; balanced expert routing;
+flash attention; a fixed per-GPU overhead for the CUDA context, NCCL buffers and allocator
+fragmentation (`--overhead-gib`, empirical, not from a formula).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from megatron_sao.cluster import memory as mem
+from megatron_sao.cluster.layout import Layout, LayoutError, LayoutIssue, check_layout
+from megatron_sao.config import ConfigError, SAOConfig, load_config
+from megatron_sao.models.hf_config import ModelSpec, model_spec_from_hf
+
+_BUILTIN_DIR = Path(__file__).resolve().parent.parent / "models" / "configs"
+# Checkpoints whose config differs from a shipped one only in RoPE/context (per the model cards):
+# the -2507 releases of Qwen3-30B-A3B have 262144 positions and rope_theta 1e7.
+_KNOWN_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-30b-a3b": ("qwen3_30b_a3b.json", {}),
+    "qwen3-30b-a3b-base": ("qwen3_30b_a3b.json", {}),
+    "qwen3-30b-a3b-thinking-2507": ("qwen3_30b_a3b.json", {"rope_theta": 1e7, "max_position_embeddings": 262144}),
+    "qwen3-30b-a3b-instruct-2507": ("qwen3_30b_a3b.json", {"rope_theta": 1e7, "max_position_embeddings": 262144}),
+}
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Planner inputs that the config does not (yet) carry."""
+
+    gpu_mem_gib: float = 80.0  # memory of one GPU (H100/A100-80G: 80, H200: 141)
+    etp: int = 1  # expert tensor parallel size (1: each expert whole on its EP rank)
+    world: int | None = None  # trainer ranks; None = cluster.trainer_nodes * cluster.gpus_per_node
+    overhead_gib: float = 4.0  # CUDA context + NCCL + fragmentation, per GPU
+    flash_attention: bool = True
+
+
+@dataclass
+class RoleMemory:
+    """Per-GPU bytes of one trainer model (actor or critic) on its heaviest pipeline stage."""
+
+    trainable_params: int
+    frozen_params: int
+    weights_grads_optimizer: float
+    activations: float  # no recompute
+    activations_recompute: float  # full recompute
+    logits: float
+
+    def total(self, recompute: bool) -> float:
+        act = self.activations_recompute if recompute else self.activations
+        return self.weights_grads_optimizer + act + self.logits
+
+
+@dataclass
+class Plan:
+    """Everything `sao plan` reports; `fits` is the verdict."""
+
+    spec: ModelSpec
+    layout: Layout
+    total_params: int
+    active_params: int
+    seq_len: int
+    micro_batch: int
+    actor: RoleMemory
+    critic: RoleMemory | None
+    trainer_static: float  # weights + grads + optimizer of both models + overhead
+    trainer_peak: float  # with full recompute when needed
+    recompute_needed: bool
+    rollout_weights: float  # per GPU of one vLLM server
+    rollout_kv_budget: float
+    kv_bytes_per_token: float
+    full_sequences_per_server: int
+    options: PlanOptions
+    problems: list[LayoutIssue] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["fits"] = self.fits
+        return out
+
+
+def resolve_hf_config(cfg: SAOConfig, hf_config: str | Mapping[str, Any] | None = None) -> ModelSpec:
+    """The ModelSpec for `cfg.model.path`: an HF dir, a config.json, or a known model name."""
+    if hf_config is not None:
+        return model_spec_from_hf(hf_config)
+    path = Path(cfg.model.path)
+    if path.is_dir() or path.is_file():
+        return model_spec_from_hf(path)
+    key = path.name.lower()
+    if key in _KNOWN_MODELS:
+        fname, patch = _KNOWN_MODELS[key]
+        data = json.loads((_BUILTIN_DIR / fname).read_text())
+        data.update(patch)
+        return model_spec_from_hf(data)
+    raise ConfigError(f"model.path: {cfg.model.path!r} is neither a directory with config.json nor a known "
+                      f"model ({sorted(_KNOWN_MODELS)}); pass --hf-config PATH")
+
+
+def _role_memory(spec: ModelSpec, layout: Layout, cfg: SAOConfig, opts: PlanOptions, role: str) -> RoleMemory:
+    """Worst pipeline stage of `role` ("actor" or "critic") on one GPU."""
+    counts = mem.count_params(spec)
+    tp, pp, ep, etp = layout.tp, layout.pp, layout.ep, layout.etp
+    layers = spec.num_layers // pp
+    frozen_attention = role == "critic" and "attention" in cfg.critic.freeze
+    # Per layer on one rank: TP-sharded attention, replicated norms/router, EP x ETP-sharded experts.
+    attn = counts.attention / tp + counts.qk_norm
+    dense = counts.layer_norms + counts.router + counts.dense_mlp / tp
+    experts = counts.experts / (ep * etp)
+    head = counts.output / tp if role == "actor" else spec.hidden_size  # LM head vs value head [1, H]
+    stages = []
+    for stage in range(pp):
+        extra = (counts.embedding / tp if stage == 0 else 0) + (head + counts.final_norm if stage == pp - 1 else 0)
+        frozen = layers * attn if frozen_attention else 0.0
+        trainable_dense = layers * (dense + (0 if frozen_attention else attn)) + extra
+        trainable_experts = layers * experts
+        nbytes = (trainable_dense * mem.trainable_bytes_per_param(layout.dp)
+                  + trainable_experts * mem.trainable_bytes_per_param(layout.edp)
+                  + frozen * mem.FROZEN_BYTES_PER_PARAM)
+        stages.append((nbytes, int(trainable_dense + trainable_experts), int(frozen)))
+    nbytes, trainable, frozen = max(stages)
+    s, b = cfg.model.max_seq_len, cfg.parallel.micro_batch_size
+    sp = cfg.parallel.sequence_parallel
+    # 1F1B: the first stage holds min(pp, microbatches) micro-batches of its layers (= all L
+    # layers' worth when there are enough micro-batches, Korthikanti et al. section 4.2.3).
+    n_micro = max(1, cfg.buffer.batch_size // max(1, layout.dp * b))
+    held = layers * min(pp, n_micro)
+    shape = mem.LayerShape.from_spec(spec)
+    per_layer = mem.layer_activation_bytes(shape, s, b, tp, sp, opts.flash_attention, etp if spec.is_moe else None)
+    act = held * per_layer
+    # Full recompute keeps each layer's input and rebuilds one layer's activations in backward.
+    act_rc = held * mem.recompute_layer_bytes(spec.hidden_size, s, b, tp, sp) + per_layer
+    logits = mem.logits_bytes(spec.vocab_size, s, b, tp) if role == "actor" else 0.0
+    return RoleMemory(trainable, frozen, nbytes, act, act_rc, logits)
+
+
+def plan(cfg: SAOConfig, hf_config: str | Mapping[str, Any] | ModelSpec | None = None,
+         options: PlanOptions | None = None) -> Plan:
+    """Check the layout of `cfg` and estimate memory. Raises LayoutError for an impossible layout.
+
+    A layout that is valid but does not fit in memory is returned with `plan.problems` set (and
+    `fits` False), so callers can print the numbers that explain why.
+    """
+    opts = options or PlanOptions()
+    spec = hf_config if isinstance(hf_config, ModelSpec) else resolve_hf_config(cfg, hf_config)
+    layout = check_layout(cfg, spec, etp=opts.etp, world=opts.world)
+    counts = mem.count_params(spec)
+    actor = _role_memory(spec, layout, cfg, opts, "actor")
+    critic = _role_memory(spec, layout, cfg, opts, "critic") if cfg.algorithm.uses_critic else None
+    overhead = opts.overhead_gib * mem.GIB
+    models = [m for m in (actor, critic) if m is not None]
+    static = sum(m.weights_grads_optimizer for m in models) + overhead
+    # Actor and critic train one after the other: only one model's activations are live at a time.
+    budget = opts.gpu_mem_gib * mem.GIB
+    peak_plain = static + max(m.activations + m.logits for m in models)
+    recompute_needed = peak_plain > budget
+    peak = static + max(m.activations_recompute + m.logits for m in models) if recompute_needed else peak_plain
+
+    problems: list[LayoutIssue] = []
+    if peak > budget:
+        problems.append(LayoutIssue("cluster.trainer_nodes", (
+            f"trainer needs {peak / mem.GIB:.1f} GiB per GPU even with full recompute, over the "
+            f"{opts.gpu_mem_gib:g} GiB budget: add trainer nodes, raise parallel.ep/pp, or shorten model.max_seq_len")))
+
+    # vLLM: bf16 weights split over the server's TP ranks (experts too: vLLM shards them with TP).
+    r, c = cfg.rollout, cfg.cluster
+    rtp = c.rollout_tp if c.placement != "embedded" else 1
+    weights = counts.total * mem.BF16 / rtp
+    usable = r.gpu_memory_utilization * budget
+    kv_budget = usable - weights - overhead / 2  # vLLM's own activations/graphs: half the trainer overhead
+    if c.placement == "colocated":
+        # vLLM wakes up on GPUs that still hold the trainer's weights and optimizer states.
+        free_when_awake = budget - static
+        if usable > free_when_awake:
+            problems.append(LayoutIssue("rollout.gpu_memory_utilization", (
+                f"colocated vLLM asks for {usable / mem.GIB:.1f} GiB but only {free_when_awake / mem.GIB:.1f} GiB "
+                "are free next to the trainer's resident state; lower it or add trainer nodes")))
+    per_token = mem.kv_cache_bytes_per_token(spec, rtp)
+    full = int(max(kv_budget, 0) // (per_token * r.max_total_tokens))
+    if c.placement != "embedded" and full < 1:
+        # vLLM refuses to start when max_model_len tokens do not fit in the KV cache.
+        problems.append(LayoutIssue("rollout.gpu_memory_utilization", (
+            f"a vLLM server (tp={rtp}) has {max(kv_budget, 0) / mem.GIB:.1f} GiB of KV cache per GPU, less than one "
+            f"{r.max_total_tokens}-token sequence ({per_token * r.max_total_tokens / mem.GIB:.1f} GiB): raise it or "
+            "cluster.rollout_tp")))
+    return Plan(spec=spec, layout=layout, total_params=counts.total, active_params=counts.active,
+                seq_len=cfg.model.max_seq_len, micro_batch=cfg.parallel.micro_batch_size, actor=actor, critic=critic,
+                trainer_static=static, trainer_peak=peak, recompute_needed=recompute_needed, rollout_weights=weights,
+                rollout_kv_budget=kv_budget, kv_bytes_per_token=per_token, full_sequences_per_server=full,
+                options=opts, problems=problems)
+
+
+def render(p: Plan, cfg: SAOConfig) -> str:
+    """Human-readable report (plain text, fixed-width; also fine in a SLURM log)."""
+    g = lambda x: f"{x / mem.GIB:8.2f} GiB"  # noqa: E731
+    L = p.layout
+    lines = [
+        f"model      {p.spec.arch}: {p.total_params / 1e9:.2f}B params total, {p.active_params / 1e9:.2f}B active",
+        f"trainer    world={L.world} tp={L.tp} pp={L.pp} ep={L.ep} etp={L.etp} dp={L.dp} edp={L.edp} "
+        f"seq={p.seq_len} micro_batch={p.micro_batch} sp={cfg.parallel.sequence_parallel}",
+        f"placement  {cfg.cluster.placement}: {L.rollout_servers} rollout server(s), tp={cfg.cluster.rollout_tp}",
+        "per GPU (heaviest pipeline stage)",
+    ]
+    for name, m in (("actor", p.actor), ("critic", p.critic)):
+        if m is None:
+            continue
+        lines += [
+            f"  {name:6s} params {m.trainable_params / 1e9:.3f}B trainable, {m.frozen_params / 1e9:.3f}B frozen",
+            f"  {name:6s} weights+grads+optimizer {g(m.weights_grads_optimizer)}",
+            f"  {name:6s} activations             {g(m.activations)}  (full recompute: {g(m.activations_recompute)})",
+            f"  {name:6s} logits                  {g(m.logits)}",
+        ]
+    lines += [
+        f"  overhead                       {g(p.options.overhead_gib * mem.GIB)}",
+        f"  trainer peak                   {g(p.trainer_peak)}  of {p.options.gpu_mem_gib:g} GiB"
+        f"{'  (needs full recompute)' if p.recompute_needed else ''}",
+        f"rollout    weights/GPU {g(p.rollout_weights)}, KV budget/GPU {g(p.rollout_kv_budget)}, "
+        f"{p.kv_bytes_per_token / 1024:.0f} KiB/token/GPU, {p.full_sequences_per_server} full "
+        f"{cfg.rollout.max_total_tokens}-token sequences per server",
+    ]
+    lines += [f"warning    {w}" for w in L.warnings]
+    lines += [f"REFUSED    {i}" for i in p.problems]
+    lines.append("verdict    " + ("fits" if p.fits else "does not fit"))
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="sao plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", help="YAML config (megatron_sao.config)")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    ap.add_argument("--hf-config", default=None, help="HF config.json or checkpoint dir (default: model.path)")
+    ap.add_argument("--gpu-mem-gib", type=float, default=PlanOptions.gpu_mem_gib)
+    ap.add_argument("--etp", type=int, default=PlanOptions.etp, help="expert tensor parallel size")
+    ap.add_argument("--world", type=int, default=None, help="trainer ranks (default nodes*gpus_per_node)")
+    ap.add_argument("--overhead-gib", type=float, default=PlanOptions.overhead_gib)
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `sao plan`; returns 0 (fits), 2 (refused, reason printed) or 1."""
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        opts = PlanOptions(gpu_mem_gib=args.gpu_mem_gib, etp=args.etp, world=args.world,
+                           overhead_gib=args.overhead_gib)
+        p = plan(cfg, args.hf_config, opts)
+    except LayoutError as e:
+        for issue in e.issues:
+            print(f"sao plan: refused: {issue}", file=sys.stderr)
+        return 2
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"sao plan: refused: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(p.to_dict(), indent=2, default=str) if args.json else render(p, cfg))
+    for issue in p.problems:
+        print(f"sao plan: refused: {issue}", file=sys.stderr)
+    return 0 if p.fits else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""`MegatronEngine`: one Megatron-Core model (actor or critic) with its own optimizer and schedule.
+
+The actor and the critic are two engines in the same Megatron world (same parallel state, two
+models, two optimizers, two LRs). Every public call is collective: every rank calls it with the
+same full batch (see `batching`), and every rank gets the same result back.
+
+Threading: on CPU the cuda->cpu TorchFunctionMode from `cpu_compat` is thread-local, so create and
+call an engine on the thread that called `ensure_cpu_compat()` / `init_parallel()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_sao.megatron import forward as fwd
+from megatron_sao.megatron.batching import Batch, prepare_local_batch
+from megatron_sao.megatron.optimizer import OptimConfig, build_optimizer, safe_optimizer_step
+from megatron_sao.megatron.parallel import ParallelContext, init_parallel
+from megatron_sao.models.hf_config import ModelSpec
+from megatron_sao.models.parallel_sizes import ParallelSizes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InitSource:
+    """Where the weights come from: exactly one of an HF directory, a converted Megatron
+    checkpoint directory (megatron_sao.checkpoint format), or a random-init seed."""
+
+    hf_dir: str | None = None
+    megatron_dir: str | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("hf_dir", "megatron_dir", "seed") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"InitSource needs exactly one of hf_dir / megatron_dir / seed, got {given or 'none'}")
+        for n in ("hf_dir", "megatron_dir"):
+            path = getattr(self, n)
+            if path is not None and not os.path.isdir(path):
+                raise FileNotFoundError(f"InitSource.{n}: no directory at {path}")
+
+    @classmethod
+    def from_hf(cls, path: str) -> "InitSource":
+        return cls(hf_dir=os.fspath(path))
+
+    @classmethod
+    def from_megatron(cls, path: str) -> "InitSource":
+        return cls(megatron_dir=os.fspath(path))
+
+    @classmethod
+    def random(cls, seed: int) -> "InitSource":
+        return cls(seed=int(seed))
+
+
+@dataclass
+class StepResult:
+    """Outcome of one `train_step` (identical on every rank)."""
+
+    loss: float
+    grad_norm: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False
+
+
+def _finalize_grads_sum(model_chunks, num_tokens=None, **kwargs):
+    """Megatron's finalize_model_grads without the 1/num_tokens rescale (see forward.py docstring)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    return finalize_model_grads(model_chunks, num_tokens=None, **kwargs)
+
+
+class MegatronEngine:
+    """Megatron-Core model + DDP + (distributed) optimizer for one role ("actor" or "critic").
+
+    Args:
+        spec: architecture (from `model_spec_from_hf`).
+        sizes: TP/PP/EP sizes; must match the live parallel state if one exists.
+        optim: optimizer settings of this engine.
+        role: "actor" (outputs per-token log-probs) or "critic" (per-token values).
+        init: weight source (HF dir, Megatron checkpoint dir, or random seed).
+        micro_batch_size: rows per micro-batch in every call.
+        freeze_patterns: names (fnmatch globs or "re:" regexes on canonical names) to freeze,
+            e.g. models.freeze.CRITIC_FROZEN_ATTENTION for SAO's critic.
+        grad_norm_groups: {group: patterns}; their grad norms land in StepResult.metrics as
+            "grad_norm/<group>" (computed from the reduced, unclipped gradients).
+        params_dtype: float32 or bfloat16 (bf16 keeps fp32 main params in the optimizer).
+        ctx: an existing ParallelContext; created with `init_parallel(sizes)` when None.
+        config_overrides: extra TransformerConfig fields (e.g. MoE aux-loss settings).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        sizes: ParallelSizes,
+        optim: OptimConfig,
+        *,
+        role: str,
+        init: InitSource,
+        micro_batch_size: int = 1,
+        freeze_patterns: Sequence[str] = (),
+        grad_norm_groups: Mapping[str, Sequence[str]] | None = None,
+        params_dtype: torch.dtype = torch.float32,
+        ctx: ParallelContext | None = None,
+        config_overrides: Mapping | None = None,
+    ) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        from megatron_sao.models.freeze import apply_freeze, check_patterns_matched_globally
+        from megatron_sao.models.gpt import build_gpt_model, transformer_config_from_spec
+
+        if role not in ("actor", "critic"):
+            raise ValueError(f"role must be 'actor' or 'critic', got {role!r}")
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+        if not isinstance(optim, OptimConfig):
+            raise TypeError(f"optim must be an OptimConfig, got {type(optim).__name__}")
+        self.ctx = ctx if ctx is not None else init_parallel(sizes)
+        c = self.ctx
+        if (c.tp, c.pp, c.ep, c.sequence_parallel) != (sizes.tp, sizes.pp, sizes.ep, sizes.sequence_parallel):
+            raise ValueError(f"ParallelSizes {sizes} do not match the live parallel state ({c.describe()})")
+        sizes.validate_for(spec, c.world_size)
+        if spec.is_moe and c.tp > 1 and c.etp * c.ep < c.tp:
+            # Measured on megatron-core 0.16.1 (tests/megatron/workers/engine_parallel.py): TP=2+SP
+            # with etp=1, ep=1 gives correct log-probs but gradients that differ from TP=1
+            # (post-step log-probs off by 0.24). etp=tp or etp*ep=tp train correctly.
+            raise ValueError(f"MoE with tp={c.tp}, ep={c.ep}, etp={c.etp}: etp*ep < tp trains with wrong "
+                             "gradients on megatron-core 0.16.1; use etp=tp (ParallelSizes.etp=None) or ep*etp >= tp")
+        self.spec, self.sizes, self.optim_config, self.role = spec, sizes, optim, role
+        self.micro_batch_size = micro_batch_size
+        self.state_version = 0
+        self.grad_norm_groups = {k: list(v) for k, v in (grad_norm_groups or {}).items()}
+        self._masks: dict[int, torch.Tensor] = {}
+
+        overrides = dict(config_overrides or {})
+        overrides["calculate_per_token_loss"] = True  # see forward.py: exact global token-mean
+        self.config = transformer_config_from_spec(spec, sizes, params_dtype=params_dtype, **overrides)
+        if init.seed is not None:
+            # Same seed on every rank: with use_cpu_initialization Megatron builds each full
+            # weight from the default generator and slices it, so layouts start identical.
+            model_parallel_cuda_manual_seed(init.seed, inference_rng_tracker=not torch.cuda.is_available(),
+                                            force_reset_rng=True)
+            torch.manual_seed(init.seed)
+        model = build_gpt_model(spec, self.config, role=role, pre_process=c.is_first_stage,
+                                post_process=c.is_last_stage)
+        model.to(c.device)
+        self.layout = self._rank_layout()
+        if init.hf_dir is not None:
+            from megatron_sao.checkpoint.load import load_hf_into_model
+
+            load_hf_into_model([model], init.hf_dir, spec, self.layout, role=role)
+        elif init.megatron_dir is not None:
+            from megatron_sao.checkpoint.load import load_megatron_checkpoint_into_model
+
+            load_megatron_checkpoint_into_model([model], init.megatron_dir, self.layout)
+        if freeze_patterns:
+            report = apply_freeze([model], list(freeze_patterns), allow_empty_on_this_rank=True)
+            check_patterns_matched_globally(report)
+            self.freeze_report = report
+        if not any(p.requires_grad for p in model.parameters()):
+            # DDP/optimizer construction needs at least one trainable tensor per rank.
+            raise ValueError(f"{role}: every parameter on rank {c.rank} is frozen; nothing to train")
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=optim.use_distributed_optimizer,
+            average_in_collective=False,  # required by calculate_per_token_loss
+            bucket_size=None,
+        )
+        self.module = model
+        self.ddp = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=model)
+        self.chunks = [self.ddp]
+        self.config.no_sync_func = self.ddp.no_sync
+        self.config.finalize_model_grads_func = _finalize_grads_sum
+        try:
+            self.optimizer, self.scheduler = build_optimizer(optim, self.chunks, params_dtype)
+        except Exception as exc:  # say which switch to flip instead of a deep Megatron traceback
+            raise RuntimeError(
+                f"building the Megatron optimizer failed ({exc!r}); with "
+                f"use_distributed_optimizer={optim.use_distributed_optimizer} - try the other setting"
+            ) from exc
+        from megatron_sao.checkpoint.names import canonical_name
+
+        self._param_names = {id(p): canonical_name(n) for n, p in self.module.named_parameters()}
+        logger.info("%s engine ready: %s", role, c.describe())
+
+    # ------------------------------------------------------------------ helpers
+    def _rank_layout(self):
+        from megatron_sao.checkpoint.sharding import RankLayout
+
+        return RankLayout.from_parallel_state()
+
+    def _causal_mask(self, seq_len: int) -> torch.Tensor:
+        from megatron_sao.models.gpt import causal_attention_mask
+
+        if seq_len not in self._masks:
+            self._masks[seq_len] = causal_attention_mask(seq_len, device=self.ctx.device)
+        return self._masks[seq_len]
+
+    def _local(self, batch: Batch, required: tuple[str, ...] = ()):
+        c = self.ctx
+        batch = {k: v.to(c.device) for k, v in batch.items()} if isinstance(batch, dict) else batch
+        seq_multiple = c.tp if c.sequence_parallel else 1
+        return prepare_local_batch(batch, dp=c.dp, dp_rank=c.dp_rank, micro_batch_size=self.micro_batch_size,
+                                   seq_multiple=seq_multiple, required=required)
+
+    def _forward_all(self, batch: Batch, role: str) -> torch.Tensor:
+        if self.role != role:
+            raise RuntimeError(f"this engine is a {self.role}; {'logprobs' if role == 'actor' else 'values'}() "
+                               f"needs a {role} engine")
+        micro, b, t, cols = self._local(batch)
+        self.ddp.eval()
+        outs = fwd.forward_outputs(role, self.chunks, micro, cols, self._causal_mask(cols))
+        local = torch.cat(outs, dim=0) if self.ctx.is_last_stage else None
+        rows = len(micro) * self.micro_batch_size * self.ctx.dp
+        full = fwd.gather_to_all(local, (rows, cols), self.ctx)[:b, :t]
+        return full * batch["attention_mask"].to(full.device).to(full.dtype)
+
+    # ------------------------------------------------------------------ public API
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        """[B, T] float32: log p(tokens[t] | tokens[<t]) at position t; 0 at t=0 and on padding."""
+        return self._forward_all(batch, "actor")
+
+    def values(self, batch: Batch) -> torch.Tensor:
+        """[B, T] float32: critic value of the state ending at token t, at position t (0 on padding)."""
+        return self._forward_all(batch, "critic")
+
+    def train_step(self, batch: Batch, loss_fn: fwd.LossFn) -> StepResult:
+        """One optimizer step over the whole batch (all micro-batches, all DP ranks).
+
+        `loss_fn(output [b, T'], micro_batch, loss_denominator) -> (loss, metrics)` where output is
+        log-probs (actor) or values (critic) and loss_denominator is the global action-token count
+        (a 0-dim float tensor); see forward.py for why this yields an exact global token-mean.
+        A non-finite loss or grad norm skips the update (grads zeroed, params and Adam state
+        untouched) and returns skipped=True.
+        """
+        micro, _, _, cols = self._local(batch, required=("action_mask",))
+        denominator = batch["action_mask"].float().sum().clamp(min=1.0).to(self.ctx.device)
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        store = fwd.run_schedule(self.chunks, micro, cols, fwd.make_train_loss_func(self.role, loss_fn, denominator),
+                                 self._causal_mask(cols), forward_only=False)
+        metrics = fwd.reduce_step_metrics(store, self.ctx)
+        bad = torch.tensor([0.0 if torch.isfinite(torch.tensor(metrics["loss"])) else 1.0])
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank must take the same branch
+        outcome = safe_optimizer_step(self.optimizer, clip_grad=self.optim_config.clip_grad,
+                                      loss_is_finite=bool(bad.item() == 0.0), param_names=self._param_names,
+                                      norm_groups=self.grad_norm_groups or None)
+        if not outcome.skipped:
+            self.scheduler.step(increment=1)
+            self.state_version += 1
+        for g, v in outcome.group_norms.items():
+            metrics[f"grad_norm/{g}"] = v
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return StepResult(loss=metrics["loss"], grad_norm=outcome.grad_norm, metrics=metrics, skipped=outcome.skipped)
+
+    def param_groups_grad_norms(self, groups: Mapping[str, Sequence[str]]) -> dict[str, float]:
+        """Grad norm per named parameter group from the optimizer's current main gradients.
+
+        train_step records these before clipping when the engine has `grad_norm_groups`; a call
+        outside train_step sees the last step's gradients after clipping (or zeros after a skip).
+        """
+        from megatron_sao.megatron.optimizer import group_grad_norms
+
+        return group_grad_norms(self.optimizer, self._param_names, {k: list(v) for k, v in groups.items()})
+
+    def export_hf_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full weights under HF names in buckets of <= bucket_bytes, yielded on global rank 0."""
+        from megatron_sao.megatron.export import export_hf_weights
+
+        return export_hf_weights(self.module, self.spec, self.ctx, bucket_bytes=bucket_bytes)
+
+    def save(self, path: str) -> None:
+        """Model + optimizer + scheduler state of every rank into `path` (atomic)."""
+        from megatron_sao.megatron.state_io import save_engine_state
+
+        save_engine_state(self, path)
+
+    def load(self, path: str) -> None:
+        """Restore what `save` wrote (same layout); resumes bit-exactly."""
+        from megatron_sao.megatron.state_io import load_engine_state
+
+        load_engine_state(self, path)

@@ -1,0 +1,436 @@
+"""The multi-turn agent loop: one task -> one trajectory, many in flight, each handed over at once.
+
+``run_episode`` plays one episode: sample an action from the rollout engine, decode it to text for the
+environment, append the environment's reply as observation ids, repeat. The trajectory is built by
+appending ids (``ChatFormatter``, no re-tokenization): sampled ids exactly as sampled, the stop token
+included with its log-prob and per-token policy versions; observation ids with no log-prob.
+
+How an episode ends (``info["end_reason"]``):
+
+* ``env_done``: the environment said done -> ``terminated`` with the environment's reward;
+  ``env_truncated``: it said done with ``info["truncated"]`` (its own turn limit) -> ``truncated``.
+* ``max_turns`` / ``max_total_tokens``: a limit cut the episode -> ``truncated``, reward 0,
+  ``bootstrap="critic"``: the episode did not end, so the trainer bootstraps from the critic's value
+  at the last position. The last token is always an action token: an observation that would not
+  leave room for another action is not appended, so the bootstrap state is "after the last action",
+  the same position that carries the reward.
+* ``error``: the engine or the environment raised -> ``failed``, reward 0, ``error`` = type + message.
+  A failure ends only its own episode; the trainer counts failed trajectories and never trains on them.
+
+Abort policy: with ``EngineConfig.inflight_policy="abort"`` a weight update ends in-flight requests
+with ``finish_reason="abort"``. The loop then drops that turn's partial tokens and re-generates the
+turn from the same prefix (the new weights sample the whole turn, so a turn never mixes versions);
+re-tries are counted in ``info["abort_retries"]`` and capped by ``max_abort_retries``.
+
+``run_many`` runs a fixed list of tasks with bounded concurrency; ``RolloutDriver`` keeps
+``concurrency`` episodes in flight from an (endless) task iterator on a background thread, the
+trainer's producer (DESIGN.md, Processes). Both call ``on_done`` per trajectory as soon as it
+finishes (single rollout: no grouping, so a slow episode never holds back a fast one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import inspect
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_sao.envs.base import Environment, Task
+from megatron_sao.rollout.chat import ChatFormatter
+from megatron_sao.rollout.engine import GenerationResult, RolloutEngine, SamplingParams
+from megatron_sao.trajectory import Trajectory, TrajectoryBuilder
+
+EnvFactory = Callable[[Task], "Environment | Awaitable[Environment]"]
+OnDone = Callable[[Trajectory], "None | Awaitable[None]"]
+
+
+class AbortRetriesExceeded(RuntimeError):
+    """The engine aborted the same turn more than ``max_abort_retries`` times."""
+
+
+@dataclass(frozen=True)
+class AgentLoopConfig:
+    """Limits and sampling of the agent loop.
+
+    ``sampling.max_new_tokens`` is replaced per turn by ``min(max_new_tokens_per_turn, tokens left)``;
+    its stop ids are merged with the formatter's (EOS / end-of-turn).
+    """
+
+    max_turns: int = 8
+    max_total_tokens: int = 4096  # prompt + actions + observations
+    max_new_tokens_per_turn: int = 1024
+    sampling: SamplingParams = SamplingParams(max_new_tokens=1024)
+    max_concurrency: int = 16  # run_many: episodes in flight at once
+    observation_role: str = "tool"  # role of the environment's replies in the chat template
+    max_abort_retries: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_total_tokens", "max_new_tokens_per_turn", "max_concurrency"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"AgentLoopConfig.{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.max_abort_retries, int) or self.max_abort_retries < 0:
+            raise ValueError(f"AgentLoopConfig.max_abort_retries must be an int >= 0, got {self.max_abort_retries!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"AgentLoopConfig.sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+
+
+class EngineActivity:
+    """Counts generate calls in flight to measure how long the engine sat with nothing to do.
+
+    Idle time is wall time with zero requests in flight (every episode is waiting on its environment,
+    or none is running): the quantity asynchrony is meant to drive to zero.
+    """
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.idle_s = 0.0
+        self._idle_since: float | None = time.monotonic()
+
+    def begin(self) -> None:
+        if self.active == 0 and self._idle_since is not None:
+            self.idle_s += time.monotonic() - self._idle_since
+            self._idle_since = None
+        self.active += 1
+
+    def end(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self._idle_since = time.monotonic()
+
+    def total_idle_s(self) -> float:
+        """Idle seconds so far, including the current idle stretch."""
+        extra = time.monotonic() - self._idle_since if self._idle_since is not None else 0.0
+        return self.idle_s + extra
+
+
+async def _maybe_await(x: Any) -> Any:
+    return await x if inspect.isawaitable(x) else x
+
+
+def _turn_seed(base: int | None, prompt_id: str, turn: int) -> int | None:
+    """A distinct, reproducible seed per (prompt, turn) when the config fixes one.
+
+    Passing one fixed seed to every request would give every episode the same sampling noise (and the
+    same action for the same prefix), which is no longer sampling from the policy.
+    """
+    if base is None:
+        return None
+    digest = hashlib.blake2b(f"{base}/{prompt_id}/{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # non-negative int63
+
+
+async def _generate_turn(engine: RolloutEngine, prefix: list[int], sampling: SamplingParams, cfg: AgentLoopConfig,
+                         info: dict, timings: dict, activity: EngineActivity | None) -> GenerationResult:
+    """One assistant turn; an aborted request is re-generated from the same prefix (module docstring)."""
+    while True:
+        t0 = time.monotonic()
+        if activity is not None:
+            activity.begin()
+        try:
+            result = await engine.generate(list(prefix), sampling)
+        finally:
+            if activity is not None:
+                activity.end()
+            timings["generate_s"] += time.monotonic() - t0
+        if result.finish_reason != "abort":
+            break
+        info["abort_retries"] += 1
+        if info["abort_retries"] > cfg.max_abort_retries:
+            raise AbortRetriesExceeded(f"engine aborted {info['abort_retries']} generate calls "
+                                       f"(max_abort_retries={cfg.max_abort_retries})")
+    n = len(result.token_ids)
+    if n == 0:
+        raise RuntimeError(f"engine returned no tokens (finish_reason={result.finish_reason!r})")
+    if n > sampling.max_new_tokens:
+        raise RuntimeError(f"engine returned {n} tokens for max_new_tokens={sampling.max_new_tokens}")
+    return result
+
+
+async def run_episode(engine: RolloutEngine, env: Environment, task: Task, formatter: ChatFormatter,
+                      cfg: AgentLoopConfig, *, activity: EngineActivity | None = None) -> Trajectory:
+    """Play one episode of ``task`` in ``env`` and return its trajectory (never raises for env/engine errors).
+
+    The environment is closed at the end. ``asyncio.CancelledError`` propagates (a stopped driver).
+    """
+    b = TrajectoryBuilder(prompt_id=task.prompt_id, env=task.env)
+    b.timings.update(generate_s=0.0, env_s=0.0)
+    info: dict[str, Any] = {"turns": 0, "abort_retries": 0, "finish_reasons": []}
+    stop_ids = tuple(dict.fromkeys(cfg.sampling.stop_token_ids + formatter.stop_token_ids))
+    status, reward, error = "failed", 0.0, None
+    try:
+        t0 = time.monotonic()
+        await env.reset(task)
+        b.timings["env_s"] += time.monotonic() - t0
+        prompt = formatter.prompt_ids(task.messages)
+        b.add_prompt(prompt)
+        if len(prompt) >= cfg.max_total_tokens:
+            raise ValueError(f"prompt has {len(prompt)} tokens, max_total_tokens={cfg.max_total_tokens} "
+                             "leaves no room for an action")
+        while True:
+            budget = min(cfg.max_new_tokens_per_turn, cfg.max_total_tokens - len(b))
+            sampling = dataclasses.replace(cfg.sampling, max_new_tokens=budget, stop_token_ids=stop_ids,
+                                           seed=_turn_seed(cfg.sampling.seed, task.prompt_id, info["turns"]))
+            result = await _generate_turn(engine, b.tokens, sampling, cfg, info, b.timings, activity)
+            b.add_action(result.token_ids, result.logprobs, result.versions)
+            info["turns"] += 1
+            info["finish_reasons"].append(result.finish_reason)
+            if result.finish_reason == "length" and len(b) >= cfg.max_total_tokens:  # cut by the total budget
+                status, info["end_reason"] = "truncated", "max_total_tokens"
+                break
+            t0 = time.monotonic()
+            step = await env.step(formatter.action_text(result.token_ids))
+            b.timings["env_s"] += time.monotonic() - t0
+            if step.info:
+                info["env_info"] = dict(step.info)
+            if step.done:
+                if step.info.get("truncated"):
+                    status, info["end_reason"] = "truncated", "env_truncated"
+                else:
+                    status, reward, info["end_reason"] = "terminated", float(step.reward), "env_done"
+                break
+            if info["turns"] >= cfg.max_turns:
+                status, info["end_reason"] = "truncated", "max_turns"
+                break
+            if step.observation is None:
+                raise ValueError(f"environment {task.env!r} returned done=False with observation=None")
+            obs = formatter.observation_ids(cfg.observation_role, step.observation, result.token_ids)
+            if len(b) + len(obs) >= cfg.max_total_tokens:  # no room left for the next action
+                status, info["end_reason"] = "truncated", "max_total_tokens"
+                break
+            b.add_observation(obs)
+    except Exception as e:  # noqa: BLE001 - an episode's failure must never stop the others
+        status, reward, error = "failed", 0.0, f"{type(e).__name__}: {e}"
+        info["end_reason"] = "error"
+    finally:
+        try:
+            await env.close()
+        except Exception as e:  # noqa: BLE001 - the data is valid; record and go on
+            info["close_error"] = f"{type(e).__name__}: {e}"
+    if status == "failed" and len(b) == 0:
+        # The contract needs T >= 1; a placeholder pad token keeps the failure visible and countable.
+        b.add_prompt([formatter.pad_token_id])
+        info["placeholder_tokens"] = True
+    return b.finish(status, reward=reward, bootstrap="critic" if status == "truncated" else None,
+                    error=error, info=info)
+
+
+async def run_one(engine: RolloutEngine, env_factory: EnvFactory, task: Task, formatter: ChatFormatter,
+                  cfg: AgentLoopConfig, *, activity: EngineActivity | None = None) -> Trajectory:
+    """Create the task's environment and run the episode; a factory error gives a failed trajectory."""
+    try:
+        env = await _maybe_await(env_factory(task))
+    except Exception as e:  # noqa: BLE001 - e.g. an unknown env name: this task fails, the others run
+        b = TrajectoryBuilder(prompt_id=task.prompt_id, env=task.env)
+        b.add_prompt([formatter.pad_token_id])  # placeholder, see run_episode
+        return b.finish("failed", error=f"{type(e).__name__}: {e}",
+                        info={"end_reason": "error", "placeholder_tokens": True, "turns": 0})
+    return await run_episode(engine, env, task, formatter, cfg, activity=activity)
+
+
+async def run_many(engine: RolloutEngine, env_factory: EnvFactory, tasks: Sequence[Task], formatter: ChatFormatter,
+                   cfg: AgentLoopConfig, on_done: OnDone | None = None) -> list[Trajectory]:
+    """Run every task, at most ``cfg.max_concurrency`` at once; one environment per task.
+
+    ``on_done(traj)`` (sync or async) is called for each trajectory the moment it finishes, in finish
+    order. The returned list is in task order. An exception raised by ``on_done`` is a consumer bug:
+    it cancels the remaining episodes and propagates.
+    """
+    sem = asyncio.Semaphore(cfg.max_concurrency)
+    out: list[Trajectory | None] = [None] * len(tasks)
+
+    async def one(i: int, task: Task) -> None:
+        async with sem:
+            traj = await run_one(engine, env_factory, task, formatter, cfg)
+        out[i] = traj
+        if on_done is not None:
+            await _maybe_await(on_done(traj))
+
+    async with asyncio.TaskGroup() as tg:
+        for i, task in enumerate(tasks):
+            tg.create_task(one(i, task))
+    return [t for t in out if t is not None]
+
+
+class RolloutDriver:
+    """The trainer's producer: keeps ``concurrency`` episodes in flight from a task iterator.
+
+    Each finished trajectory goes to ``on_done`` at once, from the driver's event loop thread, so
+    ``on_done`` must be thread-safe towards the trainer (e.g. ``TrajectoryBuffer.put``) and quick.
+    ``tasks`` may be endless (the trainer cycles its dataset); the driver ends when it runs out or
+    when stopped. Use ``start_in_thread()`` / ``stop()`` from the trainer, or ``await run()`` inside
+    an existing loop. ``stop(drain=False)`` cancels episodes in flight; their tasks are listed in
+    ``cancelled_tasks`` so a checkpoint can requeue them instead of losing the prompts (pitfall 6).
+    If ``on_done`` raises, the driver stops and ``stop()`` / ``join()`` re-raise that error.
+    """
+
+    def __init__(self, engine: RolloutEngine, env_factory: EnvFactory, tasks: Iterable[Task],
+                 formatter: ChatFormatter, cfg: AgentLoopConfig, on_done: OnDone, *,
+                 concurrency: int | None = None) -> None:
+        self.concurrency = cfg.max_concurrency if concurrency is None else concurrency
+        if not isinstance(self.concurrency, int) or self.concurrency < 1:
+            raise ValueError(f"RolloutDriver.concurrency must be an int >= 1, got {self.concurrency!r}")
+        if not callable(on_done):
+            raise TypeError("RolloutDriver.on_done must be callable")
+        self.engine, self.env_factory, self.formatter, self.cfg = engine, env_factory, formatter, cfg
+        self.on_done = on_done
+        self._tasks: Iterator[Task] = iter(tasks)
+        self.activity = EngineActivity()
+        self.cancelled_tasks: list[Task] = []
+        self.error: BaseException | None = None
+        self.submitted = self.finished = self.failed = 0
+        self.exhausted = False
+        self._inflight: dict[asyncio.Task, Task] = {}
+        self._stopping = self._drain = self._paused = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._lock = threading.Lock()  # guards counters read by stats() from other threads
+
+    # ------------------------------------------------------------------ the loop
+    async def run(self) -> None:
+        """Submit episodes until the tasks run out or a stop is requested, then drain or cancel."""
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        self.activity = EngineActivity()  # idle time counts from the start of the run, not construction
+        self._started.set()
+        while not self._stopping:
+            if len(self._inflight) >= self.concurrency or self._paused:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                task = next(self._tasks)
+            except StopIteration:
+                self.exhausted = True
+                break
+            except Exception as e:  # noqa: BLE001 - a broken task source stops the driver, visibly
+                self.error = e
+                break
+            t = asyncio.create_task(self._episode(task))
+            self._inflight[t] = task
+            t.add_done_callback(self._episode_done)
+            with self._lock:
+                self.submitted += 1
+        if self._stopping and not self._drain:
+            for t in list(self._inflight):
+                t.cancel()
+        if self._inflight:
+            await asyncio.gather(*self._inflight, return_exceptions=True)
+
+    async def _episode(self, task: Task) -> None:
+        try:
+            traj = await run_one(self.engine, self.env_factory, task, self.formatter, self.cfg, activity=self.activity)
+        except asyncio.CancelledError:
+            with self._lock:
+                self.cancelled_tasks.append(task)
+            raise
+        with self._lock:
+            self.finished += 1
+            self.failed += traj.status == "failed"
+        try:
+            await _maybe_await(self.on_done(traj))
+        except Exception as e:  # noqa: BLE001 - the consumer is broken: stop producing, report it
+            self.error = e
+            self._set_stop(drain=False)
+
+    def _episode_done(self, t: asyncio.Task) -> None:
+        self._inflight.pop(t, None)
+        if self._wake is not None:
+            self._wake.set()
+
+    def _set_stop(self, drain: bool) -> None:
+        self._stopping, self._drain = True, drain
+        self._set_paused(self._paused)
+
+    def _set_paused(self, paused: bool) -> None:
+        self._paused = paused
+        if self._wake is not None:  # wake the submit loop to re-check its flags
+            self._wake.set()
+
+    def _call_in_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn`` on the driver's loop (directly when already on it, or before it started)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            fn(*args)
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            fn(*args)
+        else:
+            loop.call_soon_threadsafe(fn, *args)
+
+    # ------------------------------------------------------------------ control (any thread)
+    def request_stop(self, drain: bool = False) -> None:
+        """Stop submitting; with ``drain`` let episodes in flight finish, else cancel them."""
+        self._call_in_loop(self._set_stop, drain)
+
+    def pause_submissions(self) -> None:
+        """Submit no new episodes (those in flight continue), e.g. for a synchronous baseline."""
+        self._call_in_loop(self._set_paused, True)
+
+    def resume_submissions(self) -> None:
+        self._call_in_loop(self._set_paused, False)
+
+    def start_in_thread(self, name: str = "rollout-driver", timeout: float = 30.0) -> None:
+        """Run the driver on a new event loop in a daemon thread; returns once the loop is running."""
+        if self._thread is not None:
+            raise RuntimeError("RolloutDriver.start_in_thread: already started")
+
+        def main() -> None:
+            try:
+                asyncio.run(self.run())
+            except BaseException as e:  # noqa: BLE001 - surfaced by stop()/join()
+                self.error = self.error or e
+
+        self._thread = threading.Thread(target=main, name=name, daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise TimeoutError(f"RolloutDriver did not start within {timeout} s")
+
+    def run_coroutine(self, coro: Awaitable[Any], timeout: float | None = None) -> Any:
+        """Run ``coro`` on the driver's loop from another thread (e.g. ``engine.update_weights``)."""
+        if self._loop is None or not self.is_running:
+            raise RuntimeError("RolloutDriver.run_coroutine: the driver loop is not running")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the driver thread to end (tasks exhausted or stopped); re-raise a driver error."""
+        if self._thread is None:
+            raise RuntimeError("RolloutDriver.join: the driver was not started with start_in_thread()")
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"RolloutDriver did not finish within {timeout} s "
+                               f"({len(self._inflight)} episodes in flight)")
+        if self.error is not None:
+            raise RuntimeError(f"rollout driver failed: {type(self.error).__name__}: {self.error}") from self.error
+
+    def stop(self, drain: bool = False, timeout: float | None = 60.0) -> None:
+        """``request_stop(drain)`` then ``join(timeout)``."""
+        self.request_stop(drain)
+        self.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of the counters (safe to call from any thread)."""
+        with self._lock:
+            return {"submitted": self.submitted, "in_flight": len(self._inflight), "finished": self.finished,
+                    "failed": self.failed, "cancelled": len(self.cancelled_tasks),
+                    "engine_idle_s": self.activity.total_idle_s(), "engine_active": self.activity.active,
+                    "exhausted": self.exhausted, "paused": self._paused, "stopping": self._stopping,
+                    "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}

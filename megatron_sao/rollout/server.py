@@ -1,0 +1,171 @@
+"""Serve any ``RolloutEngine`` (e.g. ``HFEngine`` on a CPU node) over the routes ``VLLMServerClient`` uses.
+
+Lets the multi-node launcher run a rollout process without vLLM. Routes (aiohttp):
+
+* ``GET /health``, ``GET /weight_info`` -> ``{"weight_version": "N"}``
+* ``POST /v1/completions``: token-id prompt only, ``n=1``; returns ``token_ids``, ``logprobs.token_logprobs``,
+  ``finish_reason`` and, unlike vLLM's route, per-token ``weight_versions`` spans; ``prompt_logprobs``
+  (T=1) when asked, for weight checks. Unsupported fields (``echo``, ``best_of``, penalties, text
+  prompts...) are refused with HTTP 400 naming the field: they would change the sampled
+  distribution or the output shape without the log-probs knowing.
+* ``POST /pause?mode=keep|abort|wait``, ``POST /resume``
+* ``POST /sao/update_weights?version=N`` with a safetensors body (CPU weight path).
+* vLLM's NCCL routes answer 501 (no NCCL on a CPU server).
+
+Run: ``python -m megatron_sao.rollout.server --model DIR --port 8000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from megatron_sao.rollout.engine import EngineConfig, RolloutEngine, SamplingParams, make_engine
+
+_ALLOWED = {"prompt", "model", "max_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed", "logprobs",
+            "return_token_ids", "skip_special_tokens", "n", "prompt_logprobs", "stream"}
+_NEUTRAL = {"n": 1, "stream": False, "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False}
+
+
+def _spans(versions: list[int]) -> list[dict[str, Any]]:
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans
+
+
+def build_app(engine: RolloutEngine):
+    """The aiohttp application exposing ``engine``."""
+    from aiohttp import web
+
+    def bad(msg: str, status: int = 400) -> web.Response:
+        return web.json_response({"error": msg}, status=status)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"}) if await engine.health() else bad("engine unhealthy", 503)
+
+    async def weight_info(_: web.Request) -> web.Response:
+        return web.json_response({"weight_version": str(engine.version)})
+
+    async def completions(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return bad("body is not JSON")
+        extra = sorted(set(body) - _ALLOWED)
+        if extra:
+            return bad(f"unsupported completion field(s) {extra}")
+        for key, want in _NEUTRAL.items():
+            if key in body and body[key] not in (want, None) and not (key == "logprobs" and body.get("prompt_logprobs") is not None):
+                return bad(f"field {key!r} must be {want!r} on this server, got {body[key]!r}")
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+            return bad("'prompt' must be a non-empty list of token ids")
+        try:
+            if body.get("prompt_logprobs") is not None:
+                score = getattr(engine, "score", None)
+                if score is None:
+                    return bad("this engine cannot score prompts (prompt_logprobs)", 501)
+                lps = await score(prompt, 1)
+                plp = [None] + [{str(t): {"logprob": lp}} for t, lp in zip(prompt[1:], lps)]
+                return web.json_response({"choices": [{"index": 0, "token_ids": [], "finish_reason": "length",
+                                                       "prompt_logprobs": plp, "logprobs": None}]})
+            sampling = SamplingParams(
+                max_new_tokens=int(body.get("max_tokens") or 16), temperature=float(body.get("temperature", 1.0)),
+                top_p=float(body.get("top_p", 1.0)), top_k=max(int(body.get("top_k", 0)), 0),
+                stop_token_ids=tuple(int(t) for t in body.get("stop_token_ids") or ()), seed=body.get("seed"),
+            )
+            out = await engine.generate(prompt, sampling)
+        except ValueError as e:
+            return bad(str(e))
+        choice = {"index": 0, "text": "", "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                  "logprobs": {"token_logprobs": out.logprobs}, "weight_versions": _spans(out.versions)}
+        return web.json_response({"object": "text_completion", "choices": [choice]})
+
+    async def pause(request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        if mode not in ("keep", "abort", "wait"):
+            return bad(f"mode must be keep|abort|wait, got {mode!r}")
+        if mode == "abort" and hasattr(engine, "abort_all"):
+            await engine.abort_all()
+        if mode != "wait":  # "wait": in-flight requests finish; this engine has no drain-then-pause, so do nothing
+            await engine.pause()
+        return web.json_response({"status": "paused"})
+
+    async def resume(_: web.Request) -> web.Response:
+        await engine.resume()
+        return web.json_response({"status": "resumed"})
+
+    async def update_weights(request: web.Request) -> web.Response:
+        from safetensors.torch import load
+
+        try:
+            version = int(request.query["version"])
+        except (KeyError, ValueError):
+            return bad("query parameter 'version' (int) is required")
+        blob = await request.read()
+        try:
+            state = await asyncio.to_thread(load, blob)
+            await engine.update_weights([list(state.items())], version)
+        except (KeyError, ValueError) as e:
+            return bad(f"weight update rejected: {e}")
+        return web.json_response({"status": "ok", "weight_version": str(version), "bytes": len(blob)})
+
+    async def no_nccl(request: web.Request) -> web.Response:
+        return bad(f"{request.path}: NCCL weight transfer is not available on this server; use /sao/update_weights", 501)
+
+    app = web.Application(client_max_size=16 * 1024**3)  # weight blobs
+    app.router.add_get("/health", health)
+    app.router.add_get("/weight_info", weight_info)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/pause", pause)
+    app.router.add_post("/resume", resume)
+    app.router.add_post("/sao/update_weights", update_weights)
+    for route in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update"):
+        app.router.add_post(route, no_nccl)
+    return app
+
+
+async def start_server(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0):
+    """Start serving in the running loop; return (runner, bound port). ``await runner.cleanup()`` to stop."""
+    from aiohttp import web
+
+    runner = web.AppRunner(build_app(engine))
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, bound
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Serve an HF-engine rollout server (CPU).")
+    parser.add_argument("--model", required=True, help="HF model directory")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--inflight-policy", default="keep", choices=["keep", "abort"])
+    args = parser.parse_args(argv)
+    cfg = EngineConfig(backend="hf", model_path=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                       inflight_policy=args.inflight_policy)
+
+    async def serve() -> None:
+        engine = make_engine(cfg)
+        runner, port = await start_server(engine, args.host, args.port)
+        print(f"rollout server for {args.model} on http://{args.host}:{port}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+            await engine.close()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

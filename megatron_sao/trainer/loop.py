@@ -1,0 +1,275 @@
+"""The SAO training loop. `SAOTrainer.run` is the whole algorithm; everything else is plumbing.
+
+Per step (DESIGN.md data flow):
+  1. take the `batch_size` oldest finished trajectories (single rollout: one per prompt)
+  2. critic values of every state -> skip-observation GAE: returns (critic lambda) and advantages
+     (length-adaptive policy lambda)
+  3. K critic steps on the fixed returns
+  4. after the critic warm-up: one actor step with the DIS loss, then push weights (version + 1)
+Rollouts never wait for the trainer except through admission control (rollout_driver.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_sao.algorithms import RunningMeanBaseline, logprob_mismatch
+from megatron_sao.buffer import TrajectoryBuffer
+from megatron_sao.config import SAOConfig, dump_config
+from megatron_sao.trainer import components as C
+from megatron_sao.trainer.console import Console
+from megatron_sao.trainer.losses import critic_loss_fn, policy_loss_fn
+from megatron_sao.trainer.rollout_driver import PromptStream, RolloutDriver, unit_of
+from megatron_sao.trainer.run_dir import RunDir, rng_state, set_rng_state
+from megatron_sao.trainer.targets import compute_targets
+from megatron_sao.trajectory import collate_padded
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (non-finite steps, dead rollout engine); a checkpoint was written."""
+
+
+class SAOTrainer:
+    def __init__(self, cfg: SAOConfig, resume: bool = False):
+        from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
+        from megatron_sao.megatron.parallel import init_parallel
+
+        C.set_threads()
+        ensure_cpu_compat()
+        self.cfg, a = cfg, cfg.algorithm
+        self.ctx = init_parallel(C.parallel_sizes(cfg))
+        self.rank0 = self.ctx.rank == 0
+        self.run_dir = RunDir(cfg.run.dir, is_writer=self.rank0)
+        torch.manual_seed(cfg.run.seed)
+        if self.rank0:
+            dump_config(cfg, self.run_dir.path / "config.yaml")
+        self._barrier()
+        self.model_dir = C.resolve_model_dir(cfg, self.run_dir.path) if self.rank0 else None
+        self.model_dir = Path(self._broadcast(str(self.model_dir) if self.model_dir else None))
+        self.actor = C.build_actor(cfg, self.model_dir, ctx=self.ctx)
+        self.critic = C.build_critic(cfg, self.model_dir, ctx=self.ctx) if a.uses_critic else None
+        self.baseline = RunningMeanBaseline(a.running_mean_window) if a.name == "running_mean" else None
+        self.group = a.group_size if a.name in ("grpo", "grpo_dis") else 1
+        self.warmup = a.critic_warmup_steps if a.uses_critic else 0
+        self.step, self.version, self.nonfinite = 0, 0, 0
+        self.total = self.warmup + cfg.run.total_steps
+        self.policy_loss, self.critic_loss = policy_loss_fn(a), critic_loss_fn()
+        self.console = Console(cfg.run.console if self.rank0 else "none", total=self.total)
+        self.wait_s = self.busy_s = 0.0
+        self.buffer = self.driver = self.rollout = None
+        if self.rank0:
+            self.buffer = TrajectoryBuffer(cfg.buffer.batch_size, cfg.buffer.max_staleness, cfg.buffer.staleness_policy,
+                                           directory=self.run_dir.buffer_dir, group_size=self.group)
+        state = self._resume() if resume else None
+        if self.rank0:
+            self._start_rollouts(state)
+        if state is not None:  # the rollout engine starts from the base model: give it the checkpoint's
+            self._post_resume_sync()
+
+    # ------------------------------------------------------------------ the algorithm
+    def run(self) -> None:
+        try:
+            while self.step < self.total:
+                trajs = self._next_batch()
+                t0 = time.monotonic()
+                batch = collate_padded(trajs, pad_id=0)
+                fields = {k: v for k, v in batch.to_dict().items() if v.dim() == 2}
+                fields["attention_mask"] = batch.attention_mask
+                m: dict = {"step": self.step, "version": self.version}
+
+                values = self.critic.values(fields) if self.critic is not None else None
+                targets = compute_targets(batch, values, self.cfg.algorithm, self.baseline)
+                m.update(targets.metrics)
+                fields["advantages"] = targets.advantages
+                if self.critic is not None:
+                    fields["returns"] = targets.returns
+                    for _ in range(self.cfg.algorithm.critic_steps):
+                        res = self.critic.train_step(fields, self.critic_loss)
+                        self._check_finite(res, "critic")
+                    m.update({f"critic/{k}": v for k, v in res.metrics.items()},
+                             **{"critic/grad_norm": res.grad_norm})
+
+                if self.step >= self.warmup:  # critic warm-up: the actor waits, rollouts go on
+                    lp = self.actor.logprobs(fields)
+                    lag0 = batch.action_mask & (batch.versions == self.version)
+                    if lag0.any():
+                        m["logprob_mismatch_lag0"] = float(logprob_mismatch(lp, batch.rollout_logprobs, lag0))
+                    res = self.actor.train_step(fields, self.policy_loss)
+                    self._check_finite(res, "actor")
+                    m.update({f"actor/{k}": v for k, v in res.metrics.items()}, **{"actor/grad_norm": res.grad_norm})
+                    if not res.skipped:
+                        self.version += 1
+                        m["time/weight_sync"] = self._sync_weights()
+
+                self.busy_s += time.monotonic() - t0
+                self.step += 1
+                if self.rank0:
+                    self.driver.step_finished()
+                self._log(m, trajs, batch, time.monotonic() - t0)
+                if self.cfg.run.save_every and self.step % self.cfg.run.save_every == 0:
+                    self.save()
+            self.save()
+            from megatron_sao.trainer.hf_export import export_hf_model
+
+            export_hf_model(self.actor, self.model_dir, self.run_dir.path / "final_model")
+        except KeyboardInterrupt:
+            logger.warning("interrupted: writing a final checkpoint")
+            self.save()
+            raise
+        finally:
+            self.close()
+
+    # ------------------------------------------------------------------ batches
+    def _next_batch(self):
+        trajs = None
+        if self.rank0:
+            t0 = time.monotonic()
+            trajs = self.buffer.take(self.step, self.version, timeout=self.cfg.rollout.timeout_s,
+                                     should_stop=lambda: self.driver.error is not None)
+            self.wait_s += time.monotonic() - t0
+            if trajs is None:
+                reason = (f"the rollout driver died: {self.driver.error!r}" if self.driver.error is not None else
+                          f"no batch of {self.cfg.buffer.batch_size} trajectories within rollout.timeout_s="
+                          f"{self.cfg.rollout.timeout_s}s (finished {self.driver.finished}, failed "
+                          f"{self.driver.failed}, in flight {len(self.driver.in_flight)})")
+                trajs = reason
+        trajs = self._broadcast(trajs)
+        if isinstance(trajs, str):
+            self.save()
+            raise TrainingStopped(f"rollout engine: {trajs}; checkpoint written at step {self.step}")
+        return trajs
+
+    def _check_finite(self, res, role: str) -> None:
+        if not res.skipped:
+            self.nonfinite = 0
+            return
+        self.nonfinite += 1
+        logger.warning("%s step %d: non-finite loss/grad, update skipped (%d in a row)", role, self.step, self.nonfinite)
+        if self.nonfinite >= self.cfg.run.max_consecutive_nonfinite:
+            self.save()
+            raise TrainingStopped(f"{self.nonfinite} non-finite {role} steps in a row at step {self.step}; "
+                                  "checkpoint written")
+
+    def _sync_weights(self) -> float:
+        t0 = time.monotonic()
+        buckets = list(self.actor.export_hf_weights(self.cfg.rollout.weight_sync_bucket_mb << 20))
+        if self.rank0:
+            self.driver.call(self.rollout.update_weights(buckets, self.version), timeout=self.cfg.rollout.timeout_s)
+        return time.monotonic() - t0
+
+    # ------------------------------------------------------------------ rollouts
+    def _start_rollouts(self, state: dict | None) -> None:
+        cfg = self.cfg
+        self.rollout = C.build_rollout_engine(cfg, self.model_dir)
+        from megatron_sao.rollout.chat import ChatFormatter
+
+        formatter = ChatFormatter(C.load_tokenizer(cfg, self.model_dir))
+        ahead = 0 if cfg.trainer.mode == "sync" else cfg.buffer.max_staleness
+        drv = (state or {}).get("driver", {})
+        in_buffer = {unit_of(t) for t in self.buffer.restore()} if state else set()
+        requeue = [tuple(u) for u in drv.get("queued", []) + drv.get("in_flight", []) if tuple(u) not in in_buffer]
+        self.driver = RolloutDriver(
+            self.rollout, C.env_factory(cfg), PromptStream(C.train_tasks(cfg), cfg.run.seed), formatter,
+            C.agent_loop_config(cfg), self.buffer.put, batch_size=cfg.buffer.batch_size, ahead=ahead,
+            concurrency=cfg.rollout.concurrency, group_size=self.group, next_pos=drv.get("next_pos", 0),
+            requeue=requeue, skip=in_buffer)
+        self.buffer.on_drop = self.driver.requeue
+        self.driver.start()
+        self.formatter = formatter
+
+    def _post_resume_sync(self) -> None:
+        buckets = list(self.actor.export_hf_weights(self.cfg.rollout.weight_sync_bucket_mb << 20))
+        if self.rank0:
+            self.driver.call(self.rollout.update_weights(buckets, self.version), timeout=self.cfg.rollout.timeout_s)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> None:
+        state = {"step": self.step, "version": self.version, "nonfinite": self.nonfinite,
+                 "driver": self.driver.state() if self.rank0 else None,
+                 "baseline": self.baseline.state_dict() if self.baseline else None,
+                 "buffer_stats": vars(self.buffer.stats) if self.rank0 else None, "rng": rng_state()}
+
+        def parts(d: Path):
+            self.actor.save(str(d / "actor"))
+            if self.critic is not None:
+                self.critic.save(str(d / "critic"))
+        self.run_dir.save_checkpoint(self.step, parts, state, barrier=self._barrier)
+        if self.rank0:
+            self.buffer.release_consumed(self.step - 1)
+
+    def _resume(self) -> dict | None:
+        ckpt = self.run_dir.latest_checkpoint()
+        if ckpt is None:
+            logger.info("--resume: no checkpoint in %s, starting fresh", self.run_dir.ckpt_root)
+            return None
+        state = self.run_dir.load_trainer_state(ckpt)
+        self.actor.load(str(ckpt / "actor"))
+        if self.critic is not None:
+            self.critic.load(str(ckpt / "critic"))
+        self.step, self.version, self.nonfinite = state["step"], state["version"], state["nonfinite"]
+        if self.baseline is not None and state.get("baseline"):
+            self.baseline.load_state_dict(state["baseline"])
+        if state.get("rng") is not None:
+            set_rng_state(state["rng"])
+        self._resumed_from = ckpt
+        return state
+
+    # ------------------------------------------------------------------ logging
+    def _log(self, m: dict, trajs, batch, step_s: float) -> None:
+        if not self.rank0:
+            return
+        rewards = torch.tensor([t.reward for t in trajs])
+        m.update({
+            "wall_time": time.time(), "reward": float(rewards.mean()), "step_time_s": step_s,
+            "tokens_per_s": float(batch.attention_mask.sum()) / max(step_s, 1e-9),
+            "action_tokens": int(batch.action_mask.sum()), "mean_length": float(batch.lengths.float().mean()),
+            "mean_turns": sum(t.num_turns for t in trajs) / len(trajs),
+            "lag_histogram": self.buffer.stats.last_lag_histogram,
+            "buffer/dropped_stale": self.buffer.stats.dropped_stale, "buffer/failed": self.buffer.stats.failed,
+            "buffer/ready": len(self.buffer),
+            "trainer_idle_fraction": self.wait_s / max(self.wait_s + self.busy_s, 1e-9),
+            "rollout_idle_fraction": self.driver.engine_idle_fraction(),
+        })
+        if self.cfg.run.eval_every and self.step % self.cfg.run.eval_every == 0:
+            m["eval/accuracy"] = self.evaluate()
+        self.run_dir.log_metrics(m, tensorboard=self.cfg.run.tensorboard)
+        self.console.update(m)
+
+    def evaluate(self) -> float:
+        from megatron_sao.trainer.evaluate import run_eval
+
+        return run_eval(self.cfg, self.rollout, self.formatter, out_path=self.run_dir.path / "eval" /
+                        f"step_{self.step:06d}.jsonl", call=self.driver.call)["accuracy"]
+
+    # ------------------------------------------------------------------ distributed helpers
+    def _broadcast(self, obj):
+        if self.ctx.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _barrier(self) -> None:
+        if self.ctx.world_size > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.driver is not None:
+            try:
+                if self.driver.error is None:
+                    self.driver.call(self.rollout.close(), timeout=30)
+            except Exception as e:  # noqa: BLE001 - shutting down; report and go on
+                logger.warning("closing the rollout engine failed: %r", e)
+            self.driver.stop()
+            self.driver = None
+        if self.buffer is not None:
+            self.buffer.close()
+        self.console.close()
+        self.run_dir.close()

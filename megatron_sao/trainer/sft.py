@@ -1,0 +1,122 @@
+"""`sao sft`: supervised warm start on demonstrations, loss on action tokens only.
+
+Demonstrations are encoded with the same ChatFormatter the agent loop uses, so the policy learns
+the exact token layout it will see in RL (role markers, stop tokens, observation wrapping). The
+result is an HF directory `<run>/sft_model`, the starting point of value pretraining and RL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_sao.config import OptimConfig as OptimSection, SAOConfig, load_config
+from megatron_sao.trainer import components as C
+from megatron_sao.trainer.console import Console
+from megatron_sao.trainer.hf_export import export_hf_model
+from megatron_sao.trainer.losses import sft_loss_fn
+from megatron_sao.trainer.run_dir import RunDir
+
+logger = logging.getLogger(__name__)
+
+
+def load_demonstrations(cfg: SAOConfig) -> list[list[dict]]:
+    if cfg.sft.data:
+        rows = []
+        with open(cfg.sft.data) as f:
+            for i, line in enumerate(f):
+                if line.strip():
+                    row = json.loads(line)
+                    if "messages" not in row:
+                        raise ValueError(f"{cfg.sft.data}:{i + 1}: a demonstration needs a 'messages' list")
+                    rows.append(row["messages"])
+        return rows
+    if cfg.env.name == "toy_tool":
+        from megatron_sao.envs.toy_tool import make_demonstrations
+
+        return [d if isinstance(d, list) else d["messages"] for d in
+                make_demonstrations(cfg.sft.demonstrations, seed=cfg.run.seed, error_rate=cfg.sft.error_rate,
+                                    **_toy_kwargs(cfg))]
+    raise ValueError(f"sft.data: env {cfg.env.name!r} has no demonstration generator; give a jsonl file")
+
+
+def _toy_kwargs(cfg: SAOConfig) -> dict:
+    return {k: v for k, v in cfg.env.task_kwargs.items() if k in ("max_ops", "alpha")}
+
+
+def pad_examples(examples: list[tuple[list[int], list[bool]]], pad_id: int) -> dict[str, torch.Tensor]:
+    T = max(len(ids) for ids, _ in examples)
+    B = len(examples)
+    tokens = torch.full((B, T), pad_id, dtype=torch.int64)
+    attn = torch.zeros((B, T), dtype=torch.bool)
+    action = torch.zeros((B, T), dtype=torch.bool)
+    for i, (ids, mask) in enumerate(examples):
+        tokens[i, :len(ids)] = torch.tensor(ids)
+        attn[i, :len(ids)] = True
+        action[i, :len(ids)] = torch.tensor(mask)
+    return {"tokens": tokens, "attention_mask": attn, "action_mask": action}
+
+
+def run_sft(cfg: SAOConfig) -> Path:
+    from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
+    from megatron_sao.megatron.parallel import init_parallel
+    from megatron_sao.rollout.chat import ChatFormatter
+
+    C.set_threads()
+    ensure_cpu_compat()
+    ctx = init_parallel(C.parallel_sizes(cfg))
+    run = RunDir(cfg.run.dir, is_writer=ctx.rank == 0)
+    torch.manual_seed(cfg.run.seed)
+    model_dir = C.resolve_model_dir(cfg, run.path)
+    formatter = ChatFormatter(C.load_tokenizer(cfg, model_dir))
+    demos = load_demonstrations(cfg)
+    encoded = [formatter.encode_demonstration(m) for m in demos]
+    kept = [e for e in encoded if len(e[0]) <= cfg.model.max_seq_len]
+    if len(kept) < len(encoded):
+        logger.warning("sft: %d of %d demonstrations exceed model.max_seq_len=%d and are not used",
+                       len(encoded) - len(kept), len(encoded), cfg.model.max_seq_len)
+    if not kept:
+        raise ValueError("sft: no demonstration fits model.max_seq_len")
+    s = cfg.sft
+    optim = OptimSection(lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps, clip_grad=1.0)
+    actor = C.build_actor(cfg, model_dir, ctx=ctx, optim=optim, total_steps=s.steps, init=str(model_dir))
+    rng = random.Random(cfg.run.seed)
+    console = Console(cfg.run.console if ctx.rank == 0 else "none", total=s.steps, title="sao sft")
+    metrics_path = run.path / "sft" / "metrics.jsonl"
+    if ctx.rank == 0:
+        metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        metrics_path.write_text("")
+    loss_fn = sft_loss_fn()
+    t_start = time.monotonic()
+    for step in range(s.steps):
+        batch = pad_examples([kept[rng.randrange(len(kept))] for _ in range(s.batch_size)], formatter.pad_token_id)
+        res = actor.train_step(batch, loss_fn)
+        if ctx.rank == 0:
+            m = {"step": step, "loss": res.loss, "grad_norm": res.grad_norm, "lr": res.metrics.get("lr"),
+                 "skipped": res.skipped, "elapsed_s": time.monotonic() - t_start}
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(m) + "\n")
+            console.update({"step": step, "loss": res.loss})
+    console.close()
+    out = run.path / "sft_model"
+    export_hf_model(actor, model_dir, out)
+    if ctx.rank == 0 and s.eval:
+        from megatron_sao.trainer.evaluate import evaluate_model_dir
+
+        res = evaluate_model_dir(cfg, out, run.path / "eval" / "sft_model.jsonl")
+        (run.path / "sft" / "eval.json").write_text(json.dumps(res))
+        logger.info("sft model: eval accuracy %.3f on %d tasks", res["accuracy"], res["n"])
+        print(json.dumps({"stage": "sft", "eval_accuracy": res["accuracy"], "n": res["n"]}), flush=True)
+    return out
+
+
+def main(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cfg = load_config(args.config, args.overrides)
+    run_sft(cfg)
+    return 0

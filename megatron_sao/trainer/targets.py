@@ -1,0 +1,102 @@
+"""Advantages and critic targets for one batch, per algorithm (pure tensor code, no engines).
+
+Value alignment. The critic engine returns at position t the value of the state that *ends* with
+token t. The action at position t is taken in the state that ends with token t-1, so the value
+that GAE pairs with action token t is `critic[:, t-1]` (verl and OpenRLHF align the same way).
+The bootstrap value of a truncated trajectory is the value of the state after its last token,
+`critic[:, length-1]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_sao.algorithms import (
+    RunningMeanBaseline,
+    adaptive_lambda,
+    broadcast_to_tokens,
+    grpo_advantages,
+    masked_whiten,
+    skip_observation_gae,
+    step_level_gae,
+)
+from megatron_sao.config import AlgorithmConfig
+from megatron_sao.trajectory import TrajectoryBatch
+
+
+@dataclass
+class Targets:
+    advantages: torch.Tensor  # [B, T], 0 off the action mask
+    returns: torch.Tensor | None  # [B, T] critic targets (None without a critic)
+    old_values: torch.Tensor | None  # [B, T] critic values aligned to actions
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def values_for_actions(state_values: torch.Tensor) -> torch.Tensor:
+    """Shift state-ending-at-t values right by one so position t holds V(state before token t)."""
+    return torch.cat([torch.zeros_like(state_values[:, :1]), state_values[:, :-1]], dim=1)
+
+
+def bootstrap_values(batch: TrajectoryBatch, state_values: torch.Tensor | None) -> torch.Tensor:
+    """[B]: the critic's value after the last token for truncated rows that ask for it, the given
+    value for truncated rows that carry one, 0 for terminated rows."""
+    boot = batch.bootstrap_values.to(torch.float32).clone()
+    if bool(batch.bootstrap_from_critic.any()):
+        if state_values is None:
+            raise ValueError("truncated trajectories need a critic to bootstrap from, but this algorithm "
+                             "has none; give them a bootstrap value or use algorithm.name=sao")
+        last = (batch.lengths - 1).clamp(min=0)
+        from_critic = state_values.gather(1, last[:, None]).squeeze(1).to(boot.dtype)
+        boot = torch.where(batch.bootstrap_from_critic, from_critic, boot)
+    return boot
+
+
+def compute_targets(batch: TrajectoryBatch, state_values: torch.Tensor | None, algo: AlgorithmConfig,
+                    baseline: RunningMeanBaseline | None = None) -> Targets:
+    mask = batch.action_mask
+    rewards = batch.rewards.to(torch.float32)
+    metrics: dict[str, float] = {}
+    returns = old_values = None
+    if algo.name == "sao":
+        if state_values is None:
+            raise ValueError("algorithm sao needs critic values")
+        v = values_for_actions(state_values.to(torch.float32)) * mask
+        boot = bootstrap_values(batch, state_values.to(torch.float32))
+        # Critic targets: lambda-returns with the critic's own lambda (1.0 = Monte Carlo returns).
+        _, returns = skip_observation_gae(rewards, v, mask, algo.gamma, algo.critic_lambda, boot)
+        if algo.advantage == "token":
+            lengths = mask.sum(1)
+            lam = (torch.full((batch.size,), algo.policy_lambda) if algo.policy_lambda is not None
+                   else adaptive_lambda(lengths, algo.policy_alpha, dtype=torch.float32))
+            advantages, _ = skip_observation_gae(rewards, v, mask, algo.gamma, lam, boot)
+            metrics["policy_lambda_mean"] = float(lam.mean())
+        else:
+            mode = "turn_avg" if algo.advantage == "step_avg" else "turn_last"
+            lam = algo.policy_lambda if algo.policy_lambda is not None else 1.0
+            advantages, _ = step_level_gae(rewards, v, mask, batch.turn_ids, algo.gamma, lam, mode, boot)
+        old_values = v
+    elif algo.name in ("grpo", "grpo_dis"):
+        per_traj = rewards.sum(1)
+        groups = {pid: i for i, pid in enumerate(dict.fromkeys(batch.prompt_ids))}
+        group_ids = torch.tensor([groups[p] for p in batch.prompt_ids])
+        advantages = broadcast_to_tokens(grpo_advantages(per_traj, group_ids), mask)
+    elif algo.name == "running_mean":
+        if baseline is None:
+            raise ValueError("algorithm running_mean needs a RunningMeanBaseline")
+        per_traj = rewards.sum(1)
+        metrics["baseline"] = float(baseline.value)
+        advantages = broadcast_to_tokens(baseline.advantages(per_traj), mask)
+        baseline.update(per_traj)
+    else:
+        raise ValueError(f"unknown algorithm {algo.name!r}")
+    if algo.whiten_advantages:
+        advantages = masked_whiten(advantages, mask) * mask
+    m = mask.float()
+    n = m.sum().clamp(min=1)
+    metrics["advantage_mean"] = float((advantages * m).sum() / n)
+    metrics["advantage_abs_mean"] = float((advantages.abs() * m).sum() / n)
+    if returns is not None:
+        metrics["return_mean"] = float((returns * m).sum() / n)
+    return Targets(advantages.to(torch.float32), returns, old_values, metrics)

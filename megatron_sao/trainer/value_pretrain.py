@@ -1,0 +1,107 @@
+"""`sao value-pretrain`: fit the critic on rollouts of the fixed SFT policy before RL.
+
+The paper finds the critic's cold start to be SAO's bottleneck: a critic that starts from the
+policy's weights with a fresh value head gives noisy advantages for the first hundreds of steps.
+Here the SFT policy plays `value_pretrain.rollouts` episodes (temperature 1.0), and the critic
+regresses onto their Monte Carlo returns (skip-observation GAE with lambda = 1, bootstrapping
+truncated episodes from the critic itself). The critic is written as an HF directory
+`<run>/critic_pretrained` (value head as `score.weight`), which `sao train` loads by default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from pathlib import Path
+
+import torch
+
+from megatron_sao.algorithms import explained_variance
+from megatron_sao.config import SAOConfig, load_config
+from megatron_sao.trainer import components as C
+from megatron_sao.trainer.console import Console
+from megatron_sao.trainer.hf_export import export_hf_model
+from megatron_sao.trainer.losses import critic_loss_fn
+from megatron_sao.trainer.run_dir import RunDir
+from megatron_sao.trainer.targets import compute_targets
+from megatron_sao.trajectory import collate_padded, save_trajectories
+
+logger = logging.getLogger(__name__)
+
+
+def collect_rollouts(cfg: SAOConfig, policy_dir: Path, n: int) -> list:
+    from megatron_sao.rollout.agent_loop import run_many
+    from megatron_sao.rollout.chat import ChatFormatter
+    from megatron_sao.trainer.rollout_driver import PromptStream
+
+    formatter = ChatFormatter(C.load_tokenizer(cfg, policy_dir))
+    stream = PromptStream(C.train_tasks(cfg), cfg.run.seed + 7)
+    tasks = [stream[i] for i in range(n)]
+
+    async def go():
+        engine = C.build_rollout_engine(cfg, policy_dir)
+        try:
+            return await run_many(engine, C.env_factory(cfg), tasks, formatter, C.agent_loop_config(cfg))
+        finally:
+            await engine.close()
+    return asyncio.run(go())
+
+
+def run_value_pretrain(cfg: SAOConfig) -> Path:
+    from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
+    from megatron_sao.megatron.parallel import init_parallel
+
+    C.set_threads()
+    ensure_cpu_compat()
+    ctx = init_parallel(C.parallel_sizes(cfg))
+    run = RunDir(cfg.run.dir, is_writer=ctx.rank == 0)
+    torch.manual_seed(cfg.run.seed)
+    policy_dir = Path(cfg.actor.init) if cfg.actor.init else run.path / "sft_model"
+    if not (policy_dir / "config.json").exists():
+        raise FileNotFoundError(f"value-pretrain: no policy at {policy_dir}; run `sao sft` first or set actor.init")
+    v = cfg.value_pretrain
+    trajs = collect_rollouts(cfg, policy_dir, v.rollouts) if ctx.rank == 0 else None
+    if ctx.world_size > 1:
+        box = [trajs]
+        torch.distributed.broadcast_object_list(box, src=0)
+        trajs = box[0]
+    if ctx.rank == 0:
+        save_trajectories(run.path / "value_pretrain_rollouts.safetensors", trajs)
+    usable = [t for t in trajs if t.trainable]
+    if not usable:
+        raise RuntimeError(f"value-pretrain: all {len(trajs)} rollouts failed; first error: {trajs[0].error}")
+    if v.lr is not None:
+        cfg.critic.optim.lr = v.lr
+    critic = C.build_critic(cfg, policy_dir, ctx=ctx, init=str(policy_dir), freeze=v.freeze_attention)
+    rng = random.Random(cfg.run.seed)
+    loss_fn = critic_loss_fn()
+    console = Console(cfg.run.console if ctx.rank == 0 else "none", total=v.steps, title="sao value-pretrain")
+    log = []
+    for step in range(v.steps):
+        batch = collate_padded([usable[rng.randrange(len(usable))] for _ in range(min(v.batch_size, len(usable)))])
+        fields = {k: t for k, t in batch.to_dict().items() if t.dim() == 2}
+        values = critic.values(fields)
+        targets = compute_targets(batch, values, cfg.algorithm)
+        fields["returns"] = targets.returns
+        res = critic.train_step(fields, loss_fn)
+        ev = float(explained_variance(targets.old_values, targets.returns, batch.action_mask))
+        log.append({"step": step, "value_loss": res.loss, "explained_variance": ev, "grad_norm": res.grad_norm})
+        console.update({"step": step, "critic/loss": res.loss, "critic/explained_variance": ev})
+    console.close()
+    out = run.path / "critic_pretrained"
+    export_hf_model(critic, policy_dir, out)
+    if ctx.rank == 0:
+        (run.path / "value_pretrain_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+        print(json.dumps({"stage": "value-pretrain", "rollouts": len(trajs), "usable": len(usable),
+                          "rollout_reward": sum(t.reward for t in usable) / len(usable),
+                          "final_value_loss": log[-1]["value_loss"] if log else None,
+                          "final_explained_variance": log[-1]["explained_variance"] if log else None}), flush=True)
+    return out
+
+
+def main(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    run_value_pretrain(load_config(args.config, args.overrides))
+    return 0

@@ -1,0 +1,231 @@
+#!/bin/bash
+# Shared logic of the SAO sbatch scripts. Two entry points:
+#   source slurm/common.sh; sao_launch "$@"   on the batch host (sbatch scripts): preflight plan,
+#                                             then one srun with one task per node
+#   bash slurm/common.sh node                 on every node (that srun's task): eval this node's
+#                                             part of the launch plan, start it, supervise it
+# Everything with arithmetic in it (roles, ranks, ports, addresses, server URLs) comes from
+# `python -m megatron_sao.cluster.launch_plan`, which is unit-tested; this file only starts,
+# watches and stops processes.
+#
+# Variables (all optional; see docs/cluster.md):
+#   SAO_CONFIG            recipe YAML (each sbatch script sets its default)
+#   SAO_REPO              repository root (default: this file's parent, or SLURM_SUBMIT_DIR under sbatch)
+#   SAO_PYTHON            python with megatron_sao installed (default: python)
+#   SAO_RUN_ROOT          parent of run dirs (default: $SAO_REPO/runs)
+#   SAO_RUN_DIR           run dir (default: $SAO_RUN_ROOT/<job name>-<job id>; same after a requeue)
+#   SAO_MODEL_DIR         local HF checkpoint: model.path of the trainer and the model vllm serve loads
+#   SAO_MEGATRON_CKPT     converted Megatron checkpoint for actor.init (slurm/convert.sh makes it)
+#   SAO_TRAINER_NODES     trainer nodes (default cluster.trainer_nodes); the rest are rollout nodes
+#   SAO_GPUS_PER_NODE     default SLURM_GPUS_ON_NODE, else 8
+#   SAO_GPU_MEM_GIB       GPU memory for the preflight plan (default 80); SAO_SKIP_PLAN=1 skips it
+#   SAO_HEALTH_TIMEOUT_S  deadline for every vLLM server to answer /health (default 1800)
+#   SAO_KILL_GRACE_S      SIGTERM -> SIGKILL grace, e.g. for a final checkpoint (default 120)
+#   SAO_POLL_S            poll interval of the health and done-file checks (default 10 / 5 s)
+#   SAO_SRUN_ARGS         extra srun flags: container (--container-image=... --container-mounts=...), --mpi, ...
+#   SAO_TORCHRUN, SAO_VLLM executables on the nodes (default torchrun, vllm)
+#   SAO_DRY_RUN=1 (or --dry-run) prints every node's commands and exits without srun
+#   NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_IB_*, NCCL_DEBUG: passed through; defaults set below
+
+sao_log() { echo "[sao $(date '+%F %T') ${SAO_HOST:-$(hostname -s 2>/dev/null || echo ?)}] $*" >&2; }
+sao_die() { sao_log "error: $*"; exit "${2:-1}"; }
+
+sao_defaults() {
+    if [[ -z "${SAO_REPO:-}" ]]; then
+        local here
+        here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+        # Under sbatch the script runs from a spool copy; the submit dir is the checkout then.
+        if [[ -f "$here/common.sh" && -d "$here/../megatron_sao" ]]; then SAO_REPO="$(dirname "$here")"
+        else SAO_REPO="${SLURM_SUBMIT_DIR:?set SAO_REPO to the megatron-sao checkout}"; fi
+    fi
+    export SAO_REPO
+    export SAO_PYTHON="${SAO_PYTHON:-python}"
+    export SAO_CONFIG="${SAO_CONFIG:?SAO_CONFIG is not set}"
+    [[ "$SAO_CONFIG" = /* ]] || SAO_CONFIG="$SAO_REPO/$SAO_CONFIG"
+    [[ -f "$SAO_CONFIG" ]] || sao_die "SAO_CONFIG=$SAO_CONFIG does not exist" 2
+    export SAO_JOB_ID="${SLURM_JOB_ID:-local}"
+    export SAO_RESTART_COUNT="${SLURM_RESTART_COUNT:-0}"
+    export SAO_RUN_ROOT="${SAO_RUN_ROOT:-$SAO_REPO/runs}"
+    export SAO_RUN_DIR="${SAO_RUN_DIR:-$SAO_RUN_ROOT/${SLURM_JOB_NAME:-sao}-$SAO_JOB_ID}"
+    export SAO_GPUS_PER_NODE="${SAO_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
+    export SAO_GPU_MEM_GIB="${SAO_GPU_MEM_GIB:-80}"
+    export SAO_HEALTH_TIMEOUT_S="${SAO_HEALTH_TIMEOUT_S:-1800}"
+    export SAO_KILL_GRACE_S="${SAO_KILL_GRACE_S:-120}"
+    export SAO_TORCHRUN="${SAO_TORCHRUN:-torchrun}" SAO_VLLM="${SAO_VLLM:-vllm}"
+    export SAO_NODELIST="${SAO_NODELIST:-${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set (run under sbatch, or export it for a dry run)}}"
+}
+
+sao_nccl_env() {
+    # Defaults only: anything already in the environment wins (site modules, the user).
+    export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}"  # never bootstrap over loopback/docker
+    export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"               # IB verbs retry timeout (4.096us * 2^22)
+    export NCCL_IB_RETRY_CNT="${NCCL_IB_RETRY_CNT:-7}"
+    export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+    # A failed/hung collective raises on every rank instead of hanging the job until the time limit.
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+    export TORCH_NCCL_ENABLE_MONITORING="${TORCH_NCCL_ENABLE_MONITORING:-1}"
+    export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC="${TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC:-1800}"
+    export TORCH_NCCL_DUMP_ON_TIMEOUT="${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}"
+    export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"  # Megatron TP/SP comm overlap ordering
+    export PYTHONUNBUFFERED=1
+}
+
+# The hostlist as one comma list: scontrol when present, else the raw SLURM syntax (the Python
+# side expands brackets itself).
+sao_hostlist() {
+    if command -v scontrol >/dev/null 2>&1; then scontrol show hostnames "$SAO_NODELIST" | paste -sd, -
+    else echo "$SAO_NODELIST"; fi
+}
+
+# Arguments shared by every launch_plan call; user overrides ("$@") go last.
+sao_plan_cmd() {
+    SAO_PLAN_CMD=("$SAO_PYTHON" -m megatron_sao.cluster.launch_plan --config "$SAO_CONFIG"
+        --nodelist "$(sao_hostlist)" --run-dir "$SAO_RUN_DIR" --job-id "$SAO_JOB_ID"
+        --restart-count "$SAO_RESTART_COUNT" --gpus-per-node "$SAO_GPUS_PER_NODE"
+        --torchrun "$SAO_TORCHRUN" --vllm "$SAO_VLLM")
+    [[ -n "${SAO_TRAINER_NODES:-}" ]] && SAO_PLAN_CMD+=(--trainer-nodes "$SAO_TRAINER_NODES")
+    [[ -n "${SAO_MODEL_DIR:-}" ]] && SAO_PLAN_CMD+=(--model-dir "$SAO_MODEL_DIR")
+    SAO_PLAN_CMD+=("${SAO_OVERRIDES[@]}")
+}
+
+sao_collect_overrides() {
+    SAO_OVERRIDES=()
+    [[ -n "${SAO_MODEL_DIR:-}" ]] && SAO_OVERRIDES+=("model.path=$SAO_MODEL_DIR")
+    [[ -n "${SAO_MEGATRON_CKPT:-}" ]] && SAO_OVERRIDES+=("actor.init=$SAO_MEGATRON_CKPT")
+    SAO_OVERRIDES+=("$@")
+}
+
+# ------------------------------------------------------------------ batch host: sao_launch
+
+sao_launch() {
+    local dry="${SAO_DRY_RUN:-0}"
+    if [[ "${1:-}" == "--dry-run" ]]; then dry=1; shift; fi
+    sao_defaults
+    sao_nccl_env
+    sao_collect_overrides "$@"
+    export SAO_OVERRIDES_STR
+    SAO_OVERRIDES_STR="$(printf '%q ' "${SAO_OVERRIDES[@]}")"  # srun tasks rebuild the array from it
+    cd "$SAO_REPO"
+    sao_plan_cmd
+    if [[ "${SAO_SKIP_PLAN:-0}" != 1 ]]; then
+        # Refuse an impossible layout or memory plan here, not 20 minutes into model loading.
+        "${SAO_PLAN_CMD[@]}" --format memory --gpu-mem-gib "$SAO_GPU_MEM_GIB" \
+            || sao_die "the memory/layout plan refused this job (SAO_SKIP_PLAN=1 launches anyway)" 2
+    fi
+    if [[ "$dry" == 1 ]]; then
+        "${SAO_PLAN_CMD[@]}" --format text || exit 2
+        echo "# srun --nodes=\$SLURM_NNODES --ntasks-per-node=1 --kill-on-bad-exit=1 ${SAO_SRUN_ARGS:-}" \
+             "bash $SAO_REPO/slurm/common.sh node"
+        return 0
+    fi
+    "${SAO_PLAN_CMD[@]}" --format text >/dev/null || sao_die "launch plan failed (see above)" 2
+    mkdir -p "$SAO_RUN_DIR/logs"
+    "${SAO_PLAN_CMD[@]}" --format text > "$SAO_RUN_DIR/logs/launch-plan-$SAO_JOB_ID-$SAO_RESTART_COUNT.txt"
+    sao_log "run dir $SAO_RUN_DIR (restart $SAO_RESTART_COUNT), nodes $(sao_hostlist)"
+
+    # One task per node; --kill-on-bad-exit: any node failing stops all of them.
+    # shellcheck disable=SC2086
+    srun --nodes="${SLURM_NNODES}" --ntasks="${SLURM_NNODES}" --ntasks-per-node=1 --kill-on-bad-exit=1 \
+        --wait="${SAO_SRUN_WAIT_S:-$((SAO_KILL_GRACE_S + 60))}" ${SAO_SRUN_ARGS:-} \
+        bash "$SAO_REPO/slurm/common.sh" node &
+    SAO_SRUN_PID=$!
+    # USR1 (--signal=B:USR1@T, before the time limit): stop cleanly, then requeue this job id so
+    # the next attempt resumes from the run dir's latest checkpoint. TERM/INT: scancel or Ctrl-C.
+    trap 'sao_log "time limit near: stopping and requeueing"; kill -TERM "$SAO_SRUN_PID" 2>/dev/null; \
+          wait "$SAO_SRUN_PID"; scontrol requeue "$SLURM_JOB_ID"; exit 0' USR1
+    trap 'sao_log "signal: stopping every node"; kill -TERM "$SAO_SRUN_PID" 2>/dev/null; wait "$SAO_SRUN_PID"; exit 143' TERM INT
+    local rc=0
+    wait "$SAO_SRUN_PID" || rc=$?
+    sao_log "srun finished with exit code $rc"
+    return "$rc"
+}
+
+# ------------------------------------------------------------------ every node: sao_node_main
+
+SAO_PIDS=()
+
+# Start argv in its own session/process group (pgid = pid) so that stopping it reaches the
+# whole tree (torchrun's workers, vLLM's engine and TP workers).
+sao_start() {
+    local name="$1" log="$2"; shift 2
+    mkdir -p "$(dirname "$log")"
+    sao_log "start $name -> $log"
+    setsid "$@" >>"$log" 2>&1 < /dev/null &
+    SAO_PIDS+=("$!")
+}
+
+sao_stop_all() {
+    local pid deadline
+    ((${#SAO_PIDS[@]})) || return 0
+    for pid in "${SAO_PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
+    deadline=$((SECONDS + SAO_KILL_GRACE_S))
+    for pid in "${SAO_PIDS[@]}"; do
+        while kill -0 -- "-$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 1; done
+        kill -KILL -- "-$pid" 2>/dev/null || true
+    done
+    SAO_PIDS=()
+}
+
+sao_http_ok() {
+    if command -v curl >/dev/null 2>&1; then curl -sf -o /dev/null --max-time 5 "$1"
+    else "$SAO_PYTHON" -c 'import sys,urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$1" 2>/dev/null; fi
+}
+
+# Wait until every URL answers 2xx, or fail at the deadline naming the ones that did not.
+sao_wait_healthy() {
+    local timeout="$1"; shift
+    local deadline=$((SECONDS + timeout)) url pending=("$@")
+    while ((${#pending[@]})); do
+        local still=()
+        for url in "${pending[@]}"; do sao_http_ok "$url" || still+=("$url"); done
+        pending=("${still[@]+"${still[@]}"}")
+        ((${#pending[@]})) || break
+        ((SECONDS < deadline)) || sao_die "no /health answer after ${timeout}s from: ${pending[*]}"
+        sleep "${SAO_POLL_S:-10}"
+    done
+    sao_log "healthy: $*"
+}
+
+sao_node_main() {
+    set -euo pipefail
+    sao_defaults
+    cd "$SAO_REPO"
+    eval "SAO_OVERRIDES=(${SAO_OVERRIDES_STR:-})"
+    sao_plan_cmd
+    local plan
+    plan="$("${SAO_PLAN_CMD[@]}" --node-rank "${SLURM_NODEID:?SLURM_NODEID is not set}" --format bash)" \
+        || sao_die "launch plan failed on node ${SLURM_NODEID}" 2
+    eval "$plan"
+    trap sao_stop_all EXIT
+    trap 'exit 143' TERM
+    trap 'exit 130' INT
+    if ((${#SAO_WAIT_FOR[@]})); then sao_wait_healthy "$SAO_HEALTH_TIMEOUT_S" "${SAO_WAIT_FOR[@]}"; fi
+    local i name log cmd
+    for ((i = 0; i < SAO_NPROCS; i++)); do
+        eval "name=\$SAO_PROC_NAME_$i; log=\$SAO_PROC_LOG_$i; cmd=(\"\${SAO_PROC_CMD_$i[@]}\")"
+        sao_start "$name" "$log" "${cmd[@]}"
+    done
+    local rc=0
+    if [[ "$SAO_ROLE" == trainer ]]; then
+        wait "${SAO_PIDS[0]}" || rc=$?
+        # Trainer node 0 tells the rollout nodes that the end is intended, not a crash.
+        [[ "$SAO_NODE_RANK" == 0 ]] && touch "$SAO_DONE_FILE"
+        sao_log "trainer exited with $rc"
+        exit "$rc"
+    fi
+    # Rollout node: run until the trainer is done (exit 0) or a server dies (exit 1, which makes
+    # srun --kill-on-bad-exit stop the whole job).
+    (while [[ ! -e "$SAO_DONE_FILE" ]]; do sleep "${SAO_POLL_S:-5}"; done) &
+    local watcher=$!
+    wait -n || true  # bash >= 4.3; the only children are the servers and the watcher
+    kill "$watcher" 2>/dev/null || true
+    if [[ -e "$SAO_DONE_FILE" ]]; then sao_log "trainer done: stopping vLLM"; exit 0; fi
+    sao_die "a vLLM server on $SAO_HOST exited before the trainer finished (logs in $SAO_RUN_DIR/logs)"
+}
+
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+    case "${1:-}" in
+        node) sao_node_main ;;
+        *) echo "usage: bash slurm/common.sh node   (run by srun; sbatch scripts source this file)" >&2; exit 2 ;;
+    esac
+fi

@@ -1,0 +1,29 @@
+#!/bin/bash
+# SAO on Qwen3-30B-A3B, math with a Python tool (AIME-style data), paper settings.
+# Recipe: examples/qwen3_30b_a3b/aime_disaggregated.yaml (4 trainer + 4 rollout nodes by default).
+#
+#   sbatch -A <account> -p <partition> slurm/sao_aime.sh [key=value overrides ...]
+#   sbatch --nodes=4 --export=ALL,SAO_CONFIG=examples/qwen3_30b_a3b/aime_colocated.yaml slurm/sao_aime.sh
+#   bash slurm/sao_aime.sh --dry-run      (needs SLURM_JOB_NODELIST; prints every node's commands)
+#
+# #SBATCH lines cannot expand variables: the values below are defaults, override them on the
+# sbatch command line (--nodes, --gpus-per-node, --time, -A, -p, --qos). Inside the job every
+# count is read back from SLURM (SLURM_JOB_NODELIST, SLURM_NNODES, SLURM_GPUS_ON_NODE) and the
+# SAO_* variables documented in slurm/common.sh and docs/cluster.md.
+#SBATCH --job-name=sao-aime
+#SBATCH --nodes=8
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=48:00:00
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@600
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+set -euo pipefail
+_here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+[[ -f "$_here/common.sh" ]] || _here="${SAO_REPO:-${SLURM_SUBMIT_DIR:?}}/slurm"  # sbatch spool copy
+export SAO_CONFIG="${SAO_CONFIG:-examples/qwen3_30b_a3b/aime_disaggregated.yaml}"
+# shellcheck source=slurm/common.sh
+source "$_here/common.sh"
+sao_launch "$@"

@@ -1,0 +1,28 @@
+#!/bin/bash
+# SAO on Qwen3-30B-A3B, online-learning simulation (style preference switching by phase, LLM judge).
+# Recipe: examples/qwen3_30b_a3b/online_style.yaml (4 trainer + 1 rollout node by default).
+#
+#   sbatch -A <account> -p <partition> slurm/sao_online_style.sh [key=value overrides ...]
+#   bash slurm/sao_online_style.sh --dry-run      (needs SLURM_JOB_NODELIST; prints every node's commands)
+#
+# #SBATCH lines cannot expand variables: the values below are defaults, override them on the
+# sbatch command line (--nodes, --gpus-per-node, --time, -A, -p, --qos). Inside the job every
+# count is read back from SLURM (SLURM_JOB_NODELIST, SLURM_NNODES, SLURM_GPUS_ON_NODE) and the
+# SAO_* variables documented in slurm/common.sh and docs/cluster.md.
+#SBATCH --job-name=sao-online-style
+#SBATCH --nodes=5
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=24:00:00
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@600
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+set -euo pipefail
+_here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+[[ -f "$_here/common.sh" ]] || _here="${SAO_REPO:-${SLURM_SUBMIT_DIR:?}}/slurm"  # sbatch spool copy
+export SAO_CONFIG="${SAO_CONFIG:-examples/qwen3_30b_a3b/online_style.yaml}"
+# shellcheck source=slurm/common.sh
+source "$_here/common.sh"
+sao_launch "$@"

@@ -1,0 +1,23 @@
+"""The MFU benchmark runs at --tiny size on CPU and prints an MFU figure."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def test_bench_mfu_tiny_prints_mfu():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_mfu.py"), "--tiny", "--steps", "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    m = re.search(r"MFU ([0-9.]+)% of 989 TFLOP/s peak", proc.stdout)
+    assert m is not None, proc.stdout
+    assert float(m.group(1)) > 0.0
+    assert re.search(r"active params [0-9,]+", proc.stdout)

@@ -1,0 +1,51 @@
+"""Two-rank (gloo) MegatronEngine checks over DP=2, TP=2+SP, EP=2, PP=2 and TP=2+SP+EP=2 in one launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "engine_parallel.py")
+TORCHRUN = os.path.join(ROOT, ".venv", "bin", "torchrun")
+LAYOUTS = ["dp2", "tp2sp", "ep2", "pp2", "tp2sp_ep2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine_parallel")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(_free_port()), WORKER, str(tmp), *LAYOUTS]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "ENGINE_PARALLEL DONE" in proc.stdout
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            _, tag, payload = line.split(" ", 2)
+            out[tag] = json.loads(payload)
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout(results, layout):
+    r = results[layout]
+    assert r["logprobs_vs_hf"] <= 1e-5, r
+    assert r["export_missing"] == [] and r["export_extra"] == []
+    assert r["export_max_abs_diff"] == 0.0
+    assert not r["skipped"] and r["same_on_ranks"]
+    # the same global token-mean step as the DP=2 layout (first one run)
+    assert r["loss_diff_vs_first"] <= 1e-5
+    assert r["grad_norm_diff_vs_first"] <= 1e-5
+    assert r["lp_changed"] > 0.1 and r["lp_after_diff_vs_first"] <= 1e-4
+    assert r["values_diff_vs_first"] <= 1e-5

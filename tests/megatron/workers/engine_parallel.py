@@ -1,0 +1,92 @@
+"""Multi-rank engine checks over several layouts in ONE launch.
+
+Usage: torchrun --nproc_per_node 2 engine_parallel.py <tmp_dir> [layout ...]
+Layouts (world size 2): dp2, tp2sp, ep2, pp2, tp2sp_ep2. For each layout: actor log-probs vs the
+HF model, HF export vs the source safetensors (rank 0), one DIS-free NLL train step (loss, grad
+norm, post-step log-probs) and critic values; rank 0 prints RESULT lines and compares every
+layout's train step and values with the first layout's.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_common import emit, hf_logprobs, make_batch, nll_loss, tiny_model_dir  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from megatron_sao.megatron.engine import InitSource, MegatronEngine  # noqa: E402
+from megatron_sao.megatron.optimizer import OptimConfig  # noqa: E402
+from megatron_sao.megatron.parallel import destroy_parallel, init_parallel  # noqa: E402
+from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
+
+LAYOUTS = {
+    "dp2": ParallelSizes(),
+    "tp2sp": ParallelSizes(tp=2, sequence_parallel=True),  # experts TP-sharded (etp = tp)
+    "ep2": ParallelSizes(ep=2, etp=1),
+    "pp2": ParallelSizes(pp=2),
+    "tp2sp_ep2": ParallelSizes(tp=2, ep=2, sequence_parallel=True, etp=1),
+}
+
+tmp = sys.argv[1]
+names = sys.argv[2:] or list(LAYOUTS)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+hf_dir = os.path.join(tmp, "hf")
+spec, hf = tiny_model_dir(hf_dir)
+batch = make_batch(spec.vocab_size)
+ref_lp = hf_logprobs(hf, batch)
+disk = {}
+for f in sorted(os.listdir(hf_dir)):
+    if f.endswith(".safetensors"):
+        disk.update(load_file(os.path.join(hf_dir, f)))
+opt = OptimConfig(lr=1e-2, clip_grad=1.0)
+first = None
+for name in names:
+    sizes = LAYOUTS[name]
+    ctx = init_parallel(sizes)
+    actor = MegatronEngine(spec, sizes, opt, role="actor", init=InitSource.from_hf(hf_dir), micro_batch_size=2, ctx=ctx)
+    lp = actor.logprobs(batch)
+    exported, n_buckets = {}, 0
+    for bucket in actor.export_hf_weights(bucket_bytes=32 << 10):
+        n_buckets += 1
+        exported.update(dict(bucket))
+    step = actor.train_step(batch, nll_loss)
+    lp_after = actor.logprobs(batch)
+    critic = MegatronEngine(spec, sizes, opt, role="critic", init=InitSource.from_hf(hf_dir), micro_batch_size=2, ctx=ctx)
+    values = critic.values(batch)
+    # every rank must return the same tensors
+    gathered = [torch.empty_like(lp_after) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, lp_after)
+    same_on_ranks = all(torch.equal(g, lp_after) for g in gathered)
+    if rank == 0:
+        cur = {"loss": step.loss, "grad_norm": step.grad_norm, "lp_after": lp_after, "values": values}
+        first = first or dict(cur, name=name)
+        emit(name, {
+            "ctx": ctx.describe(),
+            "logprobs_vs_hf": (lp - ref_lp).abs().max().item(),
+            "export_missing": sorted(set(disk) - set(exported))[:5],
+            "export_extra": sorted(set(exported) - set(disk))[:5],
+            "export_max_abs_diff": max(((exported[k] - disk[k]).abs().max().item() for k in disk if k in exported), default=-1.0),
+            "n_buckets": n_buckets,
+            "loss": step.loss, "grad_norm": step.grad_norm, "skipped": step.skipped,
+            "vs_first": first["name"],
+            "loss_diff_vs_first": abs(step.loss - first["loss"]),
+            "grad_norm_diff_vs_first": abs(step.grad_norm - first["grad_norm"]),
+            "lp_after_diff_vs_first": (lp_after - first["lp_after"]).abs().max().item(),
+            "lp_changed": (lp_after - lp).abs().max().item(),
+            "values_diff_vs_first": (values - first["values"]).abs().max().item(),
+            "same_on_ranks": same_on_ranks,
+        })
+    del actor, critic
+    gc.collect()
+    destroy_parallel(destroy_process_group=False)
+dist.barrier()
+if rank == 0:
+    print("ENGINE_PARALLEL DONE", flush=True)
+dist.destroy_process_group()

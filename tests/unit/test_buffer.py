@@ -1,0 +1,85 @@
+"""TrajectoryBuffer: oldest-first batches, staleness policies, groups, persistence across a crash."""
+
+import threading
+
+import pytest
+
+from megatron_sao.buffer import TrajectoryBuffer
+from megatron_sao.trajectory import TrajectoryBuilder
+
+
+def traj(pid, version=0, status="terminated", n_actions=2):
+    b = TrajectoryBuilder(prompt_id=pid)
+    b.add_prompt([1, 2])
+    b.add_action(list(range(3, 3 + n_actions)), [-0.5] * n_actions, version)
+    t = b.finish(status, reward=1.0 if status == "terminated" else 0.0,
+                 error="boom" if status == "failed" else None)
+    t.info["data_pos"] = int(pid.split("@")[-1]) if "@" in pid else 0
+    return t
+
+
+def test_oldest_first_and_blocking_take():
+    buf = TrajectoryBuffer(batch_size=2, max_staleness=4)
+    for i in range(3):
+        buf.put(traj(f"p{i}"))
+    assert [t.prompt_id for t in buf.take(step=0, current_version=0)] == ["p0", "p1"]
+    assert buf.take(step=1, current_version=0, timeout=0.05) is None  # only one left
+    threading.Timer(0.05, lambda: buf.put(traj("p3"))).start()
+    assert [t.prompt_id for t in buf.take(step=1, current_version=0, timeout=5)] == ["p2", "p3"]
+
+
+def test_failed_trajectories_are_counted_not_trained():
+    buf = TrajectoryBuffer(batch_size=1, max_staleness=4)
+    buf.put(traj("bad", status="failed"))
+    buf.put(traj("good"))
+    assert buf.stats.failed == 1 and buf.stats.received == 2
+    assert [t.prompt_id for t in buf.take(0, 0)] == ["good"]
+
+
+def test_drop_policy_counts_and_hands_back_stale_trajectories():
+    dropped = []
+    buf = TrajectoryBuffer(batch_size=1, max_staleness=2, staleness_policy="drop", on_drop=dropped.append)
+    buf.put(traj("old", version=0))
+    buf.put(traj("new", version=3))
+    batch = buf.take(step=0, current_version=3)
+    assert [t.prompt_id for t in batch] == ["new"]  # lag 3 > 2: dropped
+    assert buf.stats.dropped_stale == 1 and [t.prompt_id for t in dropped] == ["old"]
+    assert buf.stats.last_lag_histogram == {0: 1}
+
+
+def test_keep_policy_trains_stale_trajectories():
+    buf = TrajectoryBuffer(batch_size=2, max_staleness=1, staleness_policy="keep")
+    buf.put(traj("old", version=0))
+    buf.put(traj("new", version=5))
+    batch = buf.take(step=0, current_version=5)
+    assert [t.prompt_id for t in batch] == ["old", "new"] and buf.stats.dropped_stale == 0
+    assert buf.stats.last_lag_histogram == {0: 1, 5: 1}
+
+
+def test_grouped_take_waits_for_whole_groups():
+    buf = TrajectoryBuffer(batch_size=4, max_staleness=9, group_size=2)
+    for pid in ["a", "b", "a", "c"]:
+        buf.put(traj(pid))
+    assert buf.take(0, 0, timeout=0.05) is None  # only group a is complete
+    buf.put(traj("b"))
+    assert sorted(t.prompt_id for t in buf.take(0, 0)) == ["a", "a", "b", "b"]
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        TrajectoryBuffer(batch_size=3, max_staleness=1, group_size=2)
+
+
+def test_persistence_replays_exactly_what_no_checkpoint_covers(tmp_path):
+    buf = TrajectoryBuffer(batch_size=2, max_staleness=9, directory=tmp_path)
+    ts = [traj(f"p{i}") for i in range(6)]
+    for t in ts:
+        buf.put(t)
+    buf.take(step=0, current_version=0)  # p0, p1
+    buf.release_consumed(0)  # a checkpoint after step 0 covers p0, p1
+    buf.take(step=1, current_version=0)  # p2, p3 trained, but the run "crashes" before a checkpoint
+    buf.put(traj("failed", status="failed"))
+    # A new process restores from the same directory.
+    again = TrajectoryBuffer(batch_size=2, max_staleness=9, directory=tmp_path)
+    restored = again.restore()
+    assert [t.prompt_id for t in restored] == ["p2", "p3", "p4", "p5"]
+    assert [t.traj_id for t in again.take(0, 0)] == [ts[2].traj_id, ts[3].traj_id]
+    again.put(traj("p6"))  # new files never collide with the restored ones
+    assert len(list(tmp_path.glob("*.safetensors"))) == 5

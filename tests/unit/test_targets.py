@@ -1,0 +1,52 @@
+"""Per-algorithm targets: value alignment, bootstrap from the critic, baselines."""
+
+import torch
+
+from megatron_sao.algorithms import RunningMeanBaseline, skip_observation_gae
+from megatron_sao.config import AlgorithmConfig
+from megatron_sao.trainer.targets import compute_targets, values_for_actions
+from megatron_sao.trajectory import TrajectoryBuilder, collate_padded
+
+
+def _traj(pid, reward, status="terminated"):
+    b = TrajectoryBuilder(prompt_id=pid)
+    b.add_prompt([1, 2])
+    b.add_action([3, 4], [-0.1, -0.2], 0)
+    b.add_observation([5])
+    b.add_action([6], [-0.3], 0)
+    return b.finish(status, reward=reward)
+
+
+def test_sao_targets_use_shifted_values_and_critic_bootstrap():
+    batch = collate_padded([_traj("a", 1.0), _traj("b", 0.0, status="truncated")])
+    state_values = torch.arange(12, dtype=torch.float32).reshape(2, 6) / 10
+    algo = AlgorithmConfig(policy_alpha=1.5, critic_lambda=1.0)
+    t = compute_targets(batch, state_values, algo)
+    v = values_for_actions(state_values) * batch.action_mask
+    assert torch.equal(v[:, 3], state_values[:, 2])  # action at t pairs with V(state ending at t-1)
+    boot = torch.tensor([0.0, float(state_values[1, 5])])  # truncated row: V(after its last token)
+    _, ret = skip_observation_gae(batch.rewards, v, batch.action_mask, 1.0, 1.0, boot)
+    assert torch.allclose(t.returns, ret)
+    assert torch.allclose(t.returns[1][batch.action_mask[1]], torch.full((3,), float(state_values[1, 5])))
+    lam = 1 - 1 / (1.5 * 3)
+    adv, _ = skip_observation_gae(batch.rewards, v, batch.action_mask, 1.0, torch.tensor([lam, lam]), boot)
+    assert torch.allclose(t.advantages, adv)
+    assert (t.advantages[~batch.action_mask] == 0).all()
+
+
+def test_grpo_targets_are_group_normalized():
+    batch = collate_padded([_traj("a", 1.0), _traj("a", 0.0), _traj("b", 1.0), _traj("b", 1.0)])
+    t = compute_targets(batch, None, AlgorithmConfig(name="grpo"))
+    per_row = [float(t.advantages[i][batch.action_mask[i]].unique()) for i in range(4)]
+    assert per_row[0] > 0 > per_row[1] and per_row[2] == per_row[3] == 0.0
+    assert t.returns is None
+
+
+def test_running_mean_baseline_lags_behind():
+    base = RunningMeanBaseline(window=4)
+    algo = AlgorithmConfig(name="running_mean")
+    b1 = collate_padded([_traj("a", 1.0), _traj("b", 1.0)])
+    t1 = compute_targets(b1, None, algo, base)
+    assert torch.allclose(t1.advantages[b1.action_mask], torch.ones(6))  # baseline started at 0
+    t2 = compute_targets(b1, None, algo, base)
+    assert torch.allclose(t2.advantages[b1.action_mask], torch.zeros(6))  # window now holds 1, 1

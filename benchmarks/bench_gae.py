@@ -4,15 +4,16 @@ Command (CPU, the default workload of 256 rows x 8192 tokens, float32):
 
     OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python benchmarks/bench_gae.py
 
-Options: --rows, --tokens, --device cuda, --dtype float64, --threads, --ref-rows N (the reference
-loop runs on the first N rows only and its time is scaled by rows / N; the output says so),
---repeats.
+Options: --rows, --tokens, --device cuda, --dtype float64, --threads, --repeats, --ref-rows N and
+--slow-rows M (the reference loops run on the first N / M rows only and their times are scaled
+by rows / N and rows / M; the output says so).
 
 The workload mimics agent trajectories: a prompt, then alternating action segments (50-800 tokens)
 and observation segments (20-400 tokens), then padding; the reward is on each row's last action
 token; lambda is the length-adaptive per-row lambda (alpha = 1.5). The reference loop walks the
 action tokens of a row backwards with Python floats (already faster than indexing tensors per
-token), i.e. the loop an implementation would write without vectorization.
+token) and, separately, the same loop indexing torch tensors per token (a direct port of the
+formula); the list loop's time is also shown with the tensor <-> list conversions it needs.
 """
 
 from __future__ import annotations
@@ -63,6 +64,23 @@ def reference_gae(rewards: list, values: list, mask: list, gamma: float, lams: l
     return out
 
 
+def reference_gae_tensors(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+                          lams: torch.Tensor) -> torch.Tensor:
+    """The same loop indexing torch tensors per token (what a direct port of the formula does)."""
+    adv = torch.zeros_like(values)
+    for b in range(rewards.shape[0]):
+        next_adv = torch.zeros((), dtype=values.dtype)
+        next_value = torch.zeros((), dtype=values.dtype)
+        for t in range(rewards.shape[1] - 1, -1, -1):
+            if not mask[b, t]:
+                continue
+            delta = rewards[b, t] + gamma * next_value - values[b, t]
+            next_adv = delta + gamma * lams[b] * next_adv
+            adv[b, t] = next_adv
+            next_value = values[b, t]
+    return adv
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -76,6 +94,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ref-rows", type=int, default=16)
+    parser.add_argument("--slow-rows", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -101,16 +120,31 @@ def main() -> None:
     vec = statistics.median(times)
 
     n_ref = min(args.ref_rows, args.rows)
-    ref_inputs = (rewards[:n_ref].tolist(), values[:n_ref].tolist(), mask[:n_ref].tolist())
+    scale = args.rows / n_ref
     start = time.perf_counter()
+    ref_inputs = (rewards[:n_ref].tolist(), values[:n_ref].tolist(), mask[:n_ref].tolist())
+    converted = time.perf_counter()
     ref_adv = reference_gae(*ref_inputs, gamma, lam[:n_ref].tolist())
-    ref_time = (time.perf_counter() - start) * args.rows / n_ref
-    max_diff = (adv[:n_ref].double().cpu() - torch.tensor(ref_adv, dtype=torch.float64)).abs().max().item()
+    looped = time.perf_counter()
+    ref_tensor = torch.tensor(ref_adv, dtype=torch.float64)
+    done = time.perf_counter()
+    loop_time = (looped - converted) * scale
+    total_time = (done - start) * scale
+    max_diff = (adv[:n_ref].double().cpu() - ref_tensor).abs().max().item()
 
-    note = "" if n_ref == args.rows else f" (measured on {n_ref} rows, scaled by {args.rows}/{n_ref})"
-    print(f"vectorized skip_observation_gae: {vec * 1e3:9.1f} ms  (median of {args.repeats})")
-    print(f"per-token Python reference:      {ref_time * 1e3:9.1f} ms{note}")
-    print(f"speed-up: {ref_time / vec:.1f}x   max |adv - reference| = {max_diff:.2e}")
+    n_slow = min(args.slow_rows, args.rows)
+    start = time.perf_counter()
+    reference_gae_tensors(rewards[:n_slow], values[:n_slow], mask[:n_slow], gamma, lam[:n_slow])
+    slow_time = (time.perf_counter() - start) * args.rows / n_slow
+
+    note = "" if n_ref == args.rows else f"  (measured on {n_ref} rows, scaled by {args.rows}/{n_ref})"
+    print(f"vectorized skip_observation_gae:          {vec * 1e3:9.1f} ms  (median of {args.repeats})")
+    print(f"per-token Python loop alone:              {loop_time * 1e3:9.1f} ms{note}")
+    print(f"  + tensor <-> list conversion it needs:  {total_time * 1e3:9.1f} ms")
+    print(f"per-token loop indexing tensors:          {slow_time * 1e3:9.1f} ms  "
+          f"(measured on {n_slow} row(s), scaled by {args.rows}/{n_slow})")
+    print(f"speed-up: {loop_time / vec:.1f}x over the loop alone, {total_time / vec:.1f}x with conversion; "
+          f"{slow_time / vec:.0f}x over the tensor-indexing loop; max |adv - reference| = {max_diff:.2e}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ import importlib
 import sys
 from typing import Callable, Sequence
 
-# name -> (module, function, one-line help). The function takes the parsed argparse namespace.
+# name -> (module, function, one-line help). The function takes the parsed argparse namespace,
+# except for PASSTHROUGH commands, which own their argument parser and take the raw argv.
+PASSTHROUGH = {"plan"}
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("megatron_sao.trainer.demo", "main", "CPU demo: sft -> value-pretrain -> async SAO train"),
     "sft": ("megatron_sao.trainer.sft", "main", "supervised warm start on demonstrations (actions only)"),
@@ -29,8 +31,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                        "fit the critic on rollouts of a fixed policy before RL"),
     "train": ("megatron_sao.trainer.train", "main", "asynchronous single-rollout SAO training"),
     "eval": ("megatron_sao.trainer.evaluate", "main", "Pass@1 at temperature 1.0, top-p 1.0"),
-    "convert": ("megatron_sao.checkpoint.convert", "cli_main", "HF <-> Megatron checkpoint conversion"),
-    "plan": ("megatron_sao.cluster.planner", "cli_main", "per-GPU memory and parallel layout checks"),
+    "convert": ("megatron_sao.checkpoint.convert_cli", "cli_main", "HF <-> Megatron checkpoint conversion"),
+    "plan": ("megatron_sao.cluster.planner", "main", "per-GPU memory and parallel layout checks"),
     "serve-rollout": ("megatron_sao.rollout.server", "cli_main", "serve a rollout engine over HTTP"),
     "bench": ("megatron_sao.benchmarks_cli", "main", "run a benchmark from benchmarks/"),
 }
@@ -47,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, _, help_) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        # PASSTHROUGH commands print their own --help.
+        p = sub.add_parser(name, help=help_, description=help_, add_help=name not in PASSTHROUGH)
         if name == "demo":
             p.add_argument("--config", default=None, help="demo config (default: examples/tiny_cpu.yaml)")
             p.add_argument("--run-dir", default=None, help="run directory (default: runs/demo)")
@@ -55,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "convert":
             p.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
             p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the converter (--help for them)")
+        elif name in PASSTHROUGH:
+            p.add_argument("args", nargs=argparse.REMAINDER)
         elif name == "bench":
             p.add_argument("name", help="benchmark name, e.g. gae, actor_step, rollout, async_vs_sync")
             p.add_argument("args", nargs=argparse.REMAINDER)
@@ -85,8 +90,21 @@ def _load(name: str) -> Callable:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in PASSTHROUGH:  # the command parses its own arguments, --help included
+        try:
+            fn = _load(argv[0])
+        except NotImplementedError as e:
+            print(f"sao: {e}", file=sys.stderr)
+            return 2
+        return int(fn(argv[1:]) or 0)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may come after flags (`sao train C --resume a.b=1`): argparse leaves those as extras.
+    if extra:
+        if not hasattr(args, "overrides") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra
     if args.command is None:
         parser.print_help()
         return 0
@@ -95,8 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NotImplementedError as e:
         print(f"sao: {e}", file=sys.stderr)
         return 2
-    rc = fn(args)
-    return int(rc or 0)
+    return int(fn(args) or 0)
 
 
 if __name__ == "__main__":

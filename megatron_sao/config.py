@@ -152,6 +152,9 @@ class BufferConfig:
 @dataclass
 class TrainerConfig:
     mode: Literal["async", "sync"] = "async"
+    # Train on the trajectories of a saved file (megatron_sao.trajectory format) instead of live
+    # rollouts, in file order: deterministic batches for debugging, regression and parity tests.
+    replay: Optional[str] = None
     global_batch_tokens: Optional[int] = None  # optional cap for micro-batching by tokens
 
 

@@ -28,7 +28,7 @@
 #   NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_IB_*, NCCL_DEBUG: passed through; defaults set below
 
 sao_log() { echo "[sao $(date '+%F %T') ${SAO_HOST:-$(hostname -s 2>/dev/null || echo ?)}] $*" >&2; }
-sao_die() { sao_log "error: $*"; exit "${2:-1}"; }
+sao_die() { sao_log "error: $1"; exit "${2:-1}"; }  # sao_die MESSAGE [EXIT_CODE]
 
 sao_defaults() {
     if [[ -z "${SAO_REPO:-}" ]]; then

@@ -4,7 +4,7 @@
 - baselines:  GRPO group normalization, running-mean baseline, token broadcast
 - losses:     DIS policy loss, PPO clip loss, value loss
 - metrics:    masked statistics, explained variance, log-prob mismatch, version-lag histogram
-- scan:       the blocked discounted suffix sum both GAEs reduce to
+- scan:       the blocked discounted cumsum both GAEs reduce to
 """
 
 from megatron_sao.algorithms.advantages import adaptive_lambda, skip_observation_gae, step_level_gae
@@ -17,7 +17,7 @@ from megatron_sao.algorithms.metrics import (
     masked_max,
     version_lag_histogram,
 )
-from megatron_sao.algorithms.scan import discounted_suffix_sum
+from megatron_sao.algorithms.scan import discounted_cumsum
 
 __all__ = [
     "skip_observation_gae",
@@ -37,5 +37,5 @@ __all__ = [
     "explained_variance",
     "logprob_mismatch",
     "version_lag_histogram",
-    "discounted_suffix_sum",
+    "discounted_cumsum",
 ]

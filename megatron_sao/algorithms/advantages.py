@@ -12,7 +12,6 @@ advantage estimator is reachable as ``advantages.<name>``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from megatron_sao.algorithms._checks import (
     check_float_tensor,
@@ -27,7 +26,7 @@ from megatron_sao.algorithms._checks import (
 )
 from megatron_sao.algorithms.baselines import RunningMeanBaseline, broadcast_to_tokens, grpo_advantages
 from megatron_sao.algorithms.masked import masked_mean, masked_var, masked_whiten
-from megatron_sao.algorithms.scan import discounted_suffix_sum
+from megatron_sao.algorithms.scan import discounted_cumsum
 
 __all__ = [
     "skip_observation_gae",
@@ -53,27 +52,26 @@ def _validate_token_inputs(
         raise TypeError(f"values dtype {values.dtype} must match rewards dtype {rewards.dtype}")
 
 
-def _compact_actions(action_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Slot of each action token in its row's left-packed action sequence.
+def _reversed_slots(action_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Slot of each action token when a row's action tokens are packed left in reversed order.
 
-    Returns (slot [B, T] int64: index among the row's action tokens, -1 before the first one;
-    counts [B]: action tokens per row; width: the largest count). O(B*T) via cumsum, no sort.
+    Slot 0 is the row's last action token, slot count-1 its first; non-action tokens get the
+    trash slot ``width`` (= the largest count). O(B*T) via cumsum, no sort.
     """
-    slot = action_mask.long().cumsum(dim=1) - 1
-    counts = action_mask.sum(dim=1)
-    width = int(counts.max()) if counts.numel() else 0
-    return slot, counts, width
+    from_end = action_mask.flip(1).long().cumsum(dim=1).flip(1)  # action tokens at >= t
+    width = int(from_end[:, 0].max()) if from_end.numel() else 0
+    slot = torch.where(action_mask, from_end - 1, torch.full_like(from_end, width))
+    return slot, width
 
 
-def _pack(x: torch.Tensor, action_mask: torch.Tensor, slot: torch.Tensor, width: int) -> torch.Tensor:
-    """Left-pack the action tokens of x into [B, width] (entries past a row's count are 0).
+def _pack(x: torch.Tensor, slot: torch.Tensor, width: int) -> torch.Tensor:
+    """Scatter x into [B, width] at ``slot`` (entries past a row's count are 0).
 
-    Non-action tokens are scattered into an extra trash column that is then cut off, so their
-    values (even NaN) never reach the packed tensor.
+    Non-action tokens land in an extra trash column that is cut off, so their values (even NaN)
+    never reach the packed tensor.
     """
-    dest = torch.where(action_mask, slot, torch.full_like(slot, width))
     packed = torch.zeros(x.shape[0], width + 1, dtype=x.dtype, device=x.device)
-    return packed.scatter_(1, dest, x)[:, :width]
+    return packed.scatter_(1, slot, x)[:, :width]
 
 
 @torch.no_grad()
@@ -102,11 +100,11 @@ def skip_observation_gae(
     SAO uses this twice per batch: with the length-adaptive ``lam`` (``adaptive_lambda``) for the
     policy advantages, and with lam=1 for the critic's returns.
 
-    Implementation: each row's action tokens are packed to the left (cumsum + scatter, O(B*T), no
-    sort), which makes the chain contiguous with one discount gamma*lam_b per row; the packed
-    recurrence is one ``discounted_suffix_sum`` (blocked matmuls, see scan.py); a gather puts the
-    result back in place. No Python loop over rows or tokens; CPU and CUDA, float32/float64.
-    Runs under ``torch.no_grad`` (outputs are regression/policy targets).
+    Implementation: each row's action tokens are packed to the left in reversed time order
+    (cumsum + scatter, O(B*T), no sort), which turns the chain into a forward
+    ``discounted_cumsum`` with one discount gamma*lam_b per row (blocked cumsums, see scan.py);
+    a gather puts the result back in place. No Python loop over rows or tokens; CPU and CUDA,
+    float32/float64. Runs under ``torch.no_grad`` (outputs are regression/policy targets).
 
     Args:
         rewards: [B, T] float; nonzero only on action tokens (the trajectory contract puts the
@@ -126,23 +124,22 @@ def skip_observation_gae(
     batch, _ = rewards.shape
     lam_rows = row_lambda(lam, batch, values)  # [B, 1]
     bootstrap = row_bootstrap(bootstrap_values, batch, values)  # [B]
-    reject_off_mask_rewards(rewards, action_mask)
 
-    slot, counts, width = _compact_actions(action_mask)
+    slot, width = _reversed_slots(action_mask)
+    packed_rewards = _pack(rewards, slot, width)
+    # Cheap exact test (rewards are sparse): every nonzero reward must survive the packing.
+    if int(torch.count_nonzero(packed_rewards)) != int(torch.count_nonzero(rewards)):
+        reject_off_mask_rewards(rewards, action_mask)  # raises, naming the count and rows
     if width == 0:
         return torch.zeros_like(values), torch.zeros_like(values)
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    packed_values = _pack(values, action_mask, slot, width)
-    packed_rewards = _pack(rewards, action_mask, slot, width)
-    index = torch.arange(width, device=values.device)
-    in_row = index < counts.unsqueeze(1)
-    is_last = index == (counts - 1).unsqueeze(1)
-    following = F.pad(packed_values[:, 1:], (0, 1))  # V_{t'}: the next packed action token
-    next_value = torch.where(is_last, bootstrap.unsqueeze(1), following)
-    deltas = torch.where(in_row, packed_rewards + gamma * next_value - packed_values, zero)
-    # Past a row's last action every delta is 0, so the constant per-row discount ends the chain.
-    packed_adv = discounted_suffix_sum(deltas, gamma * lam_rows.squeeze(1))
-    advantages = torch.where(action_mask, packed_adv.gather(1, slot.clamp(min=0, max=width - 1)), zero)
+    packed_values = _pack(values, slot, width)
+    # Slot p-1 holds the next action token after slot p; slot 0 (the row's last action) takes the
+    # bootstrap. Slots past a row's count hold garbage that the forward recurrence never reads back.
+    next_value = torch.cat([bootstrap.unsqueeze(1), packed_values[:, :-1]], dim=1)
+    deltas = packed_rewards + gamma * next_value - packed_values
+    packed_adv = discounted_cumsum(deltas, gamma * lam_rows.squeeze(1))
+    advantages = torch.where(action_mask, packed_adv.gather(1, slot.clamp(max=width - 1)), zero)
     returns = torch.where(action_mask, advantages + values, zero)
     return advantages, returns
 
@@ -237,6 +234,8 @@ def step_level_gae(
         (advantages, returns), [B, T].
     """
     _validate_token_inputs(rewards, values, action_mask)
+    if rewards.shape[1] == 0:
+        return torch.zeros_like(values), torch.zeros_like(values)
     if mode not in ("turn_avg", "turn_last"):
         raise ValueError(f"mode must be 'turn_avg' or 'turn_last', got {mode!r}")
     gamma = check_unit_interval(gamma, "gamma")
@@ -266,8 +265,9 @@ def step_level_gae(
     following = torch.cat([step_values[:, 1:], step_values[:, :1]], dim=1)  # V_{k+1}, last wraps
     next_value = torch.where(has_next, following, bootstrap.unsqueeze(1))
     deltas = torch.where(in_row, step_rewards + gamma * next_value - step_values, zero)
-    # Deltas past a row's last step are 0, so one discount per row ends each chain correctly.
-    step_adv = discounted_suffix_sum(deltas, gamma * lam_rows.squeeze(1))
+    # Backward in steps = forward over the flipped steps; deltas past a row's last step are 0,
+    # so after the flip they precede the chain and contribute nothing.
+    step_adv = discounted_cumsum(deltas.flip(1), gamma * lam_rows.squeeze(1)).flip(1)
     step_ret = torch.where(in_row, step_adv + step_values, zero)
     advantages = torch.where(action_mask, step_adv.gather(1, ids), zero)
     returns = torch.where(action_mask, step_ret.gather(1, ids), zero)

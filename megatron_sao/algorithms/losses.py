@@ -88,6 +88,8 @@ def dis_policy_loss(
         loss   = -sum_t keep_t * r_t * A_t / D
 
     Tokens outside the band are dropped (gradient exactly 0), not clipped; they still count in D.
+    A NaN log-prob on an action token is neither kept, below nor above (so the three counts no
+    longer add up to action_count) and shows as NaN in ratio_mean: visible, not silently averaged.
     Inside the band d loss / d logprobs_t = -r_t * A_t / D. The band test uses r computed in the
     dtype of ``logprobs`` against the bounds rounded to that dtype, so a ratio built as
     exp(log(0.7)) may land a rounding error either side of 0.7.

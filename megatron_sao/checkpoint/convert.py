@@ -57,13 +57,15 @@ def _check_hf_names(converter: RuleConverter, state: Mapping, spec: ModelSpec, r
                          "(wrong architecture in config.json?)")
 
 
-def _fresh_value_head(spec: ModelSpec, init: str, dtype: torch.dtype) -> torch.Tensor:
+def _fresh_value_head(spec: ModelSpec, init: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF-named value head for a critic made from an actor: weight N(0, 0.02) or zero, bias zero."""
     if init not in VALUE_HEAD_INITS:
         raise ValueError(f"value_head_init must be one of {VALUE_HEAD_INITS}, got {init!r}")
-    if init == "zero":
-        return torch.zeros(1, spec.hidden_size, dtype=dtype)
-    gen = torch.Generator().manual_seed(_VALUE_HEAD_SEED)
-    return (torch.randn(1, spec.hidden_size, generator=gen) * 0.02).to(dtype)
+    weight = torch.zeros(1, spec.hidden_size, dtype=dtype)
+    if init == "normal":
+        gen = torch.Generator().manual_seed(_VALUE_HEAD_SEED)
+        weight = (torch.randn(1, spec.hidden_size, generator=gen) * 0.02).to(dtype)
+    return {"score.weight": weight, "score.bias": torch.zeros(1, dtype=dtype)}
 
 
 def _files_of_stage(names: Iterable[str], spec: ModelSpec, sizes: ParallelSizes, stage: int):
@@ -100,7 +102,7 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
     if role == "critic" and "score.weight" not in reader:
         head = _fresh_value_head(spec, value_head_init, reader["model.embed_tokens.weight"].dtype)
         logger.info("critic from an actor checkpoint: value head initialised '%s'", value_head_init)
-        state = collections.ChainMap({"score.weight": head}, reader)
+        state = collections.ChainMap(head, reader)
     _check_hf_names(converter, state, spec, role)
     names = list(full_param_shapes(spec, role))
     etp_size = sizes.expert_tp

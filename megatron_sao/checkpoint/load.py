@@ -79,16 +79,11 @@ def load_hf_into_model(model_chunks, hf_dir: str, spec: ModelSpec, layout: RankL
     chunks = _chunks(model_chunks)
     if fresh_value_head:
         logger.info("critic: %s has no score.weight; keeping the freshly initialised value head", hf_dir)
-        kept = {}
-        for chunk in chunks:
-            for name, p in chunk.named_parameters():
-                if canonical_name(name) == "value_head.weight":
-                    kept[name] = p.detach().clone()
+        kept = {canonical_name(n): p.detach().clone() for chunk in chunks for n, p in chunk.named_parameters()
+                if canonical_name(n).startswith("value_head.")}
 
         def get_full(name: str, _inner=get_full) -> torch.Tensor:  # noqa: F811 (wraps the plain getter)
-            if name == "value_head.weight":
-                return next(iter(kept.values()))
-            return _inner(name)
+            return kept[name] if name in kept else _inner(name)
 
     n = load_full_tensors_into_model(chunks, get_full, spec, layout)
     logger.info("loaded %d tensors from HF checkpoint %s (%s, layout %s)", n, hf_dir, role, layout)

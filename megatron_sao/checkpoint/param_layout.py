@@ -53,6 +53,7 @@ def full_param_shapes(spec: ModelSpec, role: str = "actor") -> dict[str, tuple[i
     out["decoder.final_layernorm.weight"] = (spec.hidden_size,)
     if role == "critic":
         out["value_head.weight"] = (1, spec.hidden_size)
+        out["value_head.bias"] = (1,)
     elif not spec.tie_word_embeddings:
         out["output_layer.weight"] = (spec.vocab_size, spec.hidden_size)
     return out

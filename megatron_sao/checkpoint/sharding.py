@@ -157,7 +157,7 @@ def tp_partition(global_name: str, spec: ModelSpec) -> TPSplit:
         return TPSplit(0, glu=True, expert=expert)
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return TPSplit(1, expert=expert)
-    if name.endswith(("layernorm.weight", "router.weight")) or name == "value_head.weight":
+    if name.endswith(("layernorm.weight", "router.weight")) or name.startswith("value_head."):
         return TPSplit(None)
     raise ValueError(f"no tensor-parallel rule for parameter {global_name!r}")
 

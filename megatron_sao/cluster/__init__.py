@@ -11,9 +11,19 @@ Modules (one idea each):
     convert_cmd  the checkpoint-conversion command with the recipe's TP/PP/EP
 """
 
-from megatron_sao.cluster.hostlist import HostlistError, expand_hostlist
-from megatron_sao.cluster.layout import Layout, LayoutError, LayoutIssue, check_layout
-from megatron_sao.cluster.planner import Plan, PlanOptions, plan
+# Lazy re-exports: the planner pulls in transformers (seconds to import), which the launch-plan
+# CLI that every node runs at start-up does not need.
+_EXPORTS = {
+    "HostlistError": "hostlist", "expand_hostlist": "hostlist",
+    "Layout": "layout", "LayoutError": "layout", "LayoutIssue": "layout", "check_layout": "layout",
+    "Plan": "planner", "PlanOptions": "planner", "plan": "planner",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["HostlistError", "expand_hostlist", "Layout", "LayoutError", "LayoutIssue", "check_layout", "Plan",
-           "PlanOptions", "plan"]
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f"megatron_sao.cluster.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'megatron_sao.cluster' has no attribute {name!r}")

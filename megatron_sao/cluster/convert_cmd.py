@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out-dir")
     ap.add_argument("--python", default="python")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may follow options
     try:
         argv_out = convert_argv(args.config, args.direction, hf_dir=args.hf_dir, megatron_dir=args.megatron_dir,
                                 out_dir=args.out_dir, overrides=args.overrides, python=args.python)

@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--grace-s", type=float, default=30.0)
     ap.add_argument("--print", action="store_true", help="print the commands and exit")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may follow options
     try:
         plan = build_local_plan(args.config, trainer_ranks=args.trainer_ranks, rollout_servers=args.rollout_servers,
                                 run_dir=os.path.abspath(args.run_dir), overrides=args.overrides)

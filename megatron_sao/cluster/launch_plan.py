@@ -262,11 +262,13 @@ def _check_memory(plan: LaunchPlan, args: argparse.Namespace) -> int:
             print(f"sao plan: refused: {issue}", file=sys.stderr)
         return 2
     print(render(p, cfg))
+    for issue in p.problems:
+        print(f"sao plan: refused: {issue}", file=sys.stderr)
     return 0 if p.fits else 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # overrides may follow options
     try:
         plan = build_launch_plan(args.config, expand_hostlist(args.nodelist), overrides=args.overrides,
                                  run_dir=args.run_dir, job_id=args.job_id, gpus_per_node=args.gpus_per_node,

@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `sao plan`; returns 0 (fits), 2 (refused, reason printed) or 1."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # overrides may follow options
     try:
         cfg = load_config(args.config, args.overrides)
         opts = PlanOptions(gpu_mem_gib=args.gpu_mem_gib, etp=args.etp, world=args.world,

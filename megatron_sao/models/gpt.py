@@ -160,9 +160,10 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, *, role: str = "
         model: GPTModel = CriticGPTModel(value_head_init=value_head_init, **kwargs)
     else:
         model = GPTModel(**kwargs)
-    n = sum(p.numel() for p in model.parameters())
-    logger.info("built %s %s (%s spec, pre=%s post=%s): %d local params", role, spec.arch,
-                "TE" if use_te else "local", pre_process, post_process, n)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    logger.info("built %s %s (%s spec, pre=%s post=%s): %s trainable, %s frozen params on this rank", role,
+                spec.arch, "TE" if use_te else "local", pre_process, post_process, f"{trainable:,}", f"{frozen:,}")
     return model
 
 

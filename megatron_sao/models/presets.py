@@ -30,6 +30,8 @@ _TINY: dict[str, dict[str, Any]] = {
                   mlp_bias=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
 }
 
+_ARCH_CLASS = {"qwen3_moe": ["Qwen3MoeForCausalLM"], "qwen3": ["Qwen3ForCausalLM"], "llama": ["LlamaForCausalLM"]}
+
 
 def tiny_hf_config(arch: str, *, for_vllm: bool = False, **overrides: Any) -> PretrainedConfig:
     """A tiny HF config of `arch` ("qwen3_moe", "qwen3", "llama").
@@ -48,9 +50,6 @@ def tiny_hf_config(arch: str, *, for_vllm: bool = False, **overrides: Any) -> Pr
     cfg = load_hf_config(fields)
     cfg.architectures = list(_ARCH_CLASS[arch])
     return cfg
-
-
-_ARCH_CLASS = {"qwen3_moe": ["Qwen3MoeForCausalLM"], "qwen3": ["Qwen3ForCausalLM"], "llama": ["LlamaForCausalLM"]}
 
 
 def tiny_hf_model(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32):

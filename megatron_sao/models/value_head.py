@@ -1,7 +1,8 @@
 """Scalar value head that stands in for the critic's vocabulary projection.
 
 The critic is the actor's backbone with `output_layer` ([V/TP, H], column-parallel) replaced by
-a replicated [1, H] projection. It keeps the call signature of `ColumnParallelLinear` so that
+a replicated [1, H] projection plus a scalar bias (HF token-classification critics, e.g.
+verl's AutoModelForTokenClassification(num_labels=1), have `score.weight` and `score.bias`). It keeps the call signature of `ColumnParallelLinear` so that
 `GPTModel._postprocess` runs unchanged and returns values [B, S, 1] where the actor returns
 logits [B, S, V/TP].
 
@@ -39,6 +40,7 @@ class ValueHead(torch.nn.Module):
             weight.copy_(torch.randn(1, config.hidden_size, generator=gen) * config.init_method_std)
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         self.weight = torch.nn.Parameter(weight.to(device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype, device=device))
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
         if weight is not None:
@@ -49,4 +51,4 @@ class ValueHead(torch.nn.Module):
             # gradient instead of reduce-scattering it, which would multiply it by TP.
             hidden_states = gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False, group=group)
-        return torch.nn.functional.linear(hidden_states, self.weight), None
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None

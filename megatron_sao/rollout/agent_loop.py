@@ -17,6 +17,11 @@ How an episode ends (``info["end_reason"]``):
 * ``error``: the engine or the environment raised -> ``failed``, reward 0, ``error`` = type + message.
   A failure ends only its own episode; the trainer counts failed trajectories and never trains on them.
 
+A turn cut by ``max_new_tokens_per_turn`` with budget left is not the end: the template's closing
+is appended with the observation (``ChatFormatter.closing_for``) and the environment judges the cut
+text. A fixed ``sampling.seed`` becomes a distinct seed per (prompt, turn), else every episode would
+share one noise stream.
+
 Abort policy: with ``EngineConfig.inflight_policy="abort"`` a weight update ends in-flight requests
 with ``finish_reason="abort"``. The loop then drops that turn's partial tokens and re-generates the
 turn from the same prefix (the new weights sample the whole turn, so a turn never mixes versions);
@@ -288,6 +293,7 @@ class RolloutDriver:
         self._inflight: dict[asyncio.Task, Task] = {}
         self._stopping = self._drain = self._paused = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
         self._wake: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
@@ -297,6 +303,7 @@ class RolloutDriver:
     async def run(self) -> None:
         """Submit episodes until the tasks run out or a stop is requested, then drain or cancel."""
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        self._loop_thread = threading.get_ident()
         self.activity = EngineActivity()  # idle time counts from the start of the run, not construction
         self._started.set()
         while not self._stopping:
@@ -354,16 +361,9 @@ class RolloutDriver:
             self._wake.set()
 
     def _call_in_loop(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn`` on the driver's loop (directly when already on it, or before it started)."""
+        """Run ``fn`` on the driver's loop (directly when on its thread, or when no loop runs)."""
         loop = self._loop
-        if loop is None or loop.is_closed():
-            fn(*args)
-            return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
+        if loop is None or loop.is_closed() or threading.get_ident() == self._loop_thread:
             fn(*args)
         else:
             loop.call_soon_threadsafe(fn, *args)
@@ -421,10 +421,6 @@ class RolloutDriver:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._inflight)
 
     def stats(self) -> dict[str, Any]:
         """A snapshot of the counters (safe to call from any thread)."""

@@ -107,8 +107,8 @@ class EngineConfig:
     """How to build a rollout engine (see ``make_engine``).
 
     ``model_path`` is an HF directory (config.json, safetensors, tokenizer). ``server_urls`` is only
-    used by the ``vllm_server`` backend (one client per URL; ``make_engine`` takes the first, build one
-    engine per URL for several servers). GPU settings are ignored on CPU and vice versa.
+    used by the ``vllm_server`` backend (``make_engine`` connects to the first URL,
+    ``make_engines`` to each). GPU settings are ignored on CPU and vice versa.
     """
 
     backend: Backend = "hf"
@@ -117,7 +117,7 @@ class EngineConfig:
     max_model_len: int = 4096
     inflight_policy: InflightPolicy = "keep"
     seed: int = 0
-    # HF engine
+    # HF engine (vLLM schedules its own batches)
     max_batch_size: int = 8  # concurrent requests decoded together in one step
     device: str = "cpu"
     # vLLM (in-process)
@@ -183,3 +183,13 @@ def make_engine(cfg: EngineConfig) -> RolloutEngine:
     from megatron_sao.rollout.vllm_server_client import VLLMServerClient
 
     return VLLMServerClient(cfg.server_urls[0], cfg)
+
+
+def make_engines(cfg: EngineConfig) -> list[RolloutEngine]:
+    """One engine per server URL for ``vllm_server`` (several rollout servers), else ``[make_engine(cfg)]``."""
+    cfg.validate()
+    if cfg.backend != "vllm_server":
+        return [make_engine(cfg)]
+    from megatron_sao.rollout.vllm_server_client import VLLMServerClient
+
+    return [VLLMServerClient(url, cfg) for url in cfg.server_urls]

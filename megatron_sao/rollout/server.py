@@ -12,7 +12,7 @@ Lets the multi-node launcher run a rollout process without vLLM. Routes (aiohttp
 * ``POST /sao/update_weights?version=N`` with a safetensors body (CPU weight path).
 * vLLM's NCCL routes answer 501 (no NCCL on a CPU server).
 
-Run: ``python -m megatron_sao.rollout.server --model DIR --port 8000``.
+Run: ``sao serve-rollout CONFIG`` or ``python -m megatron_sao.rollout.server --model DIR --port 8000``.
 """
 
 from __future__ import annotations
@@ -142,10 +142,39 @@ async def start_server(engine: RolloutEngine, host: str = "127.0.0.1", port: int
     return runner, bound
 
 
+async def serve_forever(cfg: EngineConfig, host: str, port: int) -> None:
+    """Build the engine ``cfg`` describes and serve it until cancelled."""
+    engine = make_engine(cfg)
+    runner, bound = await start_server(engine, host, port)
+    print(f"rollout server ({cfg.backend}) for {cfg.model_path} on http://{host}:{bound}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+        await engine.close()
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    """``sao serve-rollout CONFIG [overrides] --host H --port P``: an HF engine on ``model.path``."""
+    from pathlib import Path
+
+    from megatron_sao.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        raise SystemExit(f"serve-rollout: model.path={cfg.model.path!r} is not an HF model directory (config.json missing)")
+    engine_cfg = EngineConfig(backend="hf", model_path=cfg.model.path, dtype=cfg.model.dtype,
+                              max_model_len=cfg.model.max_seq_len, inflight_policy=cfg.rollout.inflight_policy,
+                              seed=cfg.run.seed, max_batch_size=cfg.rollout.concurrency)
+    asyncio.run(serve_forever(engine_cfg, args.host, args.port))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
+    """``python -m megatron_sao.rollout.server --model DIR``: serve without a project config."""
     parser = argparse.ArgumentParser(description="Serve an HF-engine rollout server (CPU).")
     parser.add_argument("--model", required=True, help="HF model directory")
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -153,18 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg = EngineConfig(backend="hf", model_path=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                        inflight_policy=args.inflight_policy)
-
-    async def serve() -> None:
-        engine = make_engine(cfg)
-        runner, port = await start_server(engine, args.host, args.port)
-        print(f"rollout server for {args.model} on http://{args.host}:{port}", flush=True)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await runner.cleanup()
-            await engine.close()
-
-    asyncio.run(serve())
+    asyncio.run(serve_forever(cfg, args.host, args.port))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import typing
 import uuid
 from collections.abc import Iterable
@@ -190,9 +191,11 @@ class VLLMEngine:
         return versions
 
     async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
-        """Validate (all or nothing), pause per ``inflight_policy``, push, stamp ``version``, resume."""
-        import time
+        """Validate (all or nothing), pause per ``inflight_policy``, push, stamp ``version``, resume.
 
+        If the push itself fails after validation, the workers may hold a partial update: the version
+        is not advanced and the error propagates; the caller should restart the engine or push again.
+        """
         buckets = [list(b) for b in buckets]
         validate_full_update(buckets, self._expected, self.name)
         await self._ensure_started()
@@ -220,7 +223,7 @@ class VLLMEngine:
         await self.llm.resume_generation()
 
     async def health(self) -> bool:
-        if self.llm.errored:
+        if self.llm is None or self.llm.errored:
             return False
         try:
             await self.llm.check_health()
@@ -229,7 +232,12 @@ class VLLMEngine:
         return True
 
     async def close(self) -> None:
-        self.llm.shutdown()
+        # Drop our reference so AsyncLLM.__del__ runs now, not during interpreter teardown (where its
+        # second shutdown() fails noisily on already-collected module globals).
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.shutdown()
+            del llm
 
 
 def _finish(reason: str | None) -> str:

@@ -22,6 +22,10 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
     "tiny_qwen3_moe": dict(arch="qwen3_moe", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=32, moe_intermediate_size=128, num_experts=4,
                            num_experts_per_tok=2, intermediate_size=256, max_position_embeddings=512),
+    # The same shape at the smallest size that still exercises everything (tests, CI).
+    "tiny_qwen3_moe_ci": dict(arch="qwen3_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=32, moe_intermediate_size=64, num_experts=4,
+                              num_experts_per_tok=2, intermediate_size=128, max_position_embeddings=256),
 }
 
 # Critic parameter groups whose grad norms are logged separately (frozen attention vs trained MoE).
@@ -47,7 +51,9 @@ def materialize_builtin_model(name: str, out_dir: str | os.PathLike, seed: int) 
     spec = dict(BUILTIN_MODELS[name])
     arch = spec.pop("arch")
     tok = build_char_tokenizer()
-    hf_config = tiny_hf_config(arch, vocab_size=len(tok), **spec)
+    # Pad the vocabulary to a multiple of 8 (like Megatron's make-vocab-size-divisible-by) so that
+    # tensor parallelism can split it; the extra rows are never produced by the tokenizer.
+    hf_config = tiny_hf_config(arch, vocab_size=-(-len(tok) // 8) * 8, **spec)
     model = tiny_hf_model(hf_config, seed=seed)
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ from megatron_sao.config import SAOConfig, dump_config
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.losses import critic_loss_fn, policy_loss_fn
-from megatron_sao.trainer.rollout_driver import PromptStream, RolloutDriver, unit_of
+from megatron_sao.trainer.rollout_driver import PromptStream, ReplaySource, RolloutDriver, unit_of
 from megatron_sao.trainer.run_dir import RunDir, rng_state, set_rng_state
 from megatron_sao.trainer.targets import compute_targets
 from megatron_sao.trajectory import collate_padded
@@ -70,7 +70,7 @@ class SAOTrainer:
         state = self._resume() if resume else None
         if self.rank0:
             self._start_rollouts(state)
-        if state is not None:  # the rollout engine starts from the base model: give it the checkpoint's
+        if state is not None and not cfg.trainer.replay:  # the engine starts from the base model
             self._post_resume_sync()
 
     # ------------------------------------------------------------------ the algorithm
@@ -158,6 +158,8 @@ class SAOTrainer:
                                   "checkpoint written")
 
     def _sync_weights(self) -> float:
+        if self.cfg.trainer.replay:
+            return 0.0  # no rollout engine to feed
         t0 = time.monotonic()
         buckets = list(self.actor.export_hf_weights(self.cfg.rollout.weight_sync_bucket_mb << 20))
         if self.rank0:
@@ -167,6 +169,14 @@ class SAOTrainer:
     # ------------------------------------------------------------------ rollouts
     def _start_rollouts(self, state: dict | None) -> None:
         cfg = self.cfg
+        if cfg.trainer.replay:
+            # Fixed data: every trajectory was sampled by version 0, so a staleness bound would
+            # drop them all once the policy moves; train on them and let DIS mask what drifted.
+            self.buffer.policy = "keep"
+            if state is not None:
+                self.buffer.restore()
+            self.driver = ReplaySource(cfg.trainer.replay, self.buffer.put, fresh=state is None)
+            return
         self.rollout = C.build_rollout_engine(cfg, self.model_dir)
         from megatron_sao.rollout.chat import ChatFormatter
 
@@ -218,7 +228,8 @@ class SAOTrainer:
             self.baseline.load_state_dict(state["baseline"])
         if state.get("rng") is not None:
             set_rng_state(state["rng"])
-        self._resumed_from = ckpt
+        self.run_dir.truncate_logs(self.step)
+        logger.info("resumed from %s at step %d (policy version %d)", ckpt, self.step, self.version)
         return state
 
     # ------------------------------------------------------------------ logging
@@ -237,9 +248,10 @@ class SAOTrainer:
             "trainer_idle_fraction": self.wait_s / max(self.wait_s + self.busy_s, 1e-9),
             "rollout_idle_fraction": self.driver.engine_idle_fraction(),
         })
-        if self.cfg.run.eval_every and self.step % self.cfg.run.eval_every == 0:
+        if self.cfg.run.eval_every and self.step % self.cfg.run.eval_every == 0 and self.rollout is not None:
             m["eval/accuracy"] = self.evaluate()
         self.run_dir.log_metrics(m, tensorboard=self.cfg.run.tensorboard)
+        self.run_dir.log_batch(m["step"], trajs)
         self.console.update(m)
 
     def evaluate(self) -> float:
@@ -263,7 +275,7 @@ class SAOTrainer:
     def close(self) -> None:
         if self.driver is not None:
             try:
-                if self.driver.error is None:
+                if self.driver.error is None and self.rollout is not None:
                     self.driver.call(self.rollout.close(), timeout=30)
             except Exception as e:  # noqa: BLE001 - shutting down; report and go on
                 logger.warning("closing the rollout engine failed: %r", e)

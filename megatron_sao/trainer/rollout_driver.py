@@ -205,3 +205,30 @@ class RolloutDriver:
                 self._stop.set()
             self._wake.set()
         return done
+
+
+class ReplaySource:
+    """Stands in for the driver when `trainer.replay` names a trajectory file: the file's
+    trajectories enter the buffer in file order, and there is no rollout engine to sync."""
+
+    def __init__(self, path, put: Callable[[Trajectory], None], fresh: bool):
+        from megatron_sao.trajectory import load_trajectories
+
+        trajs = load_trajectories(path)
+        if fresh:  # on resume the buffer directory already holds what is left
+            for t in trajs:
+                put(t)
+        self.error = None
+        self.finished, self.failed, self.in_flight = len(trajs), 0, set()
+
+    def step_finished(self) -> None:
+        pass
+
+    def state(self) -> dict[str, Any]:
+        return {"next_pos": 0, "in_flight": [], "queued": []}
+
+    def engine_idle_fraction(self) -> float:
+        return 0.0
+
+    def stop(self, timeout: float = 0.0) -> None:
+        pass

@@ -114,6 +114,26 @@ class RunDir:
                     tb.add_scalar(k, v, step)
             tb.flush()
 
+    def truncate_logs(self, step: int) -> None:
+        """On resume: drop log lines of steps >= `step` (written after the checkpoint, before a crash),
+        so metrics.jsonl and batches.jsonl hold each step exactly once."""
+        if not self.is_writer:
+            return
+        for name in ("metrics.jsonl", "batches.jsonl"):
+            p = self.path / name
+            if p.exists():
+                keep = [line for line in p.read_text().splitlines() if line and json.loads(line)["step"] < step]
+                atomic_write_text(p, "".join(line + "\n" for line in keep))
+
+    def log_batch(self, step: int, trajs) -> None:
+        """Audit trail: which trajectories (and prompts) each step trained on, to check that a run
+        (resumed or not) never lost or repeated one."""
+        if not self.is_writer:
+            return
+        rec = {"step": step, "traj_ids": [t.traj_id for t in trajs], "prompt_ids": [t.prompt_id for t in trajs]}
+        with open(self.path / "batches.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
     def _writer(self):
         if self._tb is None:
             from torch.utils.tensorboard import SummaryWriter

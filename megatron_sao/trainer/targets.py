@@ -17,6 +17,7 @@ from megatron_sao.algorithms import (
     RunningMeanBaseline,
     adaptive_lambda,
     broadcast_to_tokens,
+    explained_variance,
     grpo_advantages,
     masked_whiten,
     skip_observation_gae,
@@ -99,4 +100,6 @@ def compute_targets(batch: TrajectoryBatch, state_values: torch.Tensor | None, a
     metrics["advantage_abs_mean"] = float((advantages.abs() * m).sum() / n)
     if returns is not None:
         metrics["return_mean"] = float((returns * m).sum() / n)
+        # How much of the return variance the critic explained before this step's updates.
+        metrics["critic/explained_variance"] = float(explained_variance(old_values, returns, mask))
     return Targets(advantages.to(torch.float32), returns, old_values, metrics)

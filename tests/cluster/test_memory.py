@@ -8,7 +8,7 @@ import pytest
 from megatron_sao.cluster import memory as mem
 from megatron_sao.models.hf_config import model_spec_from_hf
 
-QWEN = Path(__file__).resolve().parents[2] / "megatron_sao" / "models" / "configs" / "qwen3_30b_a3b.json"
+from conftest import QWEN_JSON as QWEN
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ def test_bench_mfu_tiny_prints_mfu():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_mfu.py"), "--tiny", "--steps", "1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    m = re.search(r"MFU ([0-9.]+)% of 989 TFLOP/s peak", proc.stdout)
+    m = re.search(r"MFU ([0-9.eE+-]+)% of 989 TFLOP/s peak", proc.stdout)
     assert m is not None, proc.stdout
     assert float(m.group(1)) > 0.0
     assert re.search(r"active params [0-9,]+", proc.stdout)

@@ -262,6 +262,10 @@ def test_invalid_inputs_are_refused(model_dirs):
         EngineConfig(backend="hf", model_path="x", inflight_policy="drop")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="server_urls"):
         EngineConfig(backend="vllm_server")
+    with pytest.raises(ValueError, match="differ in length"):
+        GenerationResult([1, 2], [0.0], [0, 0], "stop")
+    with pytest.raises(ValueError, match="finish_reason"):
+        GenerationResult([1], [0.0], [0], "eos")
 
     async def run():
         engine = _engine(model_dirs["dense"], max_model_len=8)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_sao.algorithms.advantages import adaptive_lambda, skip_observation_gae, step_level_gae
-from megatron_sao.algorithms.scan import discounted_suffix_sum
+from megatron_sao.algorithms.scan import discounted_cumsum
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -112,25 +112,30 @@ def test_gae_matches_reference_loop(seed):
 
 
 def test_gae_verl_multi_turn_case():
-    """verl's multi-turn GAE example, adapted: its rewards at positions 5..6 and 9..10 are off the
-    action mask (observation/padding) and are zeroed here, since this API rejects them; the
-    action-token rewards (.1,.1,.1 | .1, 1) are kept where verl has them."""
-    verl_rewards = torch.tensor([[0, 0, 0.1, 0.1, 0.1, 0, 0, 0.1, 1, 0, 0]], dtype=F64)
+    """verl's test_multi_turn_compute_gae_advantage_return, adapted to this API.
+
+    verl's rewards [0,0,.1,.1,.1,0,0,.1,1,0,0] already put every nonzero reward on an action token
+    of the mask [0,0,1,1,1,0,0,1,1,0,0], so they are used unchanged (nothing to move or zero).
+    Action values are verl's (4, 5, 6, 7, 9); the two value vectors differ only at masked
+    positions, where verl draws random numbers (fixed here, and far apart).
+    """
+    rewards = torch.tensor([[0, 0, 0.1, 0.1, 0.1, 0, 0, 0.1, 1, 0, 0]], dtype=F64)
     mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 1, 1, 0, 0]], dtype=torch.bool)
-    rewards = torch.where(mask, verl_rewards, torch.zeros((), dtype=F64))
-    values = torch.tensor([[0.5, 0.2, 0.1, 0.3, 0.4, 0.9, -0.7, 0.6, 0.8, 0.3, 0.2]], dtype=F64)
-    other_values = values.clone()
-    other_values[~mask] = torch.tensor([9.0, -3.0, 7.0, 4.0, 1e6, -2.5], dtype=F64)
-    adv, ret = skip_observation_gae(rewards, values, mask, gamma=1.0, lam=1.0)
-    adv2, ret2 = skip_observation_gae(rewards, other_values, mask, gamma=1.0, lam=1.0)
-    assert torch.equal(adv, adv2) and torch.equal(ret, ret2)
-    # gamma = lam = 1: A_t = (sum of rewards from t on) - V_t; returns = reward-to-go.
-    expected_ret = torch.tensor([[0, 0, 1.4, 1.3, 1.2, 0, 0, 1.1, 1.0, 0, 0]], dtype=F64)
-    assert_close(ret, expected_ret, atol=1e-12, rtol=0)
-    assert_close(adv, torch.where(mask, expected_ret - values, torch.zeros((), dtype=F64)))
+    values1 = torch.tensor([[37.0, 0.25, 4, 5, 6, -80.0, 0.5, 7, 9, 0, 0]], dtype=F64)
+    values2 = torch.tensor([[0.75, -12.0, 4, 5, 6, 0.125, 66.0, 7, 9, 0, 0]], dtype=F64)
+    for gamma, lam in [(1.0, 1.0), (0.37, 0.81), (0.9, 0.0)]:
+        adv1, ret1 = skip_observation_gae(rewards, values1, mask, gamma, lam)
+        adv2, ret2 = skip_observation_gae(rewards, values2, mask, gamma, lam)
+        assert torch.equal(adv1, adv2) and torch.equal(ret1, ret2)
+        ref_adv, ref_ret = reference_gae(rewards, values1, mask, gamma, lam)
+        assert_close(adv1, ref_adv)
+        assert_close(ret1, ref_ret)
+    # gamma = lam = 1: the returns are the rewards-to-go.
+    _, ret = skip_observation_gae(rewards, values1, mask, gamma=1.0, lam=1.0)
+    assert_close(ret, torch.tensor([[0, 0, 1.4, 1.3, 1.2, 0, 0, 1.1, 1.0, 0, 0]], dtype=F64))
     # The chain jumps from position 4 straight to 7: with lam=0, A_4 = r_4 + V_7 - V_4.
-    adv0, _ = skip_observation_gae(rewards, values, mask, gamma=1.0, lam=0.0)
-    assert adv0[0, 4].item() == pytest.approx(0.1 + 0.6 - 0.4, abs=1e-12)
+    adv0, _ = skip_observation_gae(rewards, values1, mask, gamma=1.0, lam=0.0)
+    assert adv0[0, 4].item() == pytest.approx(0.1 + 7 - 6, abs=1e-12)
 
 
 def test_gae_ignores_observation_values_even_nan():
@@ -165,6 +170,17 @@ def test_gae_zero_off_mask_and_empty_rows():
     adv, ret = skip_observation_gae(rewards, values, mask, 1.0, 1.0, bootstrap_values=torch.ones(5, dtype=F64))
     assert torch.all(adv[~mask] == 0) and torch.all(ret[~mask] == 0)
     assert torch.all(adv[2] == 0) and torch.all(ret[2] == 0)
+
+
+def test_empty_shapes():
+    for shape in [(0, 5), (3, 0)]:
+        zeros = torch.zeros(shape, dtype=F64)
+        mask = torch.zeros(shape, dtype=torch.bool)
+        adv, ret = skip_observation_gae(zeros, zeros, mask, 1.0, 1.0)
+        assert adv.shape == shape and ret.shape == shape
+        turn_ids = torch.full(shape, -1)
+        adv, ret = step_level_gae(zeros, zeros, mask, turn_ids, 1.0, 1.0)
+        assert adv.shape == shape and ret.shape == shape
 
 
 def test_gae_bootstrap_and_gamma():
@@ -249,7 +265,7 @@ def test_gae_property_matches_reference(bits, gamma, lam, seed):
 
 
 @pytest.mark.parametrize("length", [0, 1, 2, 3, 15, 16, 17, 255, 256, 257, 8193])
-def test_discounted_suffix_sum_matches_loop(length):
+def test_discounted_cumsum_matches_loop(length):
     """Lengths around the block size (16) and its powers exercise the padding and the recursion;
     discount 1e-20 takes the "negligible discount" path, 0 and 1 are the exact extremes."""
     gen = torch.Generator().manual_seed(length)
@@ -257,30 +273,22 @@ def test_discounted_suffix_sum_matches_loop(length):
     d = torch.tensor([0.0, 1e-20, 1e-6, 0.3, 0.9995, 1.0], dtype=F64)
     expected = torch.zeros_like(x)
     acc = torch.zeros(6, dtype=F64)
-    for t in reversed(range(length)):
+    for t in range(length):
         acc = x[:, t] + d * acc
         expected[:, t] = acc
-    assert_close(discounted_suffix_sum(x, d), expected, atol=1e-9, rtol=1e-12)
+    assert_close(discounted_cumsum(x, d), expected, atol=1e-9, rtol=1e-12)
     if length:
-        assert_close(discounted_suffix_sum(x, d, block=2), expected, atol=1e-9, rtol=1e-12)
+        assert torch.equal(discounted_cumsum(x, d)[0], x[0])  # d = 0 is exact
 
 
-def test_discounted_suffix_sum_errors():
+def test_discounted_cumsum_errors_and_dtype():
     with pytest.raises(ValueError, match="discount must lie in"):
-        discounted_suffix_sum(torch.zeros(1, 4), torch.tensor([1.5]))
+        discounted_cumsum(torch.zeros(1, 4), torch.tensor([1.5]))
     with pytest.raises(ValueError, match="discount must have shape"):
-        discounted_suffix_sum(torch.zeros(2, 4), torch.tensor([0.5]))
-    with pytest.raises(ValueError, match="block"):
-        discounted_suffix_sum(torch.zeros(1, 4), torch.tensor([0.5]), block=1)
-    with pytest.raises(ValueError, match="block"):
-        discounted_suffix_sum(torch.zeros(1, 4), torch.tensor([0.5]), block=17)
-
-
-def test_discounted_suffix_sum_float32_keeps_dtype():
-    x = torch.ones(2, 100)
-    y = discounted_suffix_sum(x, torch.tensor([1.0, 0.5]))
+        discounted_cumsum(torch.zeros(2, 4), torch.tensor([0.5]))
+    y = discounted_cumsum(torch.ones(2, 100), torch.tensor([1.0, 0.5]))
     assert y.dtype == torch.float32
-    assert y[0, 0].item() == 100.0 and y[1, 0].item() == pytest.approx(2.0, rel=1e-6)
+    assert y[0, -1].item() == 100.0 and y[1, -1].item() == pytest.approx(2.0, rel=1e-6)
 
 
 # ---------------------------------------------------------------- adaptive lambda

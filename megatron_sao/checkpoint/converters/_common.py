@@ -87,6 +87,7 @@ def llama_family_rules(*, qk_norm: bool, dense_mlp: bool) -> list[Rule]:
         Rule("output_layer.weight", ("lm_head.weight",)),
         # Critic value head: verl-style AutoModelForTokenClassification(num_labels=1) name.
         Rule("value_head.weight", ("score.weight",)),
+        Rule("value_head.bias", ("score.bias",)),
         Rule(m + "input_layernorm.weight", (p + "input_layernorm.weight",)),
         Rule(m + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",)),
         Rule(m + "self_attention.linear_qkv.weight",

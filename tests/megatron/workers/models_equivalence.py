@@ -75,8 +75,8 @@ def check_critic_values(arch, hf_dir, spec, par: ParallelSizes, case: str):
     model, layout = build(spec, par, role="critic", hf_dir=hf_dir, value_head_init="normal")
     out = H.forward_only(model, tokens, pos)
     if out is not None:
-        w = dict(model.named_parameters())["value_head.weight"].detach()
-        ref = hidden @ w.T
+        params = dict(model.named_parameters())
+        ref = hidden @ params["value_head.weight"].detach().T + params["value_head.bias"].detach()
         if layout.tp_rank == 0:
             H.report(check="critic_values", arch=arch, case=case, shape=list(out.shape),
                      max_diff=(out - ref).abs().max().item())
@@ -96,10 +96,6 @@ def check_loss_and_grads(arch, hf_dir, spec):
     if spec.tie_word_embeddings:
         hf_grads.pop("lm_head.weight", None)  # same tensor as embed_tokens
     worst, worst_name, mapped = 0.0, "", set()
-    if os.environ.get("DEBUG_GRADS"):
-        for name, p in model.named_parameters():
-            for hf_name, g in conv.mcore_to_hf(local_to_global_name(name, layout, spec), p.grad, spec):
-                print("GRAD", hf_name, (g - hf_grads[hf_name]).abs().max().item(), g.abs().max().item())
     for name, p in model.named_parameters():
         for hf_name, g in conv.mcore_to_hf(local_to_global_name(name, layout, spec), p.grad, spec):
             mapped.add(hf_name)

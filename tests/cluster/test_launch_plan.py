@@ -1,0 +1,134 @@
+"""The SLURM launch plan: roles, ranks, ports and commands, through Python and the sbatch dry run."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import RECIPES, REPO
+from megatron_sao.cluster.launch_plan import LaunchPlanError, build_launch_plan, render_bash
+
+AIME = str(RECIPES / "aime_disaggregated.yaml")
+COLOC = str(RECIPES / "aime_colocated.yaml")
+
+
+def dry_run(script: str, nodelist: str, *args: str, **env: str) -> str:
+    """`bash slurm/<script> --dry-run` with fake SLURM variables and no srun/scontrol on PATH."""
+    full = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "SAO_PYTHON": sys.executable,
+            "SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "t",
+            "SLURM_NNODES": str(len(nodelist.split(","))), "SAO_SKIP_PLAN": "1", "SAO_RUN_ROOT": "/scratch/runs", **env}
+    res = subprocess.run(["bash", str(REPO / "slurm" / script), "--dry-run", *args], env=full, cwd="/",
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def node_blocks(text: str) -> dict[str, list[str]]:
+    """'[node 1 host role]' headers -> their command lines."""
+    blocks, cur = {}, None
+    for line in text.splitlines():
+        m = re.match(r"\[node (\d+) (\S+) (\w+)\]", line)
+        if m:
+            cur = f"{m.group(1)} {m.group(2)} {m.group(3)}"
+            blocks[cur] = []
+        elif cur and line.startswith("  "):
+            blocks[cur].append(line.strip())
+    return blocks
+
+
+def test_one_node_colocated():
+    out = dry_run("sao_aime.sh", "gpu17", SAO_CONFIG=COLOC, SAO_TRAINER_NODES="1")
+    blocks = node_blocks(out)
+    assert list(blocks) == ["0 gpu17 trainer"]
+    (cmd,) = blocks["0 gpu17 trainer"]
+    assert "torchrun --nnodes=1 --nproc-per-node=8 --node-rank=0 --master-addr=gpu17 --master-port=29500" in cmd
+    assert "vllm serve" not in out and "rollout.server_urls" not in cmd
+    assert "run.dir=/scratch/runs/t-4242" in cmd and "cluster.rollout_nodes=0" in cmd
+
+
+def test_two_nodes_bracket_form_disaggregated():
+    out = dry_run("sao_aime.sh", "node[01-02]", SAO_TRAINER_NODES="1", SAO_GPUS_PER_NODE="4")
+    blocks = node_blocks(out)
+    assert list(blocks) == ["0 node01 trainer", "1 node02 rollout"]
+    trainer = blocks["0 node01 trainer"]
+    assert trainer[0] == "wait-health http://node02:8000/health"  # tp=4 on 4 GPUs: one server
+    assert "--nnodes=1 --nproc-per-node=4 --node-rank=0 --master-addr=node01" in trainer[1]
+    assert """'rollout.server_urls=["http://node02:8000"]'""" in trainer[1]
+    assert "rollout.backend=vllm_server" in trainer[1]
+    (vllm,) = [line for line in blocks["1 node02 rollout"] if "vllm serve" in line]
+    assert "VLLM_SERVER_DEV_MODE=1" in vllm and "CUDA_VISIBLE_DEVICES=0,1,2,3" in vllm
+    assert "--tensor-parallel-size 4" in vllm and "--port 8000" in vllm
+    assert "--logprobs-mode processed_logprobs" in vllm
+    assert """--weight-transfer-config '{"backend":"nccl"}'""" in vllm
+    assert "torchrun" not in " ".join(blocks["1 node02 rollout"])
+
+
+def test_four_nodes_mixed_hostlist_swe():
+    out = dry_run("sao_swe.sh", "gpu[1-2],cpu[07-08]", "run.total_steps=3", SAO_TRAINER_NODES="2",
+                  SAO_MODEL_DIR="/ckpt/qwen")
+    blocks = node_blocks(out)
+    assert list(blocks) == ["0 gpu1 trainer", "1 gpu2 trainer", "2 cpu07 rollout", "3 cpu08 rollout"]
+    urls = [f"http://{h}:{p}" for h in ("cpu07", "cpu08") for p in (8000, 8001)]
+    for rank, host in ((0, "gpu1"), (1, "gpu2")):
+        lines = blocks[f"{rank} {host} trainer"]
+        assert [x.split()[1] for x in lines if x.startswith("wait-health")] == [u + "/health" for u in urls]
+        cmd = lines[-1]
+        assert f"--nnodes=2 --nproc-per-node=8 --node-rank={rank} --master-addr=gpu1 --master-port=29500" in cmd
+        assert "swe_disaggregated.yaml" in cmd and "run.total_steps=3" in cmd and "model.path=/ckpt/qwen" in cmd
+        assert "rollout.server_urls=" + json.dumps(urls) in cmd.replace("'", "")
+    for host in ("cpu07", "cpu08"):
+        serves = [x for x in blocks[f"{['cpu07', 'cpu08'].index(host) + 2} {host} rollout"] if "vllm serve" in x]
+        assert len(serves) == 2
+        assert "vllm serve /ckpt/qwen" in serves[0] and "--port 8000" in serves[0] and "--port 8001" in serves[1]
+        assert "CUDA_VISIBLE_DEVICES=4,5,6,7" in serves[1]
+        assert "--max-num-seqs 64" in serves[0]  # concurrency 256 over 4 servers
+
+
+def test_dry_run_runs_the_preflight_plan_and_refuses():
+    env = {"PATH": "/usr/bin:/bin", "SAO_PYTHON": sys.executable, "SLURM_JOB_NODELIST": "n[1-4]",
+           "SLURM_JOB_ID": "1", "SAO_TRAINER_NODES": "2"}
+    res = subprocess.run(["bash", str(REPO / "slurm" / "sao_aime.sh"), "--dry-run", "parallel.ep=16"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert "refused: cluster.trainer_nodes" in res.stderr and "vllm serve" not in res.stdout
+
+
+def test_plan_errors_name_the_fix():
+    with pytest.raises(LaunchPlanError, match="leaves none for vLLM"):
+        build_launch_plan(AIME, ["a", "b"], run_dir="/r", trainer_nodes=2)
+    with pytest.raises(LaunchPlanError, match="cluster.trainer_nodes=4; they must match"):
+        build_launch_plan(COLOC, ["a", "b"], run_dir="/r")
+    with pytest.raises(LaunchPlanError, match="rollout_tp=4 must divide the 2 GPUs"):
+        build_launch_plan(AIME, ["a", "b"], run_dir="/r", trainer_nodes=1, gpus_per_node=2)
+    with pytest.raises(LaunchPlanError, match="outside the allocation"):
+        build_launch_plan(AIME, ["a", "b"], run_dir="/r", trainer_nodes=1).node(5)
+
+
+def test_bash_rendering_round_trips_through_eval():
+    """Quoting: what common.sh evals must give back argv exactly (JSON, spaces, quotes)."""
+    plan = build_launch_plan(AIME, ["t0", "r0"], run_dir="/r w/x", trainer_nodes=1,
+                             overrides=["run.name=it's a test"])
+    for rank in (0, 1):
+        script = render_bash(plan, rank) + '\nprintf "%s\\n" "${SAO_PROC_CMD_0[@]}"; echo "$SAO_ROLE|$SAO_DONE_FILE"'
+        out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+        lines = out.splitlines()
+        proc = plan.nodes[rank].processes[0]
+        assert lines[:-1] == ["env", *(f"{k}={v}" for k, v in proc.env.items()), *proc.argv]
+        assert lines[-1] == f"{plan.nodes[rank].role}|/r w/x/.trainer-done-local-0"
+
+
+def test_convert_uses_the_recipe_layout():
+    env = {"PATH": "/usr/bin:/bin", "SAO_PYTHON": sys.executable, "SAO_MODEL_DIR": "/hf", "SAO_MEGATRON_CKPT": "/mg",
+           "SAO_HF_OUT": "/out"}
+    run = lambda *a: subprocess.run(["bash", str(REPO / "slurm" / "convert.sh"), "--dry-run", *a], env=env,  # noqa: E731
+                                    capture_output=True, text=True, timeout=60)
+    res = run("hf-to-megatron", "parallel.ep=16")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split()[1:] == ["tools/convert_hf_to_megatron.py", "--hf-dir", "/hf", "--out-dir", "/mg",
+                                      "--tp", "4", "--pp", "1", "--ep", "16"]
+    res = run("megatron-to-hf")
+    assert res.stdout.split()[1:] == ["tools/convert_megatron_to_hf.py", "--megatron-dir", "/mg", "--out-dir", "/out"]
+    assert run("sideways").returncode == 2

@@ -1,0 +1,129 @@
+"""`sao plan`: recipes fit, memory numbers match hand calculations, impossible layouts are refused."""
+
+import pytest
+
+from conftest import RECIPES
+from megatron_sao.cluster import memory as mem
+from megatron_sao.cluster.layout import LayoutError
+from megatron_sao.cluster.planner import PlanOptions, main, plan
+from megatron_sao.config import load_config
+
+AIME = str(RECIPES / "aime_disaggregated.yaml")
+RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
+
+
+def test_there_are_four_recipes():
+    assert {p.name for p in RECIPE_FILES} >= {"aime_disaggregated.yaml", "aime_colocated.yaml",
+                                              "swe_disaggregated.yaml", "online_style.yaml"}
+
+
+@pytest.mark.parametrize("path", RECIPE_FILES, ids=lambda p: p.name)
+def test_recipes_load_and_fit_80gib(path, qwen_long):
+    cfg = load_config(path)
+    p = plan(cfg, qwen_long, PlanOptions(gpu_mem_gib=80))
+    assert p.fits, p.problems
+    assert p.trainer_peak < 80 * mem.GIB
+    assert cfg.model.dtype == "bfloat16" and cfg.critic.freeze == ["attention"]
+
+
+def test_aime_recipe_has_paper_settings():
+    cfg = load_config(AIME)
+    a = cfg.algorithm
+    assert (a.eps_low, a.eps_high, a.critic_steps, a.critic_warmup_steps, a.policy_alpha) == (0.3, 5.0, 2, 10, 1.5)
+    assert (cfg.actor.optim.lr, cfg.critic.optim.lr, cfg.buffer.batch_size) == (1e-6, 5e-6, 128)
+    assert (cfg.rollout.max_total_tokens, cfg.rollout.max_turns) == (131072, 50)
+    swe = load_config(RECIPES / "swe_disaggregated.yaml").algorithm
+    assert (swe.eps_low, swe.eps_high) == (0.8, 3.0)
+
+
+def test_aime_memory_by_hand(qwen_long):
+    """tp=4, ep=32, etp=1 on 32 GPUs: dp=8, edp=1; the distributed optimizer's 6 + 12/d per param."""
+    p = plan(load_config(AIME), qwen_long)
+    L = p.layout
+    assert (L.world, L.dp, L.edp) == (32, 8, 1)
+    h, v = 2048, 151936
+    attention = h * (4096 + 1024) + 4096 * h
+    dense_layer = attention / 4 + 256 + 2 * h + 128 * h  # TP-split attention; replicated norms + router
+    dense = 48 * dense_layer + 2 * v * h / 4 + h  # + embedding and LM head (vocab-parallel), final norm
+    experts = 48 * 128 * 3 * h * 768 / 32
+    assert p.actor.trainable_params == int(dense + experts)
+    assert p.actor.weights_grads_optimizer == pytest.approx(dense * (6 + 12 / 8) + experts * 18, rel=1e-12)
+    # Critic: frozen attention keeps bf16 weights only; a [1, H] value head replaces the LM head.
+    frozen = 48 * (attention / 4 + 256)
+    c_dense = 48 * (2 * h + 128 * h) + v * h / 4 + h + h
+    assert p.critic.frozen_params == int(frozen)
+    assert p.critic.weights_grads_optimizer == pytest.approx(frozen * 2 + c_dense * 7.5 + experts * 18, rel=1e-12)
+    # Activations: 48 layers held (pp=1), full recompute keeps 2sbh/t per layer plus one live layer.
+    s = 131072
+    per_layer = mem.layer_activation_bytes(mem.LayerShape.from_spec(qwen_long), s, 1, 4, True, True, 1)
+    assert p.actor.activations == pytest.approx(48 * per_layer)
+    assert p.actor.activations_recompute == pytest.approx(48 * 2 * s * h / 4 + per_layer)
+    assert p.actor.logits == pytest.approx(s * v / 4 * 6) and p.critic.logits == 0
+    assert p.recompute_needed
+    # vLLM TP=4: bf16 weights / 4; KV of one token = 2 * 48 layers * 1 kv head * 128 * 2 bytes.
+    assert p.rollout_weights == pytest.approx(p.total_params * 2 / 4)
+    assert p.kv_bytes_per_token == 24576
+
+
+@pytest.mark.parametrize("overrides,field,fragment", [
+    (["parallel.tp=3"], "parallel.tp", "num_attention_heads"),
+    (["parallel.tp=8"], "parallel.tp", "num_key_value_heads"),
+    (["parallel.pp=5"], "parallel.pp", "num_hidden_layers"),
+    (["parallel.ep=24"], "parallel.ep", "num_experts"),
+    (["parallel.tp=4", "parallel.pp=3"], "parallel.tp", "trainer world size 32"),
+    (["parallel.ep=64"], "parallel.ep", "expert data parallel"),
+    (["parallel.sequence_parallel=false"], "parallel.sequence_parallel", "MoE"),
+    (["cluster.rollout_nodes=0"], "cluster.rollout_nodes", "disaggregated"),
+    (["cluster.rollout_tp=3"], "cluster.rollout_tp", "gpus_per_node"),
+    (["rollout.colocate=true"], "rollout.colocate", "disaggregated"),
+])
+def test_impossible_layouts_are_refused(overrides, field, fragment, qwen_long):
+    with pytest.raises(LayoutError) as err:
+        plan(load_config(AIME, overrides), qwen_long)
+    assert any(i.field == field and fragment in i.reason for i in err.value.issues), err.value.issues
+
+
+def test_vocab_must_divide_by_tp(qwen_dict):
+    with pytest.raises(LayoutError) as err:
+        plan(load_config(AIME), {**qwen_dict, "vocab_size": 151937, "max_position_embeddings": 262144})
+    assert [i.field for i in err.value.issues] == ["parallel.tp"] and "vocab_size" in str(err.value)
+
+
+def test_context_longer_than_the_model_is_refused(qwen_dict):
+    # The original Qwen3-30B-A3B has 40960 positions: 128K needs a -2507 checkpoint.
+    with pytest.raises(LayoutError, match="rollout.max_total_tokens"):
+        plan(load_config(AIME), qwen_dict)
+
+
+def test_out_of_memory_is_reported_with_numbers(qwen_long):
+    p = plan(load_config(AIME, ["cluster.trainer_nodes=2", "parallel.ep=16"]), qwen_long)
+    assert not p.fits and p.problems[0].field == "cluster.trainer_nodes"
+    assert p.trainer_peak > 80 * mem.GIB
+    assert plan(load_config(AIME, ["cluster.trainer_nodes=2", "parallel.ep=16"]), qwen_long,
+                PlanOptions(gpu_mem_gib=141)).fits  # the H200 layout the recipe mentions
+
+
+def test_colocated_vllm_must_fit_beside_the_trainer(qwen_long):
+    cfg = load_config(RECIPES / "aime_colocated.yaml", ["rollout.gpu_memory_utilization=0.7"])
+    p = plan(cfg, qwen_long)
+    assert [i.field for i in p.problems] == ["rollout.gpu_memory_utilization"]
+
+
+def test_kv_cache_smaller_than_one_sequence_is_refused(qwen_long):
+    p = plan(load_config(AIME, ["rollout.gpu_memory_utilization=0.2"]), qwen_long)
+    assert any(i.field == "rollout.gpu_memory_utilization" and "KV cache" in i.reason for i in p.problems)
+
+
+def test_main_exit_codes(capsys, tmp_path, qwen_dict):
+    import json
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps({**qwen_dict, "max_position_embeddings": 262144}))
+    assert main([AIME, "--hf-config", str(hf)]) == 0
+    out = capsys.readouterr().out
+    assert "30.53B params total, 3.35B active" in out and "verdict    fits" in out
+    assert main([AIME, "parallel.tp=3", "--hf-config", str(hf)]) == 2
+    assert "refused: parallel.tp: tp=3 must divide num_attention_heads=32" in capsys.readouterr().err
+    assert main([AIME, "parallel.tpp=3"]) == 2  # config typo: ConfigError names the key
+    assert "parallel.tpp" in capsys.readouterr().err
+    assert main([AIME, "--json", "--hf-config", str(hf)]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] is True

@@ -1,0 +1,139 @@
+"""VLLMServerClient against rollout/server.py serving an HFEngine (same routes as `vllm serve`)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+import torch
+from engine_fixtures import hf_logprobs, load_checkpoint, make_tiny_model, perturbed
+
+pytest.importorskip("aiohttp")
+
+from megatron_sao.rollout.engine import EngineConfig, SamplingParams, make_engine  # noqa: E402
+from megatron_sao.rollout.hf_engine import HFEngine  # noqa: E402
+from megatron_sao.rollout.server import start_server  # noqa: E402
+from megatron_sao.rollout.vllm_server_client import ServerError, VLLMServerClient  # noqa: E402
+from megatron_sao.rollout.weight_sync import WeightSync  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("srv_models"), "moe")
+
+
+def _client_cfg(url: str, policy: str = "keep", **kw) -> EngineConfig:
+    return EngineConfig(backend="vllm_server", server_urls=(url,), inflight_policy=policy,
+                        weight_transport="reload", **kw)
+
+
+async def _serve(model_dir, policy: str = "keep"):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    engine = HFEngine(model, max_model_len=256, inflight_policy=policy, eos_token_ids=())
+    runner, port = await start_server(engine)
+    client = make_engine(_client_cfg(f"http://127.0.0.1:{port}", policy))
+    assert isinstance(client, VLLMServerClient)
+    return engine, runner, client
+
+
+def test_generate_update_and_check_over_http(model_dir):
+    new = perturbed(load_checkpoint(model_dir), seed=8)
+
+    async def run():
+        engine, runner, client = await _serve(model_dir)
+        try:
+            assert await client.health()
+            outs = await asyncio.gather(*(client.generate([5, 6, 7 + i], SamplingParams(max_new_tokens=8, seed=i))
+                                          for i in range(3)))
+            metrics = await WeightSync([client], timeout_s=60).push([list(new.items())], version=2)
+            after = await client.generate([5, 6, 7], SamplingParams(max_new_tokens=8, seed=0, temperature=0.7))
+            tokens = [5, 6, 7] + after.token_ids
+            score = await client.score(tokens, 3)
+            return outs, metrics, after, score, engine.version, client.version
+        finally:
+            await client.close()
+            await runner.cleanup()
+            await engine.close()
+
+    outs, metrics, after, score, server_version, client_version = asyncio.run(run())
+    for i, out in enumerate(outs):
+        ref = hf_logprobs(model_dir, None, [5, 6, 7 + i], out.token_ids)
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref)) <= 1e-4 and out.versions == [0] * 8
+    assert server_version == client_version == 2 and metrics.bytes > 0
+    assert after.versions == [2] * 8 and after.finish_reason == "length"
+    ref_t = hf_logprobs(model_dir, new, [5, 6, 7], after.token_ids, temperature=0.7)
+    assert max(abs(a - b) for a, b in zip(after.logprobs, ref_t)) <= 1e-4
+    ref_score = hf_logprobs(model_dir, new, [5, 6, 7], after.token_ids)
+    assert max(abs(a - b) for a, b in zip(score, ref_score)) <= 1e-4
+
+
+def test_server_spans_keep_versions_and_rejects_bad_input(model_dir):
+    new = perturbed(load_checkpoint(model_dir), seed=9)
+
+    async def run():
+        engine, runner, client = await _serve(model_dir)
+        try:
+            await client.pause()
+            task = asyncio.ensure_future(client.generate([5, 6], SamplingParams(max_new_tokens=6, seed=1)))
+            await asyncio.sleep(0.3)
+            waiting = not task.done()
+            # an update while the server is paused: the queued request then runs under version 1
+            await engine.update_weights([list(new.items())], 1)
+            await client.resume()
+            out = await task
+            with pytest.raises(ServerError, match=r"sao/update_weights -> HTTP 400.*unknown weight name"):
+                await client.update_weights([[("model.nope.weight", torch.zeros(2))]], 3)
+            with pytest.raises(ServerError, match=r"/v1/completions -> HTTP 400.*echo"):
+                await client._request("POST", "/v1/completions", json={"prompt": [1, 2], "echo": True}, timeout_s=5)
+            return waiting, out, client.version
+        finally:
+            await client.close()
+            await runner.cleanup()
+            await engine.close()
+
+    waiting, out, version = asyncio.run(run())
+    assert waiting and out.versions == [1] * 6  # spans come from the server, not the client's counter
+    assert version == 0  # the rejected update did not move the client's version
+
+
+def test_unreachable_server_error_names_the_url():
+    with socket.socket() as s:  # a free port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+
+    async def run():
+        client = VLLMServerClient(url, _client_cfg(url, control_timeout_s=2.0, request_timeout_s=2.0))
+        try:
+            healthy = await client.health()
+            with pytest.raises(ServerError, match=rf"POST {url}/v1/completions failed"):
+                await client.generate([1, 2], SamplingParams(max_new_tokens=2))
+            return healthy
+        finally:
+            await client.close()
+
+    assert asyncio.run(run()) is False
+    with pytest.raises(ValueError, match="http"):
+        VLLMServerClient("localhost:8000", _client_cfg("http://x"))
+
+
+def test_make_engines_builds_one_client_per_server():
+    from megatron_sao.rollout.engine import make_engines
+
+    clients = make_engines(EngineConfig(backend="vllm_server", server_urls=("http://h1:8000", "http://h2:8000/")))
+    assert [c.url for c in clients] == ["http://h1:8000", "http://h2:8000"]
+
+
+def test_serve_rollout_cli_refuses_a_non_hf_model_path():
+    import argparse
+
+    from megatron_sao.rollout.server import cli_main
+
+    args = argparse.Namespace(config=None, overrides=["model.path=/nonexistent"], host="127.0.0.1", port=0)
+    with pytest.raises(SystemExit, match="not an HF model directory"):
+        cli_main(args)

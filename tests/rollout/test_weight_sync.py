@@ -1,0 +1,131 @@
+"""WeightSync: versioned pushes to several engines, timeouts and errors naming the engine, check mode."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from engine_fixtures import hf_logprobs, load_checkpoint, make_tiny_model, perturbed
+
+from megatron_sao.rollout.engine import SamplingParams
+from megatron_sao.rollout.hf_engine import HFEngine
+from megatron_sao.rollout.weight_sync import WeightSync, WeightSyncError
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("ws_models"), "moe")
+
+
+def _engine(d, name: str) -> HFEngine:
+    from transformers import AutoModelForCausalLM
+
+    return HFEngine(AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32), max_model_len=128, name=name)
+
+
+class _SlowEngine:
+    """Stands in for a hung rollout engine."""
+
+    name = "slow-engine"
+    version = 0
+
+    async def update_weights(self, buckets, version):
+        await asyncio.sleep(30)
+
+
+class _BrokenEngine:
+    name = "broken-engine"
+    version = 0
+
+    async def update_weights(self, buckets, version):
+        raise OSError("connection reset")
+
+
+def _buckets(state: dict[str, torch.Tensor], size: int = 5):
+    """A generator, like the trainer's export: consumed once."""
+    names = list(state)
+    for i in range(0, len(names), size):
+        yield [(n, state[n]) for n in names[i : i + size]]
+
+
+def test_push_to_two_engines_with_check(moe_dir):
+    new = perturbed(load_checkpoint(moe_dir), seed=5)
+    prompt, probe = [5, 6, 7], [9, 10, 11, 12, 13, 14]
+    reference = hf_logprobs(moe_dir, new, prompt, probe)  # what the trainer would compute
+
+    async def run():
+        engines = [_engine(moe_dir, "a"), _engine(moe_dir, "b")]
+        sync = WeightSync(engines, timeout_s=60, check=True, atol=1e-4)
+        metrics = await sync.push(_buckets(new), version=3, check_tokens=prompt + probe, check_prompt_len=3,
+                                  reference_logprobs=reference)
+        outs = [await e.generate(prompt, SamplingParams(max_new_tokens=5, seed=0)) for e in engines]
+        for e in engines:
+            await e.close()
+        return engines, metrics, outs
+
+    engines, metrics, outs = asyncio.run(run())
+    assert [e.version for e in engines] == [3, 3]
+    assert all(o.versions == [3] * len(o.token_ids) for o in outs)
+    assert metrics.version == 3 and len(metrics.per_engine_seconds) == 2
+    assert metrics.bytes == sum(t.numel() * t.element_size() for t in new.values())
+    assert metrics.bytes_per_s > 0 and metrics.max_abs_logprob_diff <= 1e-4
+    assert set(metrics.as_dict()) >= {"weight_sync/seconds", "weight_sync/bytes", "weight_sync/bytes_per_s"}
+
+
+def test_check_detects_a_wrong_refit(moe_dir):
+    """Reference log-probs from other weights (a silently corrupted refit) must fail the check."""
+    new = perturbed(load_checkpoint(moe_dir), seed=5)
+    prompt, probe = [5, 6, 7], [9, 10, 11, 12]
+    stale_reference = hf_logprobs(moe_dir, None, prompt, probe)
+
+    async def run():
+        engine = _engine(moe_dir, "only")
+        sync = WeightSync([engine], timeout_s=60, check=True, atol=1e-3)
+        try:
+            with pytest.raises(WeightSyncError, match=r"weight check failed on engine 0 \(only\)"):
+                await sync.push(_buckets(new), 1, check_tokens=prompt + probe, check_prompt_len=3,
+                                reference_logprobs=stale_reference)
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+def test_timeout_and_failure_name_the_engine(moe_dir):
+    state = load_checkpoint(moe_dir)
+
+    async def run():
+        with pytest.raises(WeightSyncError, match=r"engine 1 \(slow-engine\) timed out after 0.2s"):
+            await WeightSync([_OkEngine(), _SlowEngine()], timeout_s=0.2).push(_buckets(state), 1)
+        with pytest.raises(WeightSyncError, match=r"engine 0 \(broken-engine\) failed: OSError: connection reset"):
+            await WeightSync([_BrokenEngine()], timeout_s=5).push(_buckets(state), 1)
+
+    asyncio.run(run())
+
+
+class _OkEngine:
+    name = "ok-engine"
+    version = 0
+
+    async def update_weights(self, buckets, version):
+        self.version = version
+
+
+def test_bad_arguments_are_refused(moe_dir):
+    with pytest.raises(ValueError, match="at least one"):
+        WeightSync([], timeout_s=1)
+    with pytest.raises(ValueError, match="timeout_s"):
+        WeightSync([_OkEngine()], timeout_s=0)
+
+    async def run():
+        with pytest.raises(ValueError, match="check_tokens"):
+            await WeightSync([_OkEngine()], timeout_s=1, check=True).push([], 1)
+        with pytest.raises(ValueError, match="version"):
+            await WeightSync([_OkEngine()], timeout_s=1).push([], -1)
+        with pytest.raises(TypeError, match="no score"):
+            await WeightSync([_OkEngine()], timeout_s=1).verify(_OkEngine(), [1, 2, 3], [0.0, 0.0], 1e-3)
+
+    asyncio.run(run())

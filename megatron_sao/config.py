@@ -56,8 +56,10 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: Optional[int] = None  # expert tensor parallel size (None = tp; Megatron needs 1 for TP=EP=2 on 2 ranks)
     sequence_parallel: bool = False
     micro_batch_size: int = 8
+    recompute: Literal["none", "full"] = "none"  # full activation recompute (long contexts)
 
 
 @dataclass
@@ -191,6 +193,7 @@ class ClusterConfig:
     rollout_tp: int = 1  # vLLM tensor parallel size of one server
     rollout_port: int = 8000
     master_port: int = 29500
+    gpu_memory_gib: float = 80.0  # per-GPU memory the planner budgets against
 
 
 @dataclass

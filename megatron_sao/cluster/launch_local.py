@@ -63,7 +63,8 @@ def build_local_plan(config: str, *, trainer_ranks: int, rollout_servers: int, r
     # CPU ranks: one thread each, or two ranks on a 2-core machine fight over the cores.
     env = {"OMP_NUM_THREADS": str(threads_per_rank), "PYTHONUNBUFFERED": "1"}
     servers = [ProcessSpec(f"rollout-{i}", [python, "-m", "megatron_sao.cli", "serve-rollout", config,
-                                            "--host", HOST, "--port", str(port), *overrides],
+                                            "--host", HOST, "--port", str(port), *overrides,
+                                            f"run.dir={run_dir}"],
                            env, os.path.join(logs, f"rollout-local-{i}.log"))
                for i, port in enumerate(ports)]
     launch = [f"run.dir={run_dir}", "cluster.trainer_nodes=1", f"cluster.gpus_per_node={trainer_ranks}"]

@@ -153,7 +153,8 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
     for rank, host in enumerate(trainer_hosts):
         argv = [exe.torchrun, f"--nnodes={T}", f"--nproc-per-node={G}", f"--node-rank={rank}",
                 f"--master-addr={master}", f"--master-port={c.master_port}",
-                "-m", "megatron_sao.cli", "train", config, *overrides, *launch_overrides]
+                "-m", "megatron_sao.cli", "train", config, "--resume", *overrides, *launch_overrides]
+        # --resume: a requeued job continues from the run dir's latest checkpoint (fresh if none).
         env = {"SAO_NODE_RANK": str(rank), "SAO_WEIGHT_SYNC_PORT": str(c.master_port + 1)}
         proc = ProcessSpec(f"trainer-{rank}", argv, env, os.path.join(logs, f"trainer-node{rank}-{host}.log"))
         nodes.append(NodePlan(rank, host, "trainer", [proc], wait_for=[u + "/health" for u in server_urls], health=[]))

@@ -248,8 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("config", help="YAML config (megatron_sao.config)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     ap.add_argument("--hf-config", default=None, help="HF config.json or checkpoint dir (default: model.path)")
-    ap.add_argument("--gpu-mem-gib", type=float, default=PlanOptions.gpu_mem_gib)
-    ap.add_argument("--etp", type=int, default=PlanOptions.etp, help="expert tensor parallel size")
+    ap.add_argument("--gpu-mem-gib", type=float, default=None, help="default: cluster.gpu_memory_gib")
+    ap.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: parallel.etp or 1)")
     ap.add_argument("--world", type=int, default=None, help="trainer ranks (default nodes*gpus_per_node)")
     ap.add_argument("--overhead-gib", type=float, default=PlanOptions.overhead_gib)
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -261,8 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # overrides may follow options
     try:
         cfg = load_config(args.config, args.overrides)
-        opts = PlanOptions(gpu_mem_gib=args.gpu_mem_gib, etp=args.etp, world=args.world,
-                           overhead_gib=args.overhead_gib)
+        gpu_mem = args.gpu_mem_gib if args.gpu_mem_gib is not None else cfg.cluster.gpu_memory_gib
+        etp = args.etp if args.etp is not None else (cfg.parallel.etp or 1)
+        opts = PlanOptions(gpu_mem_gib=gpu_mem, etp=etp, world=args.world, overhead_gib=args.overhead_gib)
         p = plan(cfg, args.hf_config, opts)
     except LayoutError as e:
         for issue in e.issues:

@@ -23,6 +23,7 @@ calls ends it as truncated.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 from dataclasses import dataclass, field
@@ -122,6 +123,10 @@ class ToyToolEnv:
 
     max_tool_calls: int = 8
     require_tool_result: bool = True
+    # Simulated tool latency for throughput benchmarks: each call waits tool_latency_s * X seconds,
+    # X ~ Pareto(latency_tail) capped at 100 (heavy-tailed, like real tools and sandboxes). 0 = off.
+    tool_latency_s: float = 0.0
+    latency_tail: float = 1.5
     name: str = ENV_NAME
     _outputs: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -138,6 +143,8 @@ class ToyToolEnv:
         if text.startswith("<c>"):
             if len(self._outputs) >= self.max_tool_calls:
                 return StepResult(None, True, 0.0, self._info(reason="tool_call_limit", truncated=True))
+            if self.tool_latency_s > 0:
+                await asyncio.sleep(self.tool_latency_s * min(random.paretovariate(self.latency_tail), 100.0))
             inner = text[3:-4] if text.endswith("</c>") else text[3:]
             result = calculate(inner)
             self._outputs.append(result)

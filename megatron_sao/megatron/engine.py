@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
@@ -205,6 +206,12 @@ class MegatronEngine:
             self._masks[seq_len] = causal_attention_mask(seq_len, device=self.ctx.device)
         return self._masks[seq_len]
 
+    def _trim_multiple(self) -> int | None:
+        """Micro-batches drop their padding columns, except under PP (p2p needs one fixed shape)."""
+        if self.ctx.pp > 1:
+            return None
+        return self.ctx.tp if self.ctx.sequence_parallel else 1
+
     def _local(self, batch: Batch, required: tuple[str, ...] = ()):
         c = self.ctx
         batch = {k: v.to(c.device) for k, v in batch.items()} if isinstance(batch, dict) else batch
@@ -218,7 +225,7 @@ class MegatronEngine:
                                f"needs a {role} engine")
         micro, b, t, cols = self._local(batch)
         self.ddp.eval()
-        outs = fwd.forward_outputs(role, self.chunks, micro, cols, self._causal_mask(cols))
+        outs = fwd.forward_outputs(role, self.chunks, micro, cols, self._causal_mask(cols), self._trim_multiple())
         local = torch.cat(outs, dim=0) if self.ctx.is_last_stage else None
         rows = len(micro) * self.micro_batch_size * self.ctx.dp
         full = fwd.gather_to_all(local, (rows, cols), self.ctx)[:b, :t]
@@ -247,8 +254,10 @@ class MegatronEngine:
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        t0 = time.perf_counter()
         store = fwd.run_schedule(self.chunks, micro, cols, fwd.make_train_loss_func(self.role, loss_fn, denominator),
-                                 self._causal_mask(cols), forward_only=False)
+                                 self._causal_mask(cols), forward_only=False, trim_multiple=self._trim_multiple())
+        t1 = time.perf_counter()
         metrics = fwd.reduce_step_metrics(store, self.ctx)
         bad = torch.tensor([0.0 if torch.isfinite(torch.tensor(metrics["loss"])) else 1.0])
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank must take the same branch
@@ -258,6 +267,10 @@ class MegatronEngine:
         if not outcome.skipped:
             self.scheduler.step(increment=1)
             self.state_version += 1
+        # Wall seconds of the forward+backward schedule (incl. the DDP grad reduction) and of the
+        # optimizer step (grad norm, clipping, update, param all-gather).
+        metrics["time/fwd_bwd_s"] = t1 - t0
+        metrics["time/optimizer_s"] = time.perf_counter() - t1
         for g, v in outcome.group_norms.items():
             metrics[f"grad_norm/{g}"] = v
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])

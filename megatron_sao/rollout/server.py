@@ -160,10 +160,16 @@ def cli_main(args: argparse.Namespace) -> int:
 
     from megatron_sao.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
-    if not (Path(cfg.model.path) / "config.json").is_file():
-        raise SystemExit(f"serve-rollout: model.path={cfg.model.path!r} is not an HF model directory (config.json missing)")
-    engine_cfg = EngineConfig(backend="hf", model_path=cfg.model.path, dtype=cfg.model.dtype,
+    from megatron_sao.trainer.components import resolve_model_dir
+    from megatron_sao.trainer.train import wire_stages
+
+    # The same model the trainer starts from (stage outputs in the run dir, or a built-in model).
+    cfg = wire_stages(load_config(args.config, args.overrides))
+    try:
+        model_dir = resolve_model_dir(cfg, Path(cfg.run.dir))
+    except FileNotFoundError as e:
+        raise SystemExit(f"serve-rollout: {e}") from None
+    engine_cfg = EngineConfig(backend="hf", model_path=str(model_dir), dtype=cfg.model.dtype,
                               max_model_len=cfg.model.max_seq_len, inflight_policy=cfg.rollout.inflight_policy,
                               seed=cfg.run.seed, max_batch_size=cfg.rollout.concurrency)
     asyncio.run(serve_forever(engine_cfg, args.host, args.port))

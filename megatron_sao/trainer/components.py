@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +56,15 @@ def materialize_builtin_model(name: str, out_dir: str | os.PathLike, seed: int) 
     # tensor parallelism can split it; the extra rows are never produced by the tokenizer.
     hf_config = tiny_hf_config(arch, vocab_size=-(-len(tok) // 8) * 8, **spec)
     model = tiny_hf_model(hf_config, seed=seed)
-    tmp = out.with_name(out.name + ".tmp")
+    # Written aside and renamed: a trainer and a rollout server may materialize it at once.
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
-    os.replace(tmp, out)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # the other process won the race; its copy is identical (same seed)
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -93,7 +98,14 @@ def parallel_sizes(cfg: SAOConfig):
     from megatron_sao.models.parallel_sizes import ParallelSizes
 
     p = cfg.parallel
-    return ParallelSizes(tp=p.tp, pp=p.pp, ep=p.ep, sequence_parallel=p.sequence_parallel)
+    return ParallelSizes(tp=p.tp, pp=p.pp, ep=p.ep, sequence_parallel=p.sequence_parallel, etp=p.etp)
+
+
+def engine_overrides(cfg: SAOConfig) -> dict:
+    """TransformerConfig fields that come from the run config."""
+    if cfg.parallel.recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {}
 
 
 def model_spec(model_dir: Path):
@@ -127,7 +139,8 @@ def build_actor(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = No
     optim = optim or cfg.actor.optim
     return MegatronEngine(model_spec(model_dir), parallel_sizes(cfg), engine_optim(optim, total_steps or cfg.run.total_steps),
                           role="actor", init=_init_source(init or cfg.actor.init or str(model_dir)),
-                          micro_batch_size=cfg.parallel.micro_batch_size, ctx=ctx)
+                          micro_batch_size=cfg.parallel.micro_batch_size, ctx=ctx,
+                          config_overrides=engine_overrides(cfg))
 
 
 def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = None, freeze: bool = True):
@@ -138,7 +151,7 @@ def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = N
                           role="critic", init=_init_source(init or cfg.critic.init or str(model_dir)),
                           micro_batch_size=cfg.parallel.micro_batch_size,
                           freeze_patterns=critic_freeze_patterns(cfg.critic) if freeze else (),
-                          grad_norm_groups=CRITIC_NORM_GROUPS, ctx=ctx)
+                          grad_norm_groups=CRITIC_NORM_GROUPS, ctx=ctx, config_overrides=engine_overrides(cfg))
 
 
 def build_rollout_engine(cfg: SAOConfig, model_dir: Path):
@@ -196,6 +209,22 @@ def eval_tasks(cfg: SAOConfig) -> list:
         kw.update(seed=cfg.run.seed + 100_003, n=cfg.env.eval_size)
     tasks = load_tasks(cfg.env.name, cfg.env.eval_data or cfg.env.train_data, **kw)
     return [tasks[i] for i in range(min(len(tasks), cfg.env.eval_size))]
+
+
+def start_stage(cfg: SAOConfig):
+    """What every stage does first: threads, CPU shims, the Megatron world, the run directory, seeds.
+
+    Returns (ParallelContext, RunDir); only rank 0 writes to the run directory.
+    """
+    from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
+    from megatron_sao.megatron.parallel import init_parallel
+    from megatron_sao.trainer.run_dir import RunDir
+
+    set_threads()
+    ensure_cpu_compat()
+    ctx = init_parallel(parallel_sizes(cfg))
+    torch.manual_seed(cfg.run.seed)
+    return ctx, RunDir(cfg.run.dir, is_writer=ctx.rank == 0)
 
 
 def set_threads() -> None:

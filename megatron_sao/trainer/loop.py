@@ -25,7 +25,7 @@ from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.losses import critic_loss_fn, policy_loss_fn
 from megatron_sao.trainer.rollout_driver import PromptStream, ReplaySource, RolloutDriver, unit_of
-from megatron_sao.trainer.run_dir import RunDir, rng_state, set_rng_state
+from megatron_sao.trainer.run_dir import rng_state, set_rng_state
 from megatron_sao.trainer.targets import compute_targets
 from megatron_sao.trajectory import collate_padded
 
@@ -38,16 +38,9 @@ class TrainingStopped(RuntimeError):
 
 class SAOTrainer:
     def __init__(self, cfg: SAOConfig, resume: bool = False):
-        from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
-        from megatron_sao.megatron.parallel import init_parallel
-
-        C.set_threads()
-        ensure_cpu_compat()
         self.cfg, a = cfg, cfg.algorithm
-        self.ctx = init_parallel(C.parallel_sizes(cfg))
+        self.ctx, self.run_dir = C.start_stage(cfg)
         self.rank0 = self.ctx.rank == 0
-        self.run_dir = RunDir(cfg.run.dir, is_writer=self.rank0)
-        torch.manual_seed(cfg.run.seed)
         if self.rank0:
             dump_config(cfg, self.run_dir.path / "config.yaml")
         self._barrier()
@@ -77,14 +70,17 @@ class SAOTrainer:
     def run(self) -> None:
         try:
             while self.step < self.total:
-                trajs = self._next_batch()
+                # Sorted by length so each micro-batch only pays for its own longest trajectory.
+                trajs = sorted(self._next_batch(), key=lambda t: t.length)
                 t0 = time.monotonic()
                 batch = collate_padded(trajs, pad_id=0)
                 fields = {k: v for k, v in batch.to_dict().items() if v.dim() == 2}
                 fields["attention_mask"] = batch.attention_mask
                 m: dict = {"step": self.step, "version": self.version}
 
+                tv = time.monotonic()
                 values = self.critic.values(fields) if self.critic is not None else None
+                m["time/critic_forward_s"] = time.monotonic() - tv
                 targets = compute_targets(batch, values, self.cfg.algorithm, self.baseline)
                 m.update(targets.metrics)
                 fields["advantages"] = targets.advantages
@@ -97,7 +93,9 @@ class SAOTrainer:
                              **{"critic/grad_norm": res.grad_norm})
 
                 if self.step >= self.warmup:  # critic warm-up: the actor waits, rollouts go on
+                    tv = time.monotonic()
                     lp = self.actor.logprobs(fields)
+                    m["time/actor_forward_s"] = time.monotonic() - tv
                     lag0 = batch.action_mask & (batch.versions == self.version)
                     if lag0.any():
                         m["logprob_mismatch_lag0"] = float(logprob_mismatch(lp, batch.rollout_logprobs, lag0))
@@ -106,7 +104,7 @@ class SAOTrainer:
                     m.update({f"actor/{k}": v for k, v in res.metrics.items()}, **{"actor/grad_norm": res.grad_norm})
                     if not res.skipped:
                         self.version += 1
-                        m["time/weight_sync"] = self._sync_weights()
+                        m["time/weight_sync_s"] = self._sync_weights()
 
                 self.busy_s += time.monotonic() - t0
                 self.step += 1
@@ -248,7 +246,8 @@ class SAOTrainer:
             "trainer_idle_fraction": self.wait_s / max(self.wait_s + self.busy_s, 1e-9),
             "rollout_idle_fraction": self.driver.engine_idle_fraction(),
         })
-        if self.cfg.run.eval_every and self.step % self.cfg.run.eval_every == 0 and self.rollout is not None:
+        due = self.cfg.run.eval_every and (self.step % self.cfg.run.eval_every == 0 or self.step == self.total)
+        if due and self.rollout is not None:
             m["eval/accuracy"] = self.evaluate()
         self.run_dir.log_metrics(m, tensorboard=self.cfg.run.tensorboard)
         self.run_dir.log_batch(m["step"], trajs)

@@ -20,7 +20,6 @@ from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.hf_export import export_hf_model
 from megatron_sao.trainer.losses import sft_loss_fn
-from megatron_sao.trainer.run_dir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +62,9 @@ def pad_examples(examples: list[tuple[list[int], list[bool]]], pad_id: int) -> d
 
 
 def run_sft(cfg: SAOConfig) -> Path:
-    from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
-    from megatron_sao.megatron.parallel import init_parallel
     from megatron_sao.rollout.chat import ChatFormatter
 
-    C.set_threads()
-    ensure_cpu_compat()
-    ctx = init_parallel(C.parallel_sizes(cfg))
-    run = RunDir(cfg.run.dir, is_writer=ctx.rank == 0)
-    torch.manual_seed(cfg.run.seed)
+    ctx, run = C.start_stage(cfg)
     model_dir = C.resolve_model_dir(cfg, run.path)
     formatter = ChatFormatter(C.load_tokenizer(cfg, model_dir))
     demos = load_demonstrations(cfg)
@@ -94,7 +87,9 @@ def run_sft(cfg: SAOConfig) -> Path:
     loss_fn = sft_loss_fn()
     t_start = time.monotonic()
     for step in range(s.steps):
-        batch = pad_examples([kept[rng.randrange(len(kept))] for _ in range(s.batch_size)], formatter.pad_token_id)
+        rows = sorted((kept[rng.randrange(len(kept))] for _ in range(s.batch_size)), key=lambda e: len(e[0]))
+        # Sorted by length, each micro-batch trims to its own longest row (see forward.trim_columns).
+        batch = pad_examples(rows, formatter.pad_token_id)
         res = actor.train_step(batch, loss_fn)
         if ctx.rank == 0:
             m = {"step": step, "loss": res.loss, "grad_norm": res.grad_norm, "lr": res.metrics.get("lr"),

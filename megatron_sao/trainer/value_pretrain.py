@@ -24,7 +24,6 @@ from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.hf_export import export_hf_model
 from megatron_sao.trainer.losses import critic_loss_fn
-from megatron_sao.trainer.run_dir import RunDir
 from megatron_sao.trainer.targets import compute_targets
 from megatron_sao.trajectory import collate_padded, save_trajectories
 
@@ -50,14 +49,7 @@ def collect_rollouts(cfg: SAOConfig, policy_dir: Path, n: int) -> list:
 
 
 def run_value_pretrain(cfg: SAOConfig) -> Path:
-    from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
-    from megatron_sao.megatron.parallel import init_parallel
-
-    C.set_threads()
-    ensure_cpu_compat()
-    ctx = init_parallel(C.parallel_sizes(cfg))
-    run = RunDir(cfg.run.dir, is_writer=ctx.rank == 0)
-    torch.manual_seed(cfg.run.seed)
+    ctx, run = C.start_stage(cfg)
     policy_dir = Path(cfg.actor.init) if cfg.actor.init else run.path / "sft_model"
     if not (policy_dir / "config.json").exists():
         raise FileNotFoundError(f"value-pretrain: no policy at {policy_dir}; run `sao sft` first or set actor.init")

@@ -229,7 +229,9 @@ async def _collect(proc: asyncio.subprocess.Process, limits: SandboxLimits, t0: 
             if len(chunk) > room:
                 truncated[key] = True
                 over.set()
-                return
+        # Past the cap the pump keeps reading (and discarding) until EOF: a pipe nobody reads
+        # pauses its transport, its EOF is never seen, and on Python 3.11 Process.wait() only
+        # returns once every pipe is closed, so the call would hang after the kill.
 
     pumps = [asyncio.ensure_future(pump(proc.stdout, "out", 0)),
              asyncio.ensure_future(pump(proc.stderr, "err", 256))]

@@ -90,14 +90,36 @@ def split_micro_batches(batch: Batch, micro_batch_size: int) -> list[Batch]:
     return [slice_rows(batch, i, i + micro_batch_size) for i in range(0, b, micro_batch_size)]
 
 
+def trimmed_widths(padded: Batch, dp: int, micro_batch_size: int, seq_multiple: int) -> list[int]:
+    """Width of micro-batch i: the longest real row among the i-th micro-batches of ALL DP ranks.
+
+    Every rank computes the same widths from the same full batch, with no communication. Taking
+    the maximum over DP ranks matters for MoE: the expert dispatcher gathers tokens across ranks
+    and needs the same token count on each.
+    """
+    mask = padded["attention_mask"].bool()
+    rows, cols = mask.shape
+    per_rank = rows // dp
+    widths = []
+    for i in range(per_rank // micro_batch_size):
+        idx = [r * per_rank + i * micro_batch_size + j for r in range(dp) for j in range(micro_batch_size)]
+        real = mask[idx].any(dim=0)
+        last = int(real.nonzero().max()) + 1 if bool(real.any()) else 1
+        widths.append(min(round_up(max(last, 2), seq_multiple), cols))
+    return widths
+
+
 def prepare_local_batch(
     batch: Batch, *, dp: int, dp_rank: int, micro_batch_size: int, seq_multiple: int,
-    required: tuple[str, ...] = (),
+    required: tuple[str, ...] = (), trim: bool = False,
 ) -> tuple[list[Batch], int, int, int]:
     """Validate, pad and cut this DP rank's micro-batches.
 
     Returns (micro_batches, B, T, padded_T); the global padded row count is
     round_up(B, dp * micro_batch_size) and this rank owns rows [dp_rank * R, (dp_rank + 1) * R).
+    With `trim` each micro-batch drops the padding columns at its right (see trimmed_widths): a
+    micro-batch of short rows does not pay for the batch's longest row. Causal attention keeps the
+    outputs at real positions unchanged. Not for pipeline parallelism (one fixed p2p shape).
     """
     b, t = validate_batch(batch, required=required)
     rows = round_up(b, dp * micro_batch_size)
@@ -105,4 +127,8 @@ def prepare_local_batch(
     padded = pad_batch(batch, rows, cols)
     per_rank = rows // dp
     local = slice_rows(padded, dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    return split_micro_batches(local, micro_batch_size), b, t, cols
+    micro = split_micro_batches(local, micro_batch_size)
+    if trim:
+        widths = trimmed_widths(padded, dp, micro_batch_size, seq_multiple)
+        micro = [{k: (v[:, :w] if v.dim() == 2 else v) for k, v in mb.items()} for mb, w in zip(micro, widths)]
+    return micro, b, t, cols

@@ -206,18 +206,12 @@ class MegatronEngine:
             self._masks[seq_len] = causal_attention_mask(seq_len, device=self.ctx.device)
         return self._masks[seq_len]
 
-    def _trim_multiple(self) -> int | None:
-        """Micro-batches drop their padding columns, except under PP (p2p needs one fixed shape)."""
-        if self.ctx.pp > 1:
-            return None
-        return self.ctx.tp if self.ctx.sequence_parallel else 1
-
     def _local(self, batch: Batch, required: tuple[str, ...] = ()):
         c = self.ctx
         batch = {k: v.to(c.device) for k, v in batch.items()} if isinstance(batch, dict) else batch
         seq_multiple = c.tp if c.sequence_parallel else 1
         return prepare_local_batch(batch, dp=c.dp, dp_rank=c.dp_rank, micro_batch_size=self.micro_batch_size,
-                                   seq_multiple=seq_multiple, required=required)
+                                   seq_multiple=seq_multiple, required=required, trim=c.pp == 1)
 
     def _forward_all(self, batch: Batch, role: str) -> torch.Tensor:
         if self.role != role:
@@ -225,7 +219,7 @@ class MegatronEngine:
                                f"needs a {role} engine")
         micro, b, t, cols = self._local(batch)
         self.ddp.eval()
-        outs = fwd.forward_outputs(role, self.chunks, micro, cols, self._causal_mask(cols), self._trim_multiple())
+        outs = fwd.forward_outputs(role, self.chunks, micro, cols, self._causal_mask(cols))
         local = torch.cat(outs, dim=0) if self.ctx.is_last_stage else None
         rows = len(micro) * self.micro_batch_size * self.ctx.dp
         full = fwd.gather_to_all(local, (rows, cols), self.ctx)[:b, :t]
@@ -256,7 +250,7 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         t0 = time.perf_counter()
         store = fwd.run_schedule(self.chunks, micro, cols, fwd.make_train_loss_func(self.role, loss_fn, denominator),
-                                 self._causal_mask(cols), forward_only=False, trim_multiple=self._trim_multiple())
+                                 self._causal_mask(cols), forward_only=False)
         t1 = time.perf_counter()
         metrics = fwd.reduce_step_metrics(store, self.ctx)
         bad = torch.tensor([0.0 if torch.isfinite(torch.tensor(metrics["loss"])) else 1.0])

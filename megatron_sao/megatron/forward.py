@@ -59,25 +59,6 @@ def head_output(role: str, output: torch.Tensor, tokens: torch.Tensor) -> torch.
     return output.squeeze(-1).float()
 
 
-def trim_columns(mb: Batch, multiple: int) -> Batch:
-    """Drop the all-padding columns at the right of a micro-batch (kept a multiple of `multiple`).
-
-    The batch is padded to its longest row; a micro-batch of short rows would otherwise pay for
-    the longest one. Causal attention makes the outputs at real positions independent of the
-    dropped columns, so this changes cost only.
-    """
-    real = mb["attention_mask"].bool().any(dim=0)
-    last = int(real.nonzero().max()) + 1 if bool(real.any()) else 1
-    cols = min(round_up_cols(last, multiple), mb["tokens"].shape[1])
-    if cols == mb["tokens"].shape[1]:
-        return mb
-    return {k: (v[:, :cols] if v.dim() == 2 else v) for k, v in mb.items()}
-
-
-def round_up_cols(n: int, multiple: int) -> int:
-    return -(-max(n, 2) // multiple) * multiple
-
-
 def run_schedule(
     model_chunks: list,
     micro_batches: list[Batch],
@@ -86,24 +67,19 @@ def run_schedule(
     causal_mask: torch.Tensor,
     *,
     forward_only: bool,
-    trim_multiple: int | None = None,
 ) -> list:
     """One pass of Megatron's forward(-backward) schedule over `micro_batches`.
 
-    `trim_multiple`: trim each micro-batch's padding columns to a multiple of this (only valid
-    without pipeline parallelism, whose p2p buffers need one fixed shape); None keeps seq_length.
+    Micro-batches may be narrower than `seq_length` (padding columns trimmed, see
+    batching.prepare_local_batch); the causal mask is cut to each one's width.
     Returns the per-micro-batch metric dicts (non-empty on the last pipeline stage only).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator: Iterator[Batch], model):
         mb = next(data_iterator)
-        if trim_multiple is not None:
-            mb = trim_columns(mb, trim_multiple)
-            s = mb["tokens"].shape[1]
-            tokens, positions, mask = model_inputs(mb, causal_mask[..., :s, :s])
-            return model(tokens, positions, mask), make_loss_func(mb)
-        tokens, positions, mask = model_inputs(mb, causal_mask)
+        width = mb["tokens"].shape[1]
+        tokens, positions, mask = model_inputs(mb, causal_mask[..., :width, :width])
         return model(tokens, positions, mask), make_loss_func(mb)
 
     return get_forward_backward_func()(
@@ -119,7 +95,6 @@ def run_schedule(
 
 def forward_outputs(
     role: str, model_chunks: list, micro_batches: list[Batch], seq_length: int, causal_mask: torch.Tensor,
-    trim_multiple: int | None = None,
 ) -> list[torch.Tensor]:
     """Per-micro-batch [b, seq_length] outputs (log-probs or values), forward only; [] off the last stage."""
 
@@ -133,8 +108,7 @@ def forward_outputs(
         return loss_func
 
     with torch.no_grad():
-        store = run_schedule(model_chunks, micro_batches, seq_length, make_loss_func, causal_mask, forward_only=True,
-                             trim_multiple=trim_multiple)
+        store = run_schedule(model_chunks, micro_batches, seq_length, make_loss_func, causal_mask, forward_only=True)
     return [d["out"] for d in store]
 
 

@@ -51,7 +51,8 @@ class SAOTrainer:
         self.baseline = RunningMeanBaseline(a.running_mean_window) if a.name == "running_mean" else None
         self.group = a.group_size if a.name in ("grpo", "grpo_dis") else 1
         self.warmup = a.critic_warmup_steps if a.uses_critic else 0
-        self.step, self.version, self.nonfinite = 0, 0, 0
+        self.step, self.version = 0, 0
+        self.nonfinite = {"actor": 0, "critic": 0}  # skipped (NaN/inf) steps in a row, per model
         self.total = self.warmup + cfg.run.total_steps
         self.policy_loss, self.critic_loss = policy_loss_fn(a), critic_loss_fn()
         self.console = Console(cfg.run.console if self.rank0 else "none", total=self.total)
@@ -146,14 +147,13 @@ class SAOTrainer:
 
     def _check_finite(self, res, role: str) -> None:
         if not res.skipped:
-            self.nonfinite = 0
+            self.nonfinite[role] = 0
             return
-        self.nonfinite += 1
-        logger.warning("%s step %d: non-finite loss/grad, update skipped (%d in a row)", role, self.step, self.nonfinite)
-        if self.nonfinite >= self.cfg.run.max_consecutive_nonfinite:
+        n = self.nonfinite[role] = self.nonfinite[role] + 1
+        logger.warning("%s step %d: non-finite loss/grad, update skipped (%d in a row)", role, self.step, n)
+        if n >= self.cfg.run.max_consecutive_nonfinite:
             self.save()
-            raise TrainingStopped(f"{self.nonfinite} non-finite {role} steps in a row at step {self.step}; "
-                                  "checkpoint written")
+            raise TrainingStopped(f"{n} non-finite {role} steps in a row at step {self.step}; checkpoint written")
 
     def _sync_weights(self) -> float:
         if self.cfg.trainer.replay:
@@ -221,7 +221,7 @@ class SAOTrainer:
         self.actor.load(str(ckpt / "actor"))
         if self.critic is not None:
             self.critic.load(str(ckpt / "critic"))
-        self.step, self.version, self.nonfinite = state["step"], state["version"], state["nonfinite"]
+        self.step, self.version, self.nonfinite = state["step"], state["version"], dict(state["nonfinite"])
         if self.baseline is not None and state.get("baseline"):
             self.baseline.load_state_dict(state["baseline"])
         if state.get("rng") is not None:

@@ -74,6 +74,8 @@ class RolloutDriver:
         self.finished = 0
         self.failed = 0
         self.activity = EngineActivity()
+        self.failed_in_a_row = 0
+        self.failure_threshold = max(8, concurrency)
         self.error: BaseException | None = None
         self._lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -169,7 +171,30 @@ class RolloutDriver:
                 # budget, or a synchronous run would wait forever for a batch that cannot fill.
                 self.failed += 1
                 self.started -= 1
+                self.failed_in_a_row += 1
+            else:
+                self.failed_in_a_row = 0
         self.on_done(traj)
+        if not traj.trainable:
+            await self._check_failing(traj)
+
+    async def _check_failing(self, traj: Trajectory) -> None:
+        """Stop instead of spinning when episodes keep failing: a dead engine would otherwise turn
+        the whole prompt stream into failed trajectories. The trainer sees `.error` and stops."""
+        n = self.failed_in_a_row
+        if n < self.failure_threshold or self.error is not None:
+            return
+        try:
+            healthy = await asyncio.wait_for(self.engine.health(), timeout=30)
+        except Exception as e:  # noqa: BLE001 - an engine that cannot answer is unhealthy
+            healthy, traj.info["health_error"] = False, repr(e)
+        if not healthy:
+            self.error = RuntimeError(f"the rollout engine is unhealthy after {n} failed episodes in a row "
+                                      f"(last error: {traj.error})")
+        elif n >= 4 * self.failure_threshold:
+            self.error = RuntimeError(f"{n} episodes in a row failed with a healthy engine; last error: {traj.error}")
+        if self.error is not None:
+            self._stop.set()
 
     async def _main(self) -> None:
         tasks: set[asyncio.Task] = set()

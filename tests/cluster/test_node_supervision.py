@@ -131,7 +131,8 @@ def test_local_plan_shape(tmp_path):
     plan = build_local_plan(cfg, trainer_ranks=2, rollout_servers=2, run_dir=str(tmp_path), ports=[9101, 9102],
                             master_port=29700, overrides=["run.total_steps=2"], python="py")
     assert [s.argv[:5] for s in plan.servers] == [["py", "-m", "megatron_sao.cli", "serve-rollout", cfg]] * 2
-    assert plan.servers[1].argv[5:] == ["--host", "127.0.0.1", "--port", "9102", "run.total_steps=2"]
+    assert plan.servers[1].argv[5:] == ["--host", "127.0.0.1", "--port", "9102", "run.total_steps=2",
+                                        f"run.dir={tmp_path}"]  # the server materializes models in the run dir
     assert plan.health == ["http://127.0.0.1:9101/health", "http://127.0.0.1:9102/health"]
     t = plan.trainer.argv
     assert t[:7] == ["py", "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",

@@ -113,3 +113,14 @@ def test_tp2_gives_the_same_losses_as_one_rank(tmp_path, replay_file):
         for key in ("critic/loss", "actor/loss", "actor/kept_fraction"):
             if key in ra:
                 assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-6), (ra["step"], key)
+
+
+def test_dead_rollout_engine_stops_the_run_with_a_clear_error_and_a_checkpoint(tmp_path):
+    run = tmp_path / "dead"
+    p = subprocess.run([sys.executable, "-m", "megatron_sao.cli", "train", CONFIG, f"run.dir={run}",
+                        "rollout.backend=vllm_server", "rollout.server_urls=[http://127.0.0.1:9]"],
+                       env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 3, p.stderr[-2000:]
+    assert "rollout engine is unhealthy" in p.stderr and "127.0.0.1:9" in p.stderr
+    assert (run / "checkpoints" / "latest").exists()
+    assert list((run / "buffer" / "failed").glob("*.safetensors"))  # the failures are recorded, not dropped

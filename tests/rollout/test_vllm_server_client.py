@@ -135,5 +135,5 @@ def test_serve_rollout_cli_refuses_a_non_hf_model_path():
     from megatron_sao.rollout.server import cli_main
 
     args = argparse.Namespace(config=None, overrides=["model.path=/nonexistent"], host="127.0.0.1", port=0)
-    with pytest.raises(SystemExit, match="not an HF model directory"):
+    with pytest.raises(SystemExit, match="neither a built-in model"):
         cli_main(args)

@@ -12,6 +12,8 @@ Rollouts never wait for the trainer except through admission control (rollout_dr
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 class TrainingStopped(RuntimeError):
     """The run stopped on purpose (non-finite steps, dead rollout engine); a checkpoint was written."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """Ctrl-C / SIGTERM: the current step finished, a checkpoint was written, the run ended."""
 
 
 class SAOTrainer:
@@ -68,7 +74,26 @@ class SAOTrainer:
             self._post_resume_sync()
 
     # ------------------------------------------------------------------ the algorithm
+    def _on_signal(self, signum, frame) -> None:
+        if self._stop_requested:  # a second Ctrl-C: leave now, without a checkpoint
+            raise KeyboardInterrupt
+        self._stop_requested = True
+        logger.warning("%s: finishing step %d, then writing a checkpoint (again to abort at once)",
+                       signal.Signals(signum).name, self.step)
+
+    def _stop_agreed(self) -> bool:
+        """All ranks stop at the same step boundary, whichever of them saw the signal."""
+        flag = torch.tensor([1.0 if self._stop_requested else 0.0])
+        if self.ctx.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def run(self) -> None:
+        self._stop_requested = False
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM too: SLURM sends it before preempting or cancelling a job.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._on_signal)
         try:
             while self.step < self.total:
                 # Sorted by length so each micro-batch only pays for its own longest trajectory.
@@ -112,34 +137,41 @@ class SAOTrainer:
                 if self.rank0:
                     self.driver.step_finished()
                 self._log(m, trajs, batch, time.monotonic() - t0)
+                if self._stop_agreed():
+                    self.save()
+                    raise TrainingInterrupted(f"stopped by a signal after step {self.step}; checkpoint written")
                 if self.cfg.run.save_every and self.step % self.cfg.run.save_every == 0:
                     self.save()
             self.save()
             from megatron_sao.trainer.hf_export import export_hf_model
 
             export_hf_model(self.actor, self.model_dir, self.run_dir.path / "final_model")
-        except KeyboardInterrupt:
-            logger.warning("interrupted: writing a final checkpoint")
-            self.save()
-            raise
         finally:
             self.close()
 
     # ------------------------------------------------------------------ batches
     def _next_batch(self):
+        """Rank 0 waits for a batch and broadcasts it; a str instead says why there is none."""
         trajs = None
         if self.rank0:
             t0 = time.monotonic()
             trajs = self.buffer.take(self.step, self.version, timeout=self.cfg.rollout.timeout_s,
-                                     should_stop=lambda: self.driver.error is not None)
+                                     should_stop=lambda: self.driver.error is not None or self._stop_requested)
             self.wait_s += time.monotonic() - t0
             if trajs is None:
-                reason = (f"the rollout driver died: {self.driver.error!r}" if self.driver.error is not None else
-                          f"no batch of {self.cfg.buffer.batch_size} trajectories within rollout.timeout_s="
-                          f"{self.cfg.rollout.timeout_s}s (finished {self.driver.finished}, failed "
-                          f"{self.driver.failed}, in flight {len(self.driver.in_flight)})")
-                trajs = reason
+                if self._stop_requested:
+                    trajs = "interrupted"
+                elif self.driver.error is not None:
+                    trajs = f"the rollout driver died: {self.driver.error!r}"
+                else:
+                    trajs = (f"no batch of {self.cfg.buffer.batch_size} trajectories within rollout.timeout_s="
+                             f"{self.cfg.rollout.timeout_s}s (finished {self.driver.finished}, failed "
+                             f"{self.driver.failed}, in flight {len(self.driver.in_flight)})")
         trajs = self._broadcast(trajs)
+        if trajs == "interrupted":
+            self.save()
+            raise TrainingInterrupted(f"stopped by a signal while waiting for step {self.step}'s batch; "
+                                      "checkpoint written")
         if isinstance(trajs, str):
             self.save()
             raise TrainingStopped(f"rollout engine: {trajs}; checkpoint written at step {self.step}")

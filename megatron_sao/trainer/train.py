@@ -25,7 +25,7 @@ def wire_stages(cfg: SAOConfig) -> SAOConfig:
 
 
 def main(args) -> int:
-    from megatron_sao.trainer.loop import SAOTrainer, TrainingStopped
+    from megatron_sao.trainer.loop import SAOTrainer, TrainingInterrupted, TrainingStopped
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = wire_stages(load_config(args.config, args.overrides))
@@ -35,7 +35,7 @@ def main(args) -> int:
     except TrainingStopped as e:
         print(f"sao train: stopped: {e}", file=sys.stderr)
         return 3
-    except KeyboardInterrupt:
-        print("sao train: interrupted; final checkpoint written", file=sys.stderr)
+    except TrainingInterrupted as e:
+        print(f"sao train: {e}", file=sys.stderr)
         return 130
     return 0

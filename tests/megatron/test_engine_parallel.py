@@ -21,11 +21,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("engine_parallel")
+def _launch(tmp, nproc: int, layouts: list[str]) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(_free_port()), WORKER, str(tmp), *LAYOUTS]
+    cmd = [TORCHRUN, "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), WORKER, str(tmp), *layouts]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "ENGINE_PARALLEL DONE" in proc.stdout
@@ -35,6 +33,21 @@ def results(tmp_path_factory):
             _, tag, payload = line.split(" ", 2)
             out[tag] = json.loads(payload)
     return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("engine_parallel"), 2, LAYOUTS)
+
+
+def test_tp2_pp2_ep2_at_once_on_four_ranks(tmp_path):
+    """The issue's export check: an engine at TP=2, PP=2 and EP=2 together gives back the HF tensors
+    exactly (4 ranks of one thread on this 2-core machine)."""
+    r = _launch(tmp_path, 4, ["tp2sp_pp2_ep2"])["tp2sp_pp2_ep2"]
+    assert "tp 0/2 pp 0/2 ep 0/2" in r["ctx"]
+    assert r["logprobs_vs_hf"] <= 1e-5, r
+    assert r["export_missing"] == [] and r["export_extra"] == [] and r["export_max_abs_diff"] == 0.0
+    assert not r["skipped"] and r["same_on_ranks"] and r["lp_changed"] > 0.1
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

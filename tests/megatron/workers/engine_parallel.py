@@ -1,7 +1,7 @@
 """Multi-rank engine checks over several layouts in ONE launch.
 
 Usage: torchrun --nproc_per_node 2 engine_parallel.py <tmp_dir> [layout ...]
-Layouts (world size 2): dp2, tp2sp, ep2, pp2, tp2sp_ep2. For each layout: actor log-probs vs the
+Layouts (world size 2): dp2, tp2sp, ep2, pp2, tp2sp_ep2; (world size 4): tp2sp_pp2_ep2. For each layout: actor log-probs vs the
 HF model, HF export vs the source safetensors (rank 0), one DIS-free NLL train step (loss, grad
 norm, post-step log-probs) and critic values; rank 0 prints RESULT lines and compares every
 layout's train step and values with the first layout's.
@@ -31,6 +31,8 @@ LAYOUTS = {
     "ep2": ParallelSizes(ep=2, etp=1),
     "pp2": ParallelSizes(pp=2),
     "tp2sp_ep2": ParallelSizes(tp=2, ep=2, sequence_parallel=True, etp=1),
+    # world size 4: all three at once (EP=2 over the TP ranks, experts whole: etp=1)
+    "tp2sp_pp2_ep2": ParallelSizes(tp=2, pp=2, ep=2, sequence_parallel=True, etp=1),
 }
 
 tmp = sys.argv[1]

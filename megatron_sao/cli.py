@@ -89,8 +89,30 @@ def _load(name: str) -> Callable:
     return getattr(mod, func)
 
 
+# Known-benign warnings that would otherwise bury the training log on every step.
+_QUIET_WARNINGS = (
+    r".*Transformer Engine and Apex are not installed.*",  # expected on CPU
+    r"Apex is not installed.*",
+    r".*is deprecated\. Please use `torch\.distributed\..*",  # Megatron's collectives, torch 2.13
+    r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed.*",  # Megatron DDP hooks
+)
+
+
+def setup_logging() -> None:
+    """INFO for megatron-sao, WARNING for Megatron-Core (it logs every parameter bucket at INFO)."""
+    import logging
+    import warnings
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("megatron", "megatron.core"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for pattern in _QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    setup_logging()
     if argv and argv[0] in PASSTHROUGH:  # the command parses its own arguments, --help included
         try:
             fn = _load(argv[0])

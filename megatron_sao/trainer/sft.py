@@ -111,7 +111,6 @@ def run_sft(cfg: SAOConfig) -> Path:
 
 
 def main(args) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, args.overrides)
     run_sft(cfg)
     return 0

@@ -6,7 +6,6 @@ say otherwise, the policy starts from `<run>/sft_model` and the critic from `<ru
 
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
 
@@ -27,7 +26,6 @@ def wire_stages(cfg: SAOConfig) -> SAOConfig:
 def main(args) -> int:
     from megatron_sao.trainer.loop import SAOTrainer, TrainingInterrupted, TrainingStopped
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = wire_stages(load_config(args.config, args.overrides))
     trainer = SAOTrainer(cfg, resume=args.resume)
     try:

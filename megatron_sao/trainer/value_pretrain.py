@@ -94,6 +94,5 @@ def run_value_pretrain(cfg: SAOConfig) -> Path:
 
 
 def main(args) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     run_value_pretrain(load_config(args.config, args.overrides))
     return 0

@@ -35,6 +35,12 @@ CRITIC_NORM_GROUPS = {
     "moe": ["*mlp.experts*", "*mlp.router*"],
     "value_head": ["value_head*"],
 }
+# The same for a dense model (Llama, Qwen3): the trained part is the dense MLP, not experts.
+CRITIC_NORM_GROUPS_DENSE = {
+    "attention": ["*self_attention*", "*input_layernorm*"],
+    "mlp": ["*mlp.linear_fc*"],
+    "value_head": ["value_head*"],
+}
 
 
 def is_builtin(path: str) -> bool:
@@ -123,12 +129,15 @@ def _init_source(path: str):
     return InitSource.from_megatron(str(p))
 
 
-def critic_freeze_patterns(critic: CriticConfig) -> list[str]:
-    from megatron_sao.models.freeze import CRITIC_FROZEN_ATTENTION
+def critic_freeze_patterns(critic: CriticConfig, spec=None) -> list[str]:
+    """Patterns of `critic.freeze`, with "attention" expanded for this model: without q/k norms
+    (Llama) the q/k-norm patterns are left out, since a pattern that matches nothing is an error."""
+    from megatron_sao.models.freeze import CRITIC_FROZEN_ATTENTION, critic_frozen_attention_patterns
 
+    attention = critic_frozen_attention_patterns(spec) if spec is not None else CRITIC_FROZEN_ATTENTION
     out: list[str] = []
     for p in critic.freeze:
-        out.extend(CRITIC_FROZEN_ATTENTION if p == "attention" else [p])
+        out.extend(attention if p == "attention" else [p])
     return out
 
 
@@ -146,12 +155,14 @@ def build_actor(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = No
 def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = None, freeze: bool = True):
     from megatron_sao.megatron.engine import MegatronEngine
 
-    return MegatronEngine(model_spec(model_dir), parallel_sizes(cfg),
+    spec = model_spec(model_dir)
+    return MegatronEngine(spec, parallel_sizes(cfg),
                           engine_optim(cfg.critic.optim, cfg.run.total_steps * cfg.algorithm.critic_steps),
                           role="critic", init=_init_source(init or cfg.critic.init or str(model_dir)),
                           micro_batch_size=cfg.parallel.micro_batch_size,
-                          freeze_patterns=critic_freeze_patterns(cfg.critic) if freeze else (),
-                          grad_norm_groups=CRITIC_NORM_GROUPS, ctx=ctx, config_overrides=engine_overrides(cfg))
+                          freeze_patterns=critic_freeze_patterns(cfg.critic, spec) if freeze else (),
+                          grad_norm_groups=CRITIC_NORM_GROUPS if spec.is_moe else CRITIC_NORM_GROUPS_DENSE,
+                          ctx=ctx, config_overrides=engine_overrides(cfg))
 
 
 def build_rollout_engine(cfg: SAOConfig, model_dir: Path):

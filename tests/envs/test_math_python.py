@@ -9,12 +9,11 @@ import pytest
 
 from megatron_sao.envs.math_grading import grade_boxed
 from megatron_sao.envs.math_python import MathPythonEnv, load_math_tasks
+from shared_data import shared_data_dir
 
-DATA = Path("/work/shared/data")
-needs_data = pytest.mark.skipif(not (DATA / "aime25.jsonl").exists(), reason="evaluation data not present")
+DATA = shared_data_dir()
 
 
-@needs_data
 @pytest.mark.parametrize("name,n,first_id", [("aime25", 30, "aime25/0"), ("aime24", 30, "aime24/60"),
                                               ("math500", 500, None), ("gsm8k", 1319, "gsm8k_test/0")])
 def test_load_all_formats(name, n, first_id):
@@ -38,7 +37,6 @@ def test_bad_dataset_inputs(tmp_path):
         load_math_tasks(str(bad))
 
 
-@needs_data
 def test_reward_on_aime25_answers():
     tasks = load_math_tasks("aime25", data_dir=DATA)
     golds = [t.answer for t in tasks]

@@ -163,3 +163,14 @@ def test_running_mean_baseline_window_and_round_trip():
         RunningMeanBaseline(window=0)
     with pytest.raises(ValueError, match="finite"):
         base.update(torch.tensor([float("nan")]))
+
+
+def test_explained_variance_is_nan_when_returns_vary_only_by_rounding():
+    # All rewards 0: float32 returns R = A + V land near 1e-7 instead of exactly 0.
+    torch.manual_seed(0)
+    values = 0.5 + 0.01 * torch.randn(4, 16)
+    returns = 1e-7 * torch.randn(4, 16)
+    mask = torch.ones(4, 16, dtype=torch.bool)
+    assert torch.isnan(explained_variance(values, returns, mask))
+    # a real spread of returns still gives a number
+    assert torch.isfinite(explained_variance(values, values + 0.1 * torch.randn(4, 16), mask))

@@ -266,8 +266,7 @@ def validate(cfg: SAOConfig) -> SAOConfig:
     _check(r.concurrency >= 1, "rollout.concurrency", "must be >= 1")
     _check(r.max_turns >= 1, "rollout.max_turns", "must be >= 1")
     _check(r.max_new_tokens_per_turn >= 1, "rollout.max_new_tokens_per_turn", "must be >= 1")
-    _check(r.max_total_tokens >= r.max_new_tokens_per_turn or r.max_total_tokens >= 1,
-           "rollout.max_total_tokens", "must be >= 1")
+    _check(r.max_total_tokens >= 2, "rollout.max_total_tokens", f"must be >= 2, got {r.max_total_tokens}")
     _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _check(r.timeout_s > 0, "rollout.timeout_s", "must be > 0")

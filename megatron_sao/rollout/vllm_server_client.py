@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from megatron_sao.rollout.engine import EngineConfig, GenerationResult, SamplingParams, WeightBucket
+from megatron_sao.rollout.vllm_weight_transport import broadcast_bucket, bucket_bytes, bucket_update_info
 
 
 class ServerError(RuntimeError):
@@ -191,19 +192,11 @@ class VLLMServerClient:
             await self._control("POST", "/start_weight_update")
             sent = 0
             for bucket in buckets:
-                info = {"names": [n for n, _ in bucket], "dtype_names": [str(t.dtype).split(".")[-1] for _, t in bucket],
-                        "shapes": [list(t.shape) for _, t in bucket]}
+                info = bucket_update_info(bucket)
                 recv = asyncio.ensure_future(self._control("POST", "/update_weights", json={"update_info": info}))
-
-                def _broadcast(bucket: WeightBucket = bucket) -> None:
-                    stream = torch.cuda.current_stream()
-                    for _, t in bucket:
-                        self._group.broadcast(t.contiguous(), src=0, stream=stream)
-                    stream.synchronize()
-
-                await asyncio.to_thread(_broadcast)
+                await asyncio.to_thread(broadcast_bucket, self._group, bucket)
                 await recv
-                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+                sent += bucket_bytes([bucket])
             await self._control("POST", "/finish_weight_update", json={"weight_version": str(version)})
             self.last_update_bytes = sent
         finally:

@@ -28,6 +28,21 @@ def bucket_bytes(buckets: list[WeightBucket]) -> int:
     return sum(t.numel() * t.element_size() for bucket in buckets for _, t in bucket)
 
 
+def bucket_update_info(bucket: WeightBucket) -> dict:
+    """What vLLM's update_weights needs to receive one bucket by NCCL broadcast (names, dtypes, shapes)."""
+    return {"names": [n for n, _ in bucket], "dtype_names": [str(t.dtype).split(".")[-1] for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket]}
+
+
+def broadcast_bucket(group, bucket: WeightBucket) -> None:
+    """Send one bucket's tensors from trainer rank 0 over the weight-transfer NCCL group (blocking;
+    run it in a thread while the receiving side's update request is in flight)."""
+    stream = torch.cuda.current_stream()
+    for _, t in bucket:
+        group.broadcast(t.contiguous(), src=0, stream=stream)
+    stream.synchronize()
+
+
 class WeightTransport(ABC):
     """Moves a validated, complete HF-named update into the workers of one AsyncLLM."""
 
@@ -96,20 +111,9 @@ class NCCLTransport(WeightTransport):
         await llm.start_weight_update()  # type: ignore[attr-defined]
         sent = 0
         for bucket in buckets:
-            info = {
-                "names": [n for n, _ in bucket],
-                "dtype_names": [str(t.dtype).split(".")[-1] for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket],
-            }
+            info = bucket_update_info(bucket)
             recv = asyncio.ensure_future(llm.update_weights(WeightTransferUpdateRequest(update_info=info)))  # type: ignore[attr-defined]
-
-            def _broadcast(bucket: WeightBucket = bucket) -> None:
-                stream = torch.cuda.current_stream()
-                for _, t in bucket:
-                    self._group.broadcast(t.contiguous(), src=0, stream=stream)
-                stream.synchronize()
-
-            await asyncio.to_thread(_broadcast)
+            await asyncio.to_thread(broadcast_bucket, self._group, bucket)
             await recv
             sent += bucket_bytes([bucket])
         await llm.finish_weight_update(str(version))  # type: ignore[attr-defined]

@@ -252,11 +252,14 @@ class HFEngine:
                 )
             if self._paused:
                 continue
-            batch = [r for r in self._active + admitted if not r.cancelled]
+            # Read each request's ``cancelled`` flag once: the event loop may set it at any moment, and a
+            # request that joins the batch must also have been prefilled.
+            batch = [r for r in self._active if not r.cancelled]
             try:
                 for req in admitted:
                     if not req.cancelled:
                         self._prefill(req)
+                        batch.append(req)
                 self._active = self._step(batch)
             except Exception as e:  # a failed forward fails the requests it touched, not the engine
                 for req in batch:

@@ -227,6 +227,42 @@ def test_requests_wait_while_paused_and_cancel_is_safe(model_dirs):
     assert healthy and not closed_healthy
 
 
+def test_request_cancelled_while_another_is_prefilled_does_not_fail_the_batch(model_dirs):
+    """Regression (CI flake): a request admitted with others and cancelled before its own prefill ran
+    used to stay in the decode batch without logits, failing every request in that batch."""
+
+    async def run():
+        engine = _engine(model_dirs["dense"], eos_token_ids=())
+        inner_forward = engine.model.forward
+        first_prefill_started = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        calls = {"n": 0}
+
+        def slow_forward(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 1:  # the first admitted request's prefill: let the test cancel the second now
+                loop.call_soon_threadsafe(first_prefill_started.set)
+                import time
+
+                time.sleep(0.5)
+            return inner_forward(*args, **kwargs)
+
+        engine.model.forward = slow_forward
+        await engine.pause()
+        task = asyncio.create_task(engine.generate([5], SamplingParams(max_new_tokens=4, seed=0)))
+        doomed = asyncio.create_task(engine.generate([6], SamplingParams(max_new_tokens=4, seed=0)))
+        await asyncio.sleep(0.05)
+        await engine.resume()
+        await first_prefill_started.wait()
+        doomed.cancel()
+        out = await task
+        await engine.close()
+        return out, doomed
+
+    out, doomed = asyncio.run(run())
+    assert len(out.token_ids) == 4 and doomed.cancelled()
+
+
 def test_plain_module_without_kv_cache(model_dirs):
     """A non-transformers module (e.g. a wrapped Megatron model) returning a logits tensor works."""
     from transformers import AutoModelForCausalLM

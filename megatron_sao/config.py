@@ -139,6 +139,9 @@ class EnvConfig:
     train_data: Optional[str] = None  # jsonl (or generator spec for toy_tool)
     eval_data: Optional[str] = None
     eval_size: int = 200
+    # Generated envs: seed of the held-out tasks (None = run.seed + 100003). Fix it to compare runs
+    # of different seeds on the same tasks.
+    eval_seed: Optional[int] = None
     kwargs: dict[str, Any] = field(default_factory=dict)  # environment constructor arguments
     task_kwargs: dict[str, Any] = field(default_factory=dict)  # task loader arguments (n, max_ops, data_dir...)
 
@@ -158,6 +161,10 @@ class TrainerConfig:
     # rollouts, in file order: deterministic batches for debugging, regression and parity tests.
     replay: Optional[str] = None
     global_batch_tokens: Optional[int] = None  # optional cap for micro-batching by tokens
+    # Staleness stress test: the rollout engine always holds the policy of `policy_lag` actor steps
+    # ago (the trainer keeps that many weight snapshots in host memory). With `mode: sync` every
+    # trajectory is then exactly `policy_lag` versions old, whatever the machine's speed.
+    policy_lag: int = 0
 
 
 @dataclass
@@ -275,6 +282,11 @@ def validate(cfg: SAOConfig) -> SAOConfig:
     _check(b.batch_size >= 1, "buffer.batch_size", "must be >= 1")
     _check(b.max_staleness >= 0, "buffer.max_staleness", "must be >= 0")
     _check(b.max_pending >= b.batch_size, "buffer.max_pending", "must be >= buffer.batch_size")
+    lag = cfg.trainer.policy_lag
+    _check(lag >= 0, "trainer.policy_lag", f"must be >= 0, got {lag}")
+    if lag and b.staleness_policy == "drop":
+        _check(b.max_staleness >= lag, "buffer.max_staleness",
+               f"must be >= trainer.policy_lag ({lag}) with staleness_policy drop, or every trajectory is dropped")
     _check(cfg.run.total_steps >= 0, "run.total_steps", "must be >= 0")
     for k in ("save_every", "eval_every", "log_every"):
         _check(getattr(cfg.run, k) >= 0, f"run.{k}", "must be >= 0")

@@ -10,6 +10,11 @@ Which step decides the style: ``task.meta["policy_step"]`` when the agent loop s
 policy version that started the rollout), otherwise the shared ``StyleSchedule.current_step``
 that the trainer advances with ``schedule.advance(step)``.
 
+From a YAML config the env is built by ``make_env("style_shift", **env.kwargs)``, so it also
+takes plain values: ``switch_every`` (+ ``styles``) instead of a ``StyleSchedule`` object and
+``min_hits`` for the rule judge. ``make_demonstrations`` writes SFT conversations in all styles
+(uniformly), so the SFT policy starts at ~25% reward under any preference and RL has to find it.
+
 Every response ends the episode (single turn, no tools). A ``JudgeError`` propagates: an
 unreachable judge is an infrastructure failure, and scoring it 0 would silently bias learning.
 """
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 import random
-from dataclasses import dataclass, field
+import re
 from typing import Sequence
 
 from megatron_sao.envs.base import ListTaskSource, StepResult, Task, check_task_env, require_task
@@ -27,6 +32,10 @@ from megatron_sao.envs.tool_calls import answer_region
 
 ENV_NAME = "style_shift"
 SYSTEM_PROMPT = "You are a creative writer. Answer in one short paragraph (at most 120 words)."
+# For the character-level CPU model every character is a token: the 76-character prompt above is
+# ~40% of a demonstration. The CPU example passes this one (task_kwargs.system_prompt), and SFT
+# uses the same task_kwargs so demonstrations and rollouts start with the same prompt.
+SHORT_SYSTEM_PROMPT = "Write one short sentence."
 WRITING_PROMPTS = (
     "Describe a rainy afternoon in a small town.",
     "Write a note thanking a friend for a borrowed book.",
@@ -95,29 +104,132 @@ class StyleSchedule:
         self.current_step = step
 
 
-def load_style_tasks(n: int = 256, seed: int = 0, prompts: Sequence[str] = WRITING_PROMPTS) -> ListTaskSource:
-    """``n`` tasks drawn (seeded) from the writing prompts; the style is never in the prompt."""
+def load_style_tasks(n: int = 256, seed: int = 0, prompts: Sequence[str] = WRITING_PROMPTS,
+                     system_prompt: str | None = SYSTEM_PROMPT) -> ListTaskSource:
+    """``n`` tasks drawn (seeded) from the writing prompts; the style is never in the prompt.
+
+    ``system_prompt=None`` (or "") leaves the system message out.
+    """
     if n < 1 or not prompts:
         raise ValueError("load_style_tasks needs n >= 1 and a non-empty prompt list")
     rng = random.Random(seed)
+    head = [{"role": "system", "content": system_prompt}] if system_prompt else []
     tasks = []
     for i in range(n):
         prompt = prompts[rng.randrange(len(prompts))]
         tasks.append(Task(prompt_id=f"style/{seed}/{i}", env=ENV_NAME, answer=None,
-                          messages=[{"role": "system", "content": SYSTEM_PROMPT},
-                                    {"role": "user", "content": prompt}]))
+                          messages=[*head, {"role": "user", "content": prompt}]))
     return ListTaskSource(tasks)
 
 
-@dataclass
+# Short answer templates per style, for SFT demonstrations. Each has 2-4 distinct markers of its own
+# style and none of another (checked by the tests against RuleBasedStyleJudge(min_hits=2)), is ASCII
+# (the char tokenizer has no other characters) and 30-60 characters long, so that a whole
+# demonstration fits the CPU model's 256 positions. The styles start with different words, so the
+# style is decided in the first few sampled tokens: that is where RL has to move probability mass
+# after a switch. ``{t}`` is the prompt's topic word (see ``prompt_topic``); about half the
+# templates use it, for some variety without making the tiny model's job much harder.
+STYLE_TEMPLATES: dict[str, tuple[str, ...]] = {
+    "academic": (
+        "Furthermore, the evidence on the {t} is notably clear.",
+        "Moreover, an empirical analysis of the {t} is needed.",
+        "The evidence is weak; therefore, more analysis is needed.",
+        "In conclusion, this essay finds the question notably open.",
+        "Notably, the hypothesis holds; consequently, we agree.",
+    ),
+    "cute": (
+        "Hehe~ the {t} is so fluffy! <3",
+        "Yay! A sparkly {t} for my bunny ^_^",
+        "Teehee, everything is kawaii today~",
+        "Nya~ a fluffy nap is the best, uwu",
+        "Yay, hehe! So sparkly and soft <3",
+    ),
+    "chuunibyou": (
+        "My right eye burns; the {t} is my destiny!",
+        "Mortals! The dark flame of the {t} shall awaken.",
+        "The sealed power calls me from the abyss.",
+        "Behold, the cursed blade is forbidden to mortals!",
+        "My true power stirs; the dragon shall awaken!",
+    ),
+    "classical": (
+        "Alas, thy {t} hath gone ere dawn.",
+        "Verily, 'tis a fair {t}, I tell thee.",
+        "Thou art weary, alas, and the night doth fall.",
+        "Wherefore doth the wind weep o'er the hills?",
+        "Henceforth, thou shalt rest, for 'tis late.",
+    ),
+}
+_FALLBACK_TOPIC = "day"
+
+
+def prompt_topic(prompt: str) -> str:
+    """The prompt's last word, lower-cased ("... in a small town." -> "town"): its topic, roughly."""
+    words = re.findall(r"[A-Za-z]+", prompt)
+    return words[-1].lower() if words else _FALLBACK_TOPIC
+
+
+def make_demonstrations(n: int, seed: int = 0, styles: Sequence[str] = STYLES,
+                        prompts: Sequence[str] = WRITING_PROMPTS,
+                        system_prompt: str | None = SYSTEM_PROMPT) -> list[list[dict]]:
+    """``n`` SFT conversations: the task's messages (as ``load_style_tasks(n, seed, prompts,
+    system_prompt)`` builds them, i.e. exactly what the policy sees) + one assistant answer.
+
+    Each answer is in one style drawn uniformly from ``styles`` and adheres to it, and only to it,
+    per ``RuleBasedStyleJudge(min_hits=2)``: the SFT policy then writes every style about equally
+    often, so it starts at ~1/len(styles) reward whatever the preferred style is, and RL has to
+    find (and, after each switch, re-find) the rewarded one.
+    """
+    styles = _check_styles(styles)
+    tasks = load_style_tasks(n, seed, prompts, system_prompt)
+    rng = random.Random(seed + 1_000_003)  # independent of the prompt stream
+    judge = RuleBasedStyleJudge(min_hits=2)
+    demos = []
+    for task in tasks:
+        style = styles[rng.randrange(len(styles))]
+        template = STYLE_TEMPLATES[style][rng.randrange(len(STYLE_TEMPLATES[style]))]
+        answer = template.format(t=prompt_topic(task.messages[-1]["content"]))
+        if not judge.adheres(answer, style):
+            # Only a custom prompt whose topic word is itself a marker can get here (tested for
+            # the built-in prompts); a neutral word keeps the demonstration in its style.
+            answer = template.format(t=_FALLBACK_TOPIC)
+        demos.append([dict(m) for m in task.messages] + [{"role": "assistant", "content": answer}])
+    return demos
+
+
+def _check_styles(styles: Sequence[str]) -> list[str]:
+    styles = list(styles)
+    if not styles:
+        raise ValueError("styles must be a non-empty list")
+    unknown = [s for s in styles if s not in STYLES]
+    if unknown:
+        raise ValueError(f"unknown styles {unknown}; known styles: {list(STYLES)}")
+    return styles
+
+
 class StyleShiftEnv:
-    """Single-turn writing env; reward 1 iff the judge says the response has the current style."""
+    """Single-turn writing env; reward 1 iff the judge says the response has the current style.
 
-    schedule: StyleSchedule = field(default_factory=lambda: StyleSchedule.every(100))
-    judge: StyleJudge = field(default_factory=RuleBasedStyleJudge)
-    name: str = ENV_NAME
+    Either pass objects (``schedule=``, ``judge=``) or, from a YAML ``env.kwargs``, plain values:
+    ``switch_every=N`` (the style changes every N trainer steps, cycling through ``styles``,
+    default ``STYLES``) and ``min_hits`` for the default rule judge. Giving both forms of the same
+    thing is an error rather than a silent precedence rule. Default: ``StyleSchedule.every(100)``.
+    """
 
-    def __post_init__(self) -> None:
+    name = ENV_NAME
+
+    def __init__(self, schedule: StyleSchedule | None = None, judge: StyleJudge | None = None, *,
+                 switch_every: int | None = None, styles: Sequence[str] | None = None,
+                 min_hits: int | None = None) -> None:
+        if schedule is not None and switch_every is not None:
+            raise ValueError("StyleShiftEnv: give either schedule or switch_every, not both")
+        if styles is not None and switch_every is None:
+            raise ValueError("StyleShiftEnv: styles only applies with switch_every (a schedule names its own styles)")
+        if judge is not None and min_hits is not None:
+            raise ValueError("StyleShiftEnv: min_hits configures the default rule judge; it cannot apply to judge=")
+        if switch_every is not None:
+            schedule = StyleSchedule.every(int(switch_every), _check_styles(styles if styles is not None else STYLES))
+        self.schedule = schedule if schedule is not None else StyleSchedule.every(100)
+        self.judge = judge if judge is not None else RuleBasedStyleJudge(2 if min_hits is None else int(min_hits))
         self._task: Task | None = None
 
     async def reset(self, task: Task) -> None:

@@ -217,7 +217,8 @@ def eval_tasks(cfg: SAOConfig) -> list:
 
     kw = dict(cfg.env.task_kwargs)
     if cfg.env.name in GENERATED_ENVS:
-        kw.update(seed=cfg.run.seed + 100_003, n=cfg.env.eval_size)
+        seed = cfg.env.eval_seed if cfg.env.eval_seed is not None else cfg.run.seed + 100_003
+        kw.update(seed=seed, n=cfg.env.eval_size)
     tasks = load_tasks(cfg.env.name, cfg.env.eval_data or cfg.env.train_data, **kw)
     return [tasks[i] for i in range(min(len(tasks), cfg.env.eval_size))]
 

@@ -15,6 +15,7 @@ import logging
 import signal
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -63,6 +64,7 @@ class SAOTrainer:
         self.policy_loss, self.critic_loss = policy_loss_fn(a), critic_loss_fn()
         self.console = Console(cfg.run.console if self.rank0 else "none", total=self.total)
         self.wait_s = self.busy_s = 0.0
+        self._lagged: deque = deque()  # trainer.policy_lag: (version, weights) not yet pushed
         self.buffer = self.driver = self.rollout = None
         if self.rank0:
             self.buffer = TrajectoryBuffer(cfg.buffer.batch_size, cfg.buffer.max_staleness, cfg.buffer.staleness_policy,
@@ -192,8 +194,14 @@ class SAOTrainer:
             return 0.0  # no rollout engine to feed
         t0 = time.monotonic()
         buckets = list(self.actor.export_hf_weights(self.cfg.rollout.weight_sync_bucket_mb << 20))
+        version = self.version
+        if self.cfg.trainer.policy_lag:  # staleness stress test: push the snapshot of policy_lag steps ago
+            self._lagged.append((version, [[(n, t.clone()) for n, t in b] for b in buckets]))
+            if len(self._lagged) <= self.cfg.trainer.policy_lag:
+                return time.monotonic() - t0
+            version, buckets = self._lagged.popleft()
         if self.rank0:
-            self.driver.call(self.rollout.update_weights(buckets, self.version), timeout=self.cfg.rollout.timeout_s)
+            self.driver.call(self.rollout.update_weights(buckets, version), timeout=self.cfg.rollout.timeout_s)
         return time.monotonic() - t0
 
     # ------------------------------------------------------------------ rollouts

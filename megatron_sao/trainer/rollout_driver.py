@@ -14,6 +14,12 @@ the queue: a long trajectory that went stale is retried next, not starved.
 
 Data position for resume: `next_pos` plus the units in flight; the trainer checkpoints both, and on
 resume re-runs in-flight units whose trajectory did not reach the buffer's directory.
+
+Each episode's task carries `meta["policy_step"]`: the trainer steps finished when it started
+(`step_offset + steps_done`; `step_offset` is the step a resumed run starts from). Non-stationary
+environments read it (the style-shift task picks its preferred style by it), so the reward follows
+the trainer's progress, not wall time or how far the rollouts ran ahead. It is recorded in
+`traj.info["policy_step"]` as well.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ class RolloutDriver:
     def __init__(self, engine, env_factory: Callable[[Task], Any], stream: PromptStream, formatter,
                  loop_cfg: AgentLoopConfig, on_done: Callable[[Trajectory], None], *, batch_size: int,
                  ahead: int, concurrency: int, group_size: int = 1, next_pos: int = 0,
-                 requeue: list[Unit] | None = None, skip: set[Unit] | None = None):
+                 requeue: list[Unit] | None = None, skip: set[Unit] | None = None, step_offset: int = 0):
         self.engine, self.env_factory, self.stream, self.formatter = engine, env_factory, stream, formatter
         self.loop_cfg, self.on_done = loop_cfg, on_done
         self.batch_size, self.ahead, self.concurrency, self.group_size = batch_size, ahead, concurrency, group_size
@@ -70,7 +76,8 @@ class RolloutDriver:
         self._skip = set(skip or ())  # units whose trajectory is already in the buffer (resume)
         self.in_flight: set[Unit] = set()
         self.started = 0  # units started since this driver was created (admission counter)
-        self.steps_done = 0
+        self.steps_done = 0  # steps finished since this driver was created (admission is relative to it)
+        self.step_offset = step_offset  # trainer steps finished before it (resume), for policy_step
         self.finished = 0
         self.failed = 0
         self.activity = EngineActivity()
@@ -157,12 +164,14 @@ class RolloutDriver:
 
     async def _run_unit(self, unit: Unit) -> None:
         pos, k = unit
+        with self._lock:
+            policy_step = self.step_offset + self.steps_done
         task = self.stream[pos]
         task = dataclasses.replace(task, prompt_id=f"{task.prompt_id}@{pos}",
-                                   meta={**task.meta, "data_pos": pos, "sample": k})
+                                   meta={**task.meta, "data_pos": pos, "sample": k, "policy_step": policy_step})
         traj = await run_one(self.engine, self.env_factory, task, self.formatter, self.loop_cfg,
                              activity=self.activity)
-        traj.info.update(data_pos=pos, sample=k)
+        traj.info.update(data_pos=pos, sample=k, policy_step=policy_step)
         with self._lock:
             self.in_flight.discard(unit)
             self.finished += 1

@@ -41,11 +41,24 @@ def load_demonstrations(cfg: SAOConfig) -> list[list[dict]]:
         return [d if isinstance(d, list) else d["messages"] for d in
                 make_demonstrations(cfg.sft.demonstrations, seed=cfg.run.seed, error_rate=cfg.sft.error_rate,
                                     **_toy_kwargs(cfg))]
+    if cfg.env.name == "style_shift":
+        from megatron_sao.envs.style_shift import make_demonstrations
+
+        return make_demonstrations(cfg.sft.demonstrations, seed=cfg.run.seed, **_style_kwargs(cfg))
     raise ValueError(f"sft.data: env {cfg.env.name!r} has no demonstration generator; give a jsonl file")
 
 
 def _toy_kwargs(cfg: SAOConfig) -> dict:
     return {k: v for k, v in cfg.env.task_kwargs.items() if k in ("max_ops", "alpha")}
+
+
+def _style_kwargs(cfg: SAOConfig) -> dict:
+    """The task loader's prompt settings (so demonstrations start exactly like the RL prompts) and
+    the env's styles (so SFT covers every style the schedule will ask for, and no other)."""
+    kw = {k: v for k, v in cfg.env.task_kwargs.items() if k in ("prompts", "system_prompt")}
+    if cfg.env.kwargs.get("styles") is not None:
+        kw["styles"] = cfg.env.kwargs["styles"]
+    return kw
 
 
 def pad_examples(examples: list[tuple[list[int], list[bool]]], pad_id: int) -> dict[str, torch.Tensor]:

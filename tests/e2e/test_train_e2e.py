@@ -21,6 +21,18 @@ def batches(run):
     return [json.loads(line) for line in (Path(run) / "batches.jsonl").read_text().splitlines()]
 
 
+def test_policy_lag_makes_every_trajectory_exactly_that_stale(tmp_path):
+    """trainer.policy_lag (staleness stress test): the engine holds the weights of L steps ago, so in
+    sync mode every trajectory after the first L steps is exactly L versions old."""
+    run = tmp_path / "lag"
+    sao("train", CONFIG, f"run.dir={run}", "trainer.mode=sync", "run.total_steps=3", "trainer.policy_lag=1",
+        "algorithm.critic_warmup_steps=0", "buffer.staleness_policy=keep")
+    rows = metrics(run)
+    assert [r["version"] for r in rows] == [0, 1, 2]
+    assert [r["lag_histogram"] for r in rows] == [{"0": 8}, {"1": 8}, {"1": 8}]
+    assert all("logprob_mismatch_lag0" not in r for r in rows[1:])  # no token of the current policy
+
+
 def test_sync_mode_trains_on_policy_and_syncs_weights_exactly(tmp_path):
     run = tmp_path / "sync"
     sao("train", CONFIG, f"run.dir={run}", "trainer.mode=sync", "run.total_steps=2")

@@ -1,4 +1,5 @@
-"""Style-shift task: the phase schedule, the rule-based judge, the env, and the LLM judge over a local server."""
+"""Style-shift task: the phase schedule, the rule-based judge, the env (also built from YAML-style
+kwargs), the SFT demonstrations, and the LLM judge over a local server."""
 
 import asyncio
 import json
@@ -7,9 +8,13 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
+from megatron_sao.envs import make_env
 from megatron_sao.envs.base import Task
-from megatron_sao.envs.style_judges import JudgeError, OpenAICompatibleJudge, RuleBasedStyleJudge
-from megatron_sao.envs.style_shift import StyleSchedule, StyleShiftEnv, load_style_tasks
+from megatron_sao.envs.style_judges import STYLES, JudgeError, OpenAICompatibleJudge, RuleBasedStyleJudge
+from megatron_sao.envs.style_shift import (SHORT_SYSTEM_PROMPT, SYSTEM_PROMPT, WRITING_PROMPTS, StyleSchedule,
+                                           StyleShiftEnv, load_style_tasks, make_demonstrations)
+from megatron_sao.rollout.chat import ChatFormatter
+from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
 
 SAMPLES = {
     "academic": "Furthermore, the evidence suggests that rain shapes the town; in conclusion, analysis matters.",
@@ -59,15 +64,15 @@ def test_rule_judge_matches_only_its_style():
     assert not judge.adheres(SAMPLES["cute"] + " " + SAMPLES["classical"], "cute")
 
 
-def run_env(schedule, text, meta=None):
-    task = load_style_tasks(n=1, seed=3)[0]
+def run_env(schedule, text, meta=None, env=None, task=None):
+    task = task or load_style_tasks(n=1, seed=3)[0]
     if meta:
         task = Task(task.prompt_id, task.messages, task.answer, task.env, meta)
 
     async def main():
-        env = StyleShiftEnv(schedule=schedule)
-        await env.reset(task)
-        return await env.step(text)
+        e = env or StyleShiftEnv(schedule=schedule)
+        await e.reset(task)
+        return await e.step(text)
     return asyncio.run(main())
 
 
@@ -82,6 +87,95 @@ def test_env_reward_follows_the_phase():
     r = run_env(sched, SAMPLES["classical"], meta={"policy_step": 35})
     assert r.reward == 1.0 and r.info["phase"] == 3
     assert run_env(sched, "   ").info["reason"] == "empty_response"
+
+
+def test_env_from_yaml_kwargs_switch_every_and_styles():
+    """What `env.kwargs: {switch_every: 3, styles: [...], min_hits: 1}` builds through the registry."""
+    env = make_env("style_shift", switch_every=3, styles=["cute", "classical"])
+    assert [env.schedule.style_at(s) for s in (0, 2, 3, 5, 6)] == ["cute", "cute", "classical", "classical", "cute"]
+    r = run_env(None, SAMPLES["classical"], meta={"policy_step": 4}, env=env)
+    assert r.reward == 1.0 and r.info["style"] == "classical" and r.info["phase"] == 1
+    assert make_env("style_shift", switch_every=7).schedule.style_at(7) == STYLES[1]  # default styles
+    assert make_env("style_shift", min_hits=3).judge.min_hits == 3
+    # one cute marker: rewarded with min_hits=1 only
+    one = "A bunny in the rain."
+    assert run_env(None, one, env=make_env("style_shift", switch_every=5, styles=["cute"], min_hits=1)).reward == 1.0
+    assert run_env(None, one, env=make_env("style_shift", switch_every=5, styles=["cute"])).reward == 0.0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"schedule": StyleSchedule.every(4), "switch_every": 4}, "schedule or switch_every"),
+    ({"styles": ["cute"]}, "styles only applies with switch_every"),
+    ({"judge": RuleBasedStyleJudge(), "min_hits": 1}, "min_hits"),
+    ({"switch_every": 5, "styles": ["cute", "pirate"]}, "unknown styles"),
+    ({"switch_every": 5, "styles": []}, "non-empty"),
+    ({"switch_every": 0}, "n_steps must be >= 1"),
+])
+def test_env_rejects_conflicting_or_bad_kwargs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_env("style_shift", **kwargs)
+
+
+def test_tasks_without_or_with_a_short_system_prompt():
+    assert [m["role"] for m in load_style_tasks(n=2, system_prompt=None)[0].messages] == ["user"]
+    t = load_style_tasks(n=2, system_prompt=SHORT_SYSTEM_PROMPT)[0]
+    assert t.messages[0] == {"role": "system", "content": SHORT_SYSTEM_PROMPT}
+
+
+def test_demonstrations_adhere_to_exactly_one_style_and_cover_all():
+    judge = RuleBasedStyleJudge(min_hits=2)
+    demos = make_demonstrations(2000, seed=4)
+    counts = dict.fromkeys(STYLES, 0)
+    for d in demos:
+        answer = d[-1]["content"]
+        hits = [s for s in STYLES if judge.adheres(answer, s)]
+        assert len(hits) == 1, (answer, hits)
+        assert answer.isascii() and 30 <= len(answer) <= 70, answer
+        counts[hits[0]] += 1
+    assert all(abs(c / len(demos) - 0.25) < 0.05 for c in counts.values()), counts  # uniform over styles
+    assert len({d[-1]["content"] for d in demos}) >= 30  # several templates, the topic word mixed in
+    assert any(d[-1]["content"].count("piano") for d in demos)
+
+
+def test_demonstrations_start_exactly_like_the_tasks_and_respect_styles():
+    for sp in (SYSTEM_PROMPT, SHORT_SYSTEM_PROMPT, None):
+        demos = make_demonstrations(50, seed=9, system_prompt=sp)
+        tasks = load_style_tasks(50, seed=9, system_prompt=sp)
+        assert [d[:-1] for d in demos] == [t.messages for t in tasks]
+    judge = RuleBasedStyleJudge()
+    demos = make_demonstrations(200, seed=2, styles=["chuunibyou", "classical"])
+    assert {s for d in demos for s in ("chuunibyou", "classical") if judge.adheres(d[-1]["content"], s)} == {
+        "chuunibyou", "classical"}
+    assert not any(judge.adheres(d[-1]["content"], s) for d in demos for s in ("academic", "cute"))
+    with pytest.raises(ValueError, match="unknown styles"):
+        make_demonstrations(5, styles=["pirate"])
+
+
+@pytest.mark.parametrize("system_prompt", [SYSTEM_PROMPT, SHORT_SYSTEM_PROMPT])
+def test_demonstrations_fit_the_char_model_and_score_as_rollouts(system_prompt):
+    """Encoded like SFT does (chat markup, one token per character), every demonstration fits 256
+    positions; decoded back as the policy's action, the env extracts the answer and rewards it under
+    its own style."""
+    fmt = ChatFormatter(build_char_tokenizer())
+    demos = make_demonstrations(300, seed=1, system_prompt=system_prompt)
+    assert max(len(fmt.encode_demonstration(d)[0]) for d in demos) <= 256
+    judge = RuleBasedStyleJudge()
+    for d in demos[:40]:
+        style = next(s for s in STYLES if judge.adheres(d[-1]["content"], s))
+        ids, mask = fmt.encode_demonstration(d)
+        action = fmt.action_text([i for i, m in zip(ids, mask) if m])
+        assert action == d[-1]["content"]
+        task = Task("p", d[:-1], None, "style_shift")
+        r = run_env(None, action, env=StyleShiftEnv(schedule=StyleSchedule([(0, style)])), task=task)
+        assert r.reward == 1.0 and r.info["reason"] == "judged"
+
+
+def test_demonstrations_with_a_marker_as_topic_word_stay_in_style():
+    """A custom prompt whose last word is a marker of another style must not flip the demo's style."""
+    judge = RuleBasedStyleJudge()
+    for d in make_demonstrations(300, seed=0, prompts=["Write about the fluffy sparkly bunny"]):
+        assert sum(judge.adheres(d[-1]["content"], s) for s in STYLES) == 1, d[-1]["content"]
+    assert len(WRITING_PROMPTS) >= 8
 
 
 class _FakeJudge(BaseHTTPRequestHandler):

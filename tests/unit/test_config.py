@@ -37,6 +37,8 @@ def test_presets_and_precedence(tmp_path):
     (["algorithm.name=grpo", "buffer.batch_size=12", "algorithm.group_size=8"], "buffer.batch_size"),
     (["algorithm.advantage=step_avg", "algorithm.name=running_mean"], "algorithm.advantage"),
     (["preset=physics"], "preset: unknown preset"),
+    (["trainer.policy_lag=-1"], "trainer.policy_lag: must be >= 0"),
+    (["trainer.policy_lag=8", "buffer.max_staleness=4"], "buffer.max_staleness: must be >= trainer.policy_lag"),
     (["run.seed=1.5"], "run.seed: expected an integer"),
     (["algorithm.eps_low"], "expected key.path=value"),
 ])

@@ -1,0 +1,13 @@
+"""Small-scale reproduction of the SAO paper's claims (issue: ablations, staleness, online learning).
+
+    sao bench main          # SFT vs GRPO vs GRPO+DIS vs SAO at equal trajectory budget
+    sao bench ablations     # K=1, attention trained, running mean, no value pretraining, step-level GAE
+    sao bench staleness     # imposed policy lag 1/4/16: PPO clip vs DIS vs SAO
+    sao bench online        # style shift: critic vs running-mean baseline, recovery after switches
+    sao bench throughput    # async vs sync on heavy-tailed tool latency
+    sao bench all           # all five, in that order
+    ... --quick             # tiny budgets: checks the pipeline end to end (CI), numbers mean nothing
+
+Results (results.md, summary.json, PNG plots) go to results/reproduce/<experiment>/ (--out); run
+directories and the shared starting points to runs/reproduce/ (--work), reused when re-run.
+"""

@@ -1,0 +1,115 @@
+"""Run `sao` stages as subprocesses, cached by what they compute, a few at a time.
+
+A `Run` is one `sao train` (or sft / value-pretrain) invocation: a config file plus dotted overrides.
+Its directory name carries a hash of the config file's text, the overrides and the stage, so two
+experiments that need the same run (the SAO reference of the main comparison and of the ablations)
+share it, and re-running an experiment only runs what is missing. A run counts as done when its
+stage wrote its final artefact (`final_model/` for train); a half-finished directory is deleted and
+run again, never read.
+
+Why subprocesses: each stage builds its own Megatron world (torch.distributed, parallel state),
+exactly as a user's `sao train` does; two runs never share a process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+DONE_MARKER = {"train": "final_model/config.json", "sft": "sft_model/config.json",
+               "value-pretrain": "critic_pretrained/config.json"}
+
+
+@dataclass(frozen=True)
+class Run:
+    label: str  # method / variant name shown in tables
+    seed: int
+    config: str  # YAML path (relative to the repo root or absolute)
+    overrides: tuple[str, ...] = ()
+    stage: str = "train"
+    run_dir: str | None = None  # a fixed directory (a starting point: sft then value-pretrain in one dir)
+
+    def key(self) -> str:
+        text = (ROOT / self.config).read_text() if not Path(self.config).is_absolute() else Path(self.config).read_text()
+        h = hashlib.sha256(json.dumps([self.stage, text, sorted(self.overrides), self.seed]).encode())
+        return h.hexdigest()[:10]
+
+    def directory(self, work: Path) -> Path:
+        if self.run_dir is not None:
+            return Path(self.run_dir)
+        return work / "runs" / f"{self.label}-s{self.seed}-{self.key()}"
+
+
+@dataclass
+class RunResult:
+    run: Run
+    dir: Path
+    ok: bool
+    wall_s: float
+    cached: bool
+    error: str = ""
+
+    @property
+    def t_start(self) -> float:
+        return json.loads(_info_path(self.run, self.dir).read_text())["t_start"]
+
+    def metrics(self) -> list[dict]:
+        p = self.dir / "metrics.jsonl"
+        return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+
+
+def _info_path(run: Run, d: Path) -> Path:
+    return d / f"reproduce_{run.stage}.json"
+
+
+def _done(run: Run, d: Path) -> bool:
+    return (d / DONE_MARKER[run.stage]).exists() and _info_path(run, d).exists()
+
+
+def execute(run: Run, work: Path, threads: int = 1, fresh: bool = False, log=print) -> RunResult:
+    d = run.directory(work)
+    if _done(run, d) and not fresh:
+        info = json.loads(_info_path(run, d).read_text())
+        return RunResult(run, d, True, info["wall_s"], cached=True)
+    if d.exists() and run.run_dir is None:  # an interrupted or failed attempt: never read half-written results
+        shutil.rmtree(d)
+    d.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "megatron_sao.cli", run.stage, run.config, f"run.dir={d}", f"run.seed={run.seed}",
+           "run.console=none", *run.overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    log(f"  start {run.stage:14s} {d.name}")
+    t0 = time.time()
+    log_path = d / f"{run.stage}.log"
+    with open(log_path, "w") as out:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    wall = time.time() - t0
+    if p.returncode != 0 or not (d / DONE_MARKER[run.stage]).exists():
+        tail = log_path.read_text()[-3000:]
+        log(f"  FAILED {d.name} (exit {p.returncode}); log: {log_path}")
+        return RunResult(run, d, False, wall, cached=False, error=tail)
+    if run.stage == "train":  # optimizer state is not needed afterwards: keep metrics and final_model only
+        shutil.rmtree(d / "checkpoints", ignore_errors=True)
+    _info_path(run, d).write_text(json.dumps({"command": cmd, "t_start": t0, "wall_s": wall, "label": run.label,
+                                              "seed": run.seed, "threads": threads}, indent=1))
+    log(f"  done  {run.stage:14s} {d.name} in {wall:.0f} s")
+    return RunResult(run, d, True, wall, cached=False)
+
+
+def execute_all(runs: list[Run], work: Path, jobs: int = 1, fresh: bool = False, log=print) -> list[RunResult]:
+    """Run (or reuse) every run; `jobs` at a time, the machine's cores split between them."""
+    unique = list(dict.fromkeys(runs))
+    threads = max(1, (os.cpu_count() or 1) // max(jobs, 1))
+    with ThreadPoolExecutor(max(jobs, 1)) as pool:
+        results = list(pool.map(lambda r: execute(r, work, threads, fresh, log), unique))
+    by_run = dict(zip(unique, results))
+    return [by_run[r] for r in runs]

@@ -1,0 +1,92 @@
+"""Starting points shared by every experiment: an SFT policy and a value-pretrained critic.
+
+Every RL run of an experiment starts from the same SFT model and pretrained critic (the paper's
+recipe: warm start, then value pretraining on the fixed SFT policy's rollouts). Seeds vary the RL
+phase (prompt order, sampling, critic head noise), not the starting point: the comparison is between
+RL methods, so they must start from the same policy. The starting point's own accuracy is measured
+with `sao eval` on the same held-out tasks (`env.eval_seed`) that every run's evaluations use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.reproduce.runner import ROOT, Run, execute
+
+TOY_CONFIG = "examples/tiny_cpu.yaml"
+TOY_QUICK_CONFIG = "benchmarks/reproduce/configs/toy_quick.yaml"
+STYLE_CONFIG = "examples/style_shift_cpu.yaml"
+STYLE_QUICK_OVERRIDES = ("model.path=tiny_qwen3_moe_ci", "sft.steps=3", "sft.batch_size=8", "sft.demonstrations=64",
+                         "sft.eval=false", "value_pretrain.rollouts=8", "value_pretrain.steps=2",
+                         "value_pretrain.batch_size=8")
+EVAL_SEED = 7  # one held-out task set for every run and seed
+
+
+@dataclass
+class Start:
+    name: str
+    config: str
+    dir: Path
+    stage_overrides: tuple[str, ...]  # overrides the sft / value-pretrain stages ran with
+    wall_s: float
+
+    @property
+    def sft_model(self) -> Path:
+        return self.dir / "sft_model"
+
+    @property
+    def critic(self) -> Path:
+        return self.dir / "critic_pretrained"
+
+    def rl_overrides(self, eval_size: int) -> tuple[str, ...]:
+        """What every RL run from this start adds: its weights, the shared eval tasks, quiet logs."""
+        return (*self.stage_overrides, f"actor.init={self.sft_model}", f"critic.init={self.critic}",
+                f"env.eval_seed={EVAL_SEED}", f"env.eval_size={eval_size}", "run.save_every=0",
+                "run.tensorboard=false")
+
+    def evaluate_sft(self, eval_size: int, log=print) -> dict:
+        """Pass@1 of the SFT model on the shared eval tasks (cached in the start directory)."""
+        out = self.dir / f"sft_eval_seed{EVAL_SEED}_n{eval_size}.json"
+        if out.exists():
+            return json.loads(out.read_text())
+        cmd = [sys.executable, "-m", "megatron_sao.cli", "eval", self.config, *self.stage_overrides,
+               f"run.dir={self.dir}", f"env.eval_seed={EVAL_SEED}", f"env.eval_size={eval_size}",
+               "--checkpoint", str(self.sft_model), "--out", str(self.dir / "eval" / f"sft_n{eval_size}.jsonl")]
+        log(f"  eval  SFT model on {eval_size} held-out tasks")
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1)})
+        if p.returncode != 0:
+            raise RuntimeError(f"sao eval of {self.sft_model} failed:\n{p.stderr[-3000:]}")
+        res = json.loads(p.stdout.strip().splitlines()[-1])
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(res))
+        tmp.replace(out)
+        return res
+
+
+def _build(name: str, config: str, overrides: tuple[str, ...], work: Path, log=print) -> Start:
+    key = Run(name, 1, config, overrides, stage="sft").key()
+    d = work / "starts" / f"{name}-{key}"
+    threads = os.cpu_count() or 1
+    wall = 0.0
+    for stage in ("sft", "value-pretrain"):
+        res = execute(Run(name, 1, config, overrides, stage=stage, run_dir=str(d)), work, threads=threads, log=log)
+        if not res.ok:
+            raise RuntimeError(f"starting point {name}: `sao {stage}` failed; log in {d}/{stage}.log\n{res.error}")
+        wall += res.wall_s
+    return Start(name, config, d, overrides, wall)
+
+
+def toy_start(quick: bool, work: Path, log=print) -> Start:
+    """The toy multi-turn calculator task (examples/tiny_cpu.yaml: the `make demo` recipe)."""
+    return _build("toy", TOY_QUICK_CONFIG if quick else TOY_CONFIG, (), work, log)
+
+
+def style_start(quick: bool, work: Path, log=print) -> Start:
+    """The online style-shift task (examples/style_shift_cpu.yaml)."""
+    return _build("style", STYLE_CONFIG, STYLE_QUICK_OVERRIDES if quick else (), work, log)

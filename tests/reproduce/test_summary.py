@@ -1,0 +1,43 @@
+"""The reproduction suite's pure pieces: recovery time, seed statistics, run keys."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.reproduce.runner import Run
+from benchmarks.reproduce.summary import binomial_se, mean_curve, recovery_steps, smooth, stat
+
+
+def test_recovery_steps_counts_steps_until_90_percent_of_the_pre_switch_level():
+    reward = [0.2, 0.8, 0.8, 0.8, 0.1, 0.3, 0.6, 0.75, 0.8, 0.8]
+    level, steps = recovery_steps(reward, switch_step=4)
+    assert level == pytest.approx(0.8)
+    # 3-step means from step 4: 0.333, 0.55, 0.717, 0.783 (>= 0.72 at step 7 -> 3 steps after the switch)
+    assert steps == 3
+    assert recovery_steps([0.9, 0.9, 0.9, 0.0, 0.0, 0.1, 0.2], 3) == (pytest.approx(0.9), None)
+    with pytest.raises(ValueError, match="no steps before"):
+        recovery_steps([0.5, 0.5], 0)
+
+
+def test_stat_ignores_nan_and_formats_per_seed_values():
+    s = stat([0.5, math.nan, 0.7])
+    assert s.mean == pytest.approx(0.6) and s.std == pytest.approx(0.1414, abs=1e-4)
+    assert "(0.500, nan, 0.700)" in s.fmt()
+    assert stat([math.nan]).fmt() == "n/a"
+
+
+def test_mean_curve_and_smooth():
+    x, mean, lo, hi = mean_curve([[1, 2, 3], [1, 2]], [[0.0, 1.0, 5.0], [2.0, 3.0]])
+    assert x == [1, 2] and mean == [1.0, 2.0] and lo == [0.0, 1.0] and hi == [2.0, 3.0]
+    assert smooth([1.0, 3.0, math.nan, 5.0], 2) == [1.0, 2.0, 3.0, 5.0]
+    assert binomial_se(0.5, 100) == pytest.approx(0.05)
+
+
+def test_run_key_changes_with_what_the_run_computes():
+    a = Run("sao", 1, "examples/tiny_cpu.yaml", ("algorithm.critic_steps=1",))
+    assert a.key() == Run("other_label", 1, "examples/tiny_cpu.yaml", ("algorithm.critic_steps=1",)).key()
+    assert a.key() != Run("sao", 2, "examples/tiny_cpu.yaml", ("algorithm.critic_steps=1",)).key()
+    assert a.key() != Run("sao", 1, "examples/tiny_cpu.yaml", ("algorithm.critic_steps=2",)).key()
+    assert a.key() != Run("sao", 1, "examples/tiny_cpu.yaml", ("algorithm.critic_steps=1",), stage="sft").key()

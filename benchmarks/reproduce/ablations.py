@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt
 from benchmarks.reproduce.experiment import Settings, failures, rl_run, run_and_load
 from benchmarks.reproduce.report import band_plot, header, md_table, runs_section, save_fig, write_report
 from benchmarks.reproduce.starts import toy_start
-from benchmarks.reproduce.summary import stat
+from benchmarks.reproduce.summary import paired_delta, stat
 
 
 def variants(start) -> dict[str, tuple[str, tuple[str, ...]]]:
@@ -40,20 +40,19 @@ def run(s: Settings) -> int:
     runs = [rl_run(s, start, label, seed, method, extra) for label, (method, extra) in v.items() for seed in s.seeds]
     results, groups = run_and_load(s, runs, b.batch, sft["accuracy"])
 
-    ref = stat([c.final_eval() for c in groups.get("sao", [])])
     rows, data = [], {}
     for label, cs in groups.items():
         final = stat([c.final_eval() for c in cs])
         ev = stat([c.last_fraction_mean("critic/explained_variance") for c in cs])
         attn = stat([c.last_fraction_mean("critic/grad_norm/attention", 1.0) for c in cs])
         moe = stat([c.last_fraction_mean("critic/grad_norm/moe", 1.0) for c in cs])
-        delta = final.mean - ref.mean if cs else math.nan
+        delta = paired_delta(cs, groups.get("sao", []))
         method, extra = v[label]
         change = " ".join(extra).replace(str(start.dir), "<start>") or (
             "(reference)" if method == "sao" else f"algorithm.name={method}")
-        rows.append([label, change, str(len(cs)), final.fmt(), f"{delta:+.3f}",
+        rows.append([label, change, str(len(cs)), final.fmt(), delta.fmt(),
                      stat([c.last_fraction_mean("reward") for c in cs]).fmt(), ev.fmt(2), attn.fmt(3), moe.fmt(3)])
-        data[label] = {"overrides": v[label], "final_eval": final.values, "explained_variance": ev.values,
+        data[label] = {"overrides": v[label], "final_eval": final.values, "paired_delta_vs_sao": delta.values, "explained_variance": ev.values,
                        "critic_grad_norm_attention": attn.values, "critic_grad_norm_moe": moe.values,
                        "eval_points": [c.eval_points for c in cs], "reward": [c.reward for c in cs],
                        "grad_norm_attention_per_step": [c.series["critic/grad_norm/attention"] for c in cs],
@@ -86,7 +85,7 @@ def run(s: Settings) -> int:
     md = header("SAO ablations (toy multi-turn calculator)", s.command, s.seeds, s.elapsed_s,
                 f"- budget: {b.trajectories} trajectories per run, eval on {b.eval_size} held-out tasks; SFT start "
                 f"accuracy {sft['accuracy']:.3f}; every variant changes one setting of the SAO reference")
-    md += md_table(["variant", "change", "seeds", "final eval: mean ± std (per seed)", "Δ vs sao",
+    md += md_table(["variant", "change", "seeds", "final eval: mean ± std (per seed)", "Δ vs sao, paired by seed",
                     "train reward, last quarter", "critic EV, last quarter", "critic |g| attention (mean)",
                     "critic |g| MoE (mean)"], rows)
     md += ("\n\nCritic gradient norms are of the reduced gradient before clipping, averaged over all steps; with "

@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 from benchmarks.reproduce.experiment import Settings, failures, rl_run, run_and_load
 from benchmarks.reproduce.report import band_plot, header, md_table, runs_section, save_fig, write_report
 from benchmarks.reproduce.starts import toy_start
-from benchmarks.reproduce.summary import binomial_se, stat
+from benchmarks.reproduce.summary import binomial_se, paired_delta, stat
 
 METHOD_LABELS = ("grpo", "grpo_dis", "sao")
 
@@ -25,8 +25,9 @@ def eval_table(groups, budget) -> tuple[list[list[str]], dict]:
         final = stat([c.final_eval() for c in cs])
         reward = stat([c.last_fraction_mean("reward") for c in cs])
         wall = stat([c.run_wall_s for c in cs])
-        rows.append([label, str(len(cs)), final.fmt(), reward.fmt(), f"{wall.mean:.0f}"])
-        data[label] = {"final_eval": final.values, "reward_last_quarter": reward.values, "wall_s": wall.values,
+        delta = paired_delta(cs, groups.get("sao", []))
+        rows.append([label, str(len(cs)), final.fmt(), delta.fmt(), reward.fmt(), f"{wall.mean:.0f}"])
+        data[label] = {"final_eval": final.values, "paired_delta_vs_sao": delta.values, "reward_last_quarter": reward.values, "wall_s": wall.values,
                        "eval_points": [c.eval_points for c in cs], "reward": [c.reward for c in cs]}
     return rows, data
 
@@ -39,7 +40,7 @@ def run(s: Settings) -> int:
     results, groups = run_and_load(s, runs, b.batch, sft["accuracy"])
 
     rows, data = eval_table(groups, b)
-    rows.insert(0, ["sft (start)", "1", f"{sft['accuracy']:.3f}", "-", "-"])
+    rows.insert(0, ["sft (start)", "1", f"{sft['accuracy']:.3f}", "-", "-", "-"])
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     band_plot(axes[0], {k: ([[p[0] for p in c.eval_points] for c in cs], [[p[2] for p in c.eval_points] for c in cs])
                         for k, cs in groups.items()}, "trajectories consumed", "eval accuracy (Pass@1)",
@@ -56,7 +57,7 @@ def run(s: Settings) -> int:
                 f"- budget: {b.trajectories} trajectories per run ({b.steps} steps x {b.batch}); SAO spends "
                 f"{b.warmup} of the steps on critic warm-up; eval on {b.eval_size} held-out tasks every "
                 f"{b.eval_every} steps; starting point `{start.dir.name}` ({start.config})")
-    md += md_table(["method", "seeds", "final eval accuracy: mean ± std (per seed)",
+    md += md_table(["method", "seeds", "final eval accuracy: mean ± std (per seed)", "Δ vs sao, paired by seed",
                     "train reward, last quarter", "run wall s"], rows)
     md += (f"\n\nEval noise floor: one evaluation on {b.eval_size} tasks has a binomial standard error of "
            f"{se:.3f} at the SFT accuracy ({binomial_se(0.5, b.eval_size):.3f} at 50%); differences between "

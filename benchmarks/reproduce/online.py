@@ -14,7 +14,7 @@ from benchmarks.reproduce.starts import style_start
 from benchmarks.reproduce.summary import recovery_steps, stat
 
 METHODS = ("sao", "running_mean")
-FULL_SWITCH, FULL_PHASES = 10, 4
+FULL_SWITCH, FULL_PHASES = 10, 3
 QUICK_SWITCH, QUICK_PHASES = 1, 3
 
 

@@ -76,6 +76,14 @@ def stat(values: list[float]) -> Stat:
     return Stat(statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0, list(values))
 
 
+def paired_delta(runs: list[Curves], reference: list[Curves], value=lambda c: c.final_eval()) -> Stat:
+    """Per-seed differences `value(run) - value(reference run of the same seed)`. Runs of one seed share
+    the starting point, the prompt order and the sampler's seed, so their outcomes are correlated and
+    a paired difference is the fairer comparison than two independent means."""
+    ref = {c.seed: value(c) for c in reference}
+    return stat([value(c) - ref[c.seed] for c in runs if c.seed in ref])
+
+
 def binomial_se(p: float, n: int) -> float:
     """Standard error of one Pass@1 estimate on n tasks: the eval noise floor of a single run."""
     return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))

@@ -27,7 +27,7 @@ import re
 from typing import Sequence
 
 from megatron_sao.envs.base import ListTaskSource, StepResult, Task, check_task_env, require_task
-from megatron_sao.envs.style_judges import STYLES, RuleBasedStyleJudge, StyleJudge
+from megatron_sao.envs.style_judges import STYLES, OpenAICompatibleJudge, RuleBasedStyleJudge, StyleJudge
 from megatron_sao.envs.tool_calls import answer_region
 
 ENV_NAME = "style_shift"
@@ -124,11 +124,11 @@ def load_style_tasks(n: int = 256, seed: int = 0, prompts: Sequence[str] = WRITI
 
 # Short answer templates per style, for SFT demonstrations. Each has 2-4 distinct markers of its own
 # style and none of another (checked by the tests against RuleBasedStyleJudge(min_hits=2)), is ASCII
-# (the char tokenizer has no other characters) and 30-60 characters long, so that a whole
-# demonstration fits the CPU model's 256 positions. The styles start with different words, so the
-# style is decided in the first few sampled tokens: that is where RL has to move probability mass
-# after a switch. ``{t}`` is the prompt's topic word (see ``prompt_topic``); about half the
-# templates use it, for some variety without making the tiny model's job much harder.
+# (the char tokenizer has no other characters) and about 30-60 characters long, so that a whole
+# demonstration fits the CPU model's 256 positions (~120 with SHORT_SYSTEM_PROMPT). The style is
+# fixed by the first word or two, so that is where RL has to move probability mass after a switch.
+# ``{t}`` is the prompt's topic word (see ``prompt_topic``); about half the templates use it, for
+# some variety without making the tiny model's job much harder.
 STYLE_TEMPLATES: dict[str, tuple[str, ...]] = {
     "academic": (
         "Furthermore, the evidence on the {t} is notably clear.",
@@ -159,13 +159,12 @@ STYLE_TEMPLATES: dict[str, tuple[str, ...]] = {
         "Henceforth, thou shalt rest, for 'tis late.",
     ),
 }
-_FALLBACK_TOPIC = "day"
 
 
 def prompt_topic(prompt: str) -> str:
     """The prompt's last word, lower-cased ("... in a small town." -> "town"): its topic, roughly."""
     words = re.findall(r"[A-Za-z]+", prompt)
-    return words[-1].lower() if words else _FALLBACK_TOPIC
+    return words[-1].lower() if words else "day"
 
 
 def make_demonstrations(n: int, seed: int = 0, styles: Sequence[str] = STYLES,
@@ -182,16 +181,13 @@ def make_demonstrations(n: int, seed: int = 0, styles: Sequence[str] = STYLES,
     styles = _check_styles(styles)
     tasks = load_style_tasks(n, seed, prompts, system_prompt)
     rng = random.Random(seed + 1_000_003)  # independent of the prompt stream
-    judge = RuleBasedStyleJudge(min_hits=2)
     demos = []
     for task in tasks:
         style = styles[rng.randrange(len(styles))]
         template = STYLE_TEMPLATES[style][rng.randrange(len(STYLE_TEMPLATES[style]))]
+        # The topic is one word, so it adds at most one marker of another style, and every
+        # template has at least two of its own: the answer stays in its style for any prompt.
         answer = template.format(t=prompt_topic(task.messages[-1]["content"]))
-        if not judge.adheres(answer, style):
-            # Only a custom prompt whose topic word is itself a marker can get here (tested for
-            # the built-in prompts); a neutral word keeps the demonstration in its style.
-            answer = template.format(t=_FALLBACK_TOPIC)
         demos.append([dict(m) for m in task.messages] + [{"role": "assistant", "content": answer}])
     return demos
 
@@ -211,7 +207,8 @@ class StyleShiftEnv:
 
     Either pass objects (``schedule=``, ``judge=``) or, from a YAML ``env.kwargs``, plain values:
     ``switch_every=N`` (the style changes every N trainer steps, cycling through ``styles``,
-    default ``STYLES``) and ``min_hits`` for the default rule judge. Giving both forms of the same
+    default ``STYLES``), ``min_hits`` for the default rule judge, or ``judge_url`` + ``judge_model``
+    (+ ``judge_api_key_env``, None for no key) for an LLM judge behind an OpenAI-compatible endpoint. Giving both forms of the same
     thing is an error rather than a silent precedence rule. Default: ``StyleSchedule.every(100)``.
     """
 
@@ -219,7 +216,14 @@ class StyleShiftEnv:
 
     def __init__(self, schedule: StyleSchedule | None = None, judge: StyleJudge | None = None, *,
                  switch_every: int | None = None, styles: Sequence[str] | None = None,
-                 min_hits: int | None = None) -> None:
+                 min_hits: int | None = None, judge_url: str | None = None, judge_model: str | None = None,
+                 judge_api_key_env: str | None = "OPENAI_API_KEY") -> None:
+        if judge_url is not None:  # an LLM judge behind an OpenAI-compatible endpoint (YAML: env.kwargs)
+            if judge is not None or min_hits is not None:
+                raise ValueError("StyleShiftEnv: judge_url selects the LLM judge; do not also give judge= or min_hits")
+            if not judge_model:
+                raise ValueError("StyleShiftEnv: judge_url needs judge_model (the served model's name)")
+            judge = OpenAICompatibleJudge(judge_url, judge_model, api_key_env=judge_api_key_env)
         if schedule is not None and switch_every is not None:
             raise ValueError("StyleShiftEnv: give either schedule or switch_every, not both")
         if styles is not None and switch_every is None:

@@ -227,7 +227,7 @@ class SAOTrainer:
             self.rollout, C.env_factory(cfg), PromptStream(C.train_tasks(cfg), cfg.run.seed), formatter,
             C.agent_loop_config(cfg), self.buffer.put, batch_size=cfg.buffer.batch_size, ahead=ahead,
             concurrency=cfg.rollout.concurrency, group_size=self.group, next_pos=drv.get("next_pos", 0),
-            requeue=requeue, skip=in_buffer)
+            requeue=requeue, skip=in_buffer, step_offset=self.step)
         self.buffer.on_drop = self.driver.requeue
         self.driver.start()
         self.formatter = formatter

@@ -11,8 +11,8 @@ import pytest
 from megatron_sao.envs import make_env
 from megatron_sao.envs.base import Task
 from megatron_sao.envs.style_judges import STYLES, JudgeError, OpenAICompatibleJudge, RuleBasedStyleJudge
-from megatron_sao.envs.style_shift import (SHORT_SYSTEM_PROMPT, SYSTEM_PROMPT, WRITING_PROMPTS, StyleSchedule,
-                                           StyleShiftEnv, load_style_tasks, make_demonstrations)
+from megatron_sao.envs.style_shift import (SHORT_SYSTEM_PROMPT, SYSTEM_PROMPT, StyleSchedule, StyleShiftEnv,
+                                           load_style_tasks, make_demonstrations)
 from megatron_sao.rollout.chat import ChatFormatter
 from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
 
@@ -171,11 +171,14 @@ def test_demonstrations_fit_the_char_model_and_score_as_rollouts(system_prompt):
 
 
 def test_demonstrations_with_a_marker_as_topic_word_stay_in_style():
-    """A custom prompt whose last word is a marker of another style must not flip the demo's style."""
+    """A custom prompt whose topic word is a marker of another style must not flip the demo's style
+    (every template carries at least two markers of its own)."""
     judge = RuleBasedStyleJudge()
-    for d in make_demonstrations(300, seed=0, prompts=["Write about the fluffy sparkly bunny"]):
-        assert sum(judge.adheres(d[-1]["content"], s) for s in STYLES) == 1, d[-1]["content"]
-    assert len(WRITING_PROMPTS) >= 8
+    for topic in ("bunny", "dragon", "evidence", "thee"):
+        demos = make_demonstrations(300, seed=0, prompts=[f"Write about the {topic}"])
+        assert any(topic in d[-1]["content"] for d in demos)
+        for d in demos:
+            assert sum(judge.adheres(d[-1]["content"], s) for s in STYLES) == 1, d[-1]["content"]
 
 
 class _FakeJudge(BaseHTTPRequestHandler):
@@ -230,3 +233,16 @@ def test_openai_judge_errors_are_clear(monkeypatch):
         asyncio.run(OpenAICompatibleJudge("http://127.0.0.1:9", "m", None, timeout_s=2).judge("p", "r", "cute"))
     with pytest.raises(ValueError, match="http"):
         OpenAICompatibleJudge("127.0.0.1:9", "m")
+
+
+def test_llm_judge_from_yaml_kwargs_and_its_errors():
+    from megatron_sao.envs.style_judges import OpenAICompatibleJudge
+    from megatron_sao.envs.style_shift import StyleShiftEnv
+
+    env = StyleShiftEnv(switch_every=5, judge_url="http://judge:8001/v1", judge_model="qwen", judge_api_key_env=None)
+    assert isinstance(env.judge, OpenAICompatibleJudge)
+    assert env.judge.url == "http://judge:8001/v1/chat/completions" and env.judge.model == "qwen"
+    with pytest.raises(ValueError, match="judge_url needs judge_model"):
+        StyleShiftEnv(judge_url="http://judge:8001/v1")
+    with pytest.raises(ValueError, match="do not also give judge= or min_hits"):
+        StyleShiftEnv(judge_url="http://judge:8001/v1", judge_model="q", min_hits=3)

@@ -61,3 +61,11 @@ def test_snapshot_round_trip(tmp_path):
     dump_config(cfg, tmp_path / "config.yaml")
     again = load_config(tmp_path / "config.yaml")
     assert again == cfg
+
+
+def test_float_written_without_a_dot_is_a_number():
+    # YAML 1.1 (pyyaml) reads `2e-4` as a string; a user writing it means a number.
+    cfg = load_config(None, ["actor.optim.lr=2e-4", "critic.optim.lr=1E-3"])
+    assert cfg.actor.optim.lr == 2e-4 and cfg.critic.optim.lr == 1e-3
+    with pytest.raises(ConfigError, match="actor.optim.lr: expected a number, got 'fast'"):
+        load_config(None, ["actor.optim.lr=fast"])

@@ -1,9 +1,11 @@
 """RolloutDriver: admission control (sync = one batch per step), requeue to the front, and the
-circuit breaker that stops a run whose rollout engine died. The engine is a scripted fake (the
-boundary); the environment, tokenizer, chat formatting and agent loop are real."""
+circuit breaker that stops a run whose rollout engine died, and the trainer step reaching the
+environment (`policy_step`). The engine is a scripted fake (the boundary); the environment,
+tokenizer, chat formatting and agent loop are real."""
 
 import time
 
+from megatron_sao.envs.style_shift import load_style_tasks
 from megatron_sao.envs.toy_tool import ToyToolTasks
 from megatron_sao.envs import make_env
 from megatron_sao.rollout.agent_loop import AgentLoopConfig
@@ -14,11 +16,11 @@ from megatron_sao.trainer.rollout_driver import PromptStream, RolloutDriver
 
 
 class FakeEngine:
-    """Answers every turn with `=0<|end|>` (an answer, so each episode is one turn)."""
+    """Answers every turn with `answer<|end|>` (`=0`: a toy answer, so each episode is one turn)."""
 
-    def __init__(self, formatter, broken=False):
+    def __init__(self, formatter, broken=False, answer="=0"):
         self.version, self.broken, self.calls = 0, broken, 0
-        self.ids = formatter.encode("=0") + [formatter.stop_token_ids[0]]
+        self.ids = formatter.encode(answer) + [formatter.stop_token_ids[0]]
 
     async def generate(self, prompt_ids, sampling):
         self.calls += 1
@@ -30,14 +32,19 @@ class FakeEngine:
         return not self.broken
 
 
-def make_driver(batch_size=4, ahead=0, broken=False, concurrency=8):
+def make_driver(batch_size=4, ahead=0, broken=False, concurrency=8, env="toy_tool", answer="=0", **driver_kw):
     fmt = ChatFormatter(build_char_tokenizer())
     done = []
-    engine = FakeEngine(fmt, broken)
-    drv = RolloutDriver(engine, lambda task: make_env("toy_tool"), PromptStream(ToyToolTasks(50, seed=0), seed=0), fmt,
-                        AgentLoopConfig(max_turns=2, max_total_tokens=64, max_new_tokens_per_turn=8,
-                                        sampling=SamplingParams(max_new_tokens=8)),
-                        done.append, batch_size=batch_size, ahead=ahead, concurrency=concurrency)
+    engine = FakeEngine(fmt, broken, answer)
+    if env == "toy_tool":
+        tasks, factory = ToyToolTasks(50, seed=0), (lambda task: make_env("toy_tool"))
+    else:  # style_shift, its style switching every trainer step: cute, classical, cute, ...
+        tasks, factory = load_style_tasks(50, seed=0), (
+            lambda task: make_env("style_shift", switch_every=1, styles=["cute", "classical"]))
+    drv = RolloutDriver(engine, factory, PromptStream(tasks, seed=0), fmt,
+                        AgentLoopConfig(max_turns=2, max_total_tokens=256, max_new_tokens_per_turn=64,
+                                        sampling=SamplingParams(max_new_tokens=64)),
+                        done.append, batch_size=batch_size, ahead=ahead, concurrency=concurrency, **driver_kw)
     return drv, done, engine
 
 
@@ -99,3 +106,36 @@ def test_dead_engine_stops_the_driver_with_a_clear_error():
         assert engine.calls == calls  # stopped, not spinning through the prompt stream
     finally:
         drv.stop()
+
+
+def test_policy_step_reaches_the_environment():
+    """Each episode's task carries the trainer steps finished when it started; the style-shift env
+    judges with that step's style and reports it in the trajectory's info."""
+    drv, done, _ = make_driver(batch_size=2, ahead=0, env="style_shift", answer="Hehe~ a fluffy bunny, yay! <3")
+    drv.start()
+    try:
+        assert wait_for(lambda: len(done) == 2)
+        drv.step_finished()
+        assert wait_for(lambda: len(done) == 4)
+        drv.step_finished()
+        assert wait_for(lambda: len(done) == 6)
+    finally:
+        drv.stop()
+    assert all(t.trainable for t in done)
+    by_pos = sorted(done, key=lambda t: t.info["data_pos"])
+    assert [t.info["policy_step"] for t in by_pos] == [0, 0, 1, 1, 2, 2]
+    assert [t.info["env_info"]["step"] for t in by_pos] == [0, 0, 1, 1, 2, 2]
+    assert [t.info["env_info"]["style"] for t in by_pos] == ["cute", "cute", "classical", "classical", "cute", "cute"]
+    assert [t.reward for t in by_pos] == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]  # the cute answer, judged per step
+
+
+def test_policy_step_counts_from_the_resumed_step():
+    drv, done, _ = make_driver(batch_size=2, ahead=0, env="style_shift", answer="Alas, thou art here.",
+                               step_offset=5)
+    drv.start()
+    try:
+        assert wait_for(lambda: len(done) == 2)
+    finally:
+        drv.stop()
+    assert {t.info["policy_step"] for t in done} == {5}
+    assert {t.info["env_info"]["style"] for t in done} == {"classical"} and {t.reward for t in done} == {1.0}

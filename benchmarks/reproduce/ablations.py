@@ -66,6 +66,9 @@ def run(s: Settings) -> int:
         ax.bar(i, sum(vals) / len(vals) if vals else 0, alpha=0.5)
         ax.scatter([i] * len(vals), vals, color="k", s=10, zorder=3)
     ax.axhline(sft["accuracy"], color="gray", linestyle="--", linewidth=1, label="SFT start")
+    finals = [c.final_eval() for cs in groups.values() for c in cs if not math.isnan(c.final_eval())]
+    if finals:  # zoom on the data: a bar axis from 0 would hide differences of a few points
+        ax.set_ylim(max(0.0, min(finals + [sft["accuracy"]]) - 0.05), min(1.0, max(finals) + 0.05))
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("final eval accuracy")
     ax.set_title("final eval (bar: mean, dots: seeds)")

@@ -32,8 +32,9 @@ def run(s: Settings) -> int:
     for m in METHODS:
         cs = groups.get(m, [])
         per_switch = []
-        for sw in switches:
-            rec = [recovery_steps(c.reward, sw) for c in cs if len(c.reward) > sw]
+        for i, sw in enumerate(switches):
+            end = switches[i + 1] if i + 1 < len(switches) else None
+            rec = [recovery_steps(c.reward, sw, end) for c in cs if len(c.reward) > sw]
             pre = stat([r[0] for r in rec])
             steps = [r[1] for r in rec]
             got = [x for x in steps if x is not None]

@@ -111,16 +111,19 @@ def smooth(xs: list[float], window: int) -> list[float]:
     return out
 
 
-def recovery_steps(reward: list[float], switch_step: int, pre_window: int = 3, post_window: int = 3,
-                   target: float = 0.9) -> tuple[float, int | None]:
+def recovery_steps(reward: list[float], switch_step: int, end_step: int | None = None, pre_window: int = 3,
+                   post_window: int = 3, target: float = 0.9) -> tuple[float, int | None]:
     """Steps after `switch_step` until the reward (mean over `post_window` steps) is back to `target`
-    x the pre-switch reward (mean of the `pre_window` steps before the switch). Returns
-    (pre-switch reward, steps or None if it never recovered within the run)."""
+    x the pre-switch reward (mean of the `pre_window` steps before the switch), looking only at
+    steps before `end_step` (the next switch; default the end of the run). Returns
+    (pre-switch reward, steps, or None if it did not recover before `end_step`)."""
     pre = reward[max(0, switch_step - pre_window): switch_step]
     if not pre:
         raise ValueError(f"no steps before the switch at step {switch_step}")
     level = sum(pre) / len(pre)
-    for s in range(switch_step, len(reward) - post_window + 1):
+    end = len(reward) if end_step is None else min(end_step, len(reward))
+    post_window = max(1, min(post_window, end - switch_step))  # a phase shorter than the window
+    for s in range(switch_step, end - post_window + 1):
         window = reward[s: s + post_window]
         if sum(window) / len(window) >= target * level:
             return level, s - switch_step

@@ -17,6 +17,10 @@ def test_recovery_steps_counts_steps_until_90_percent_of_the_pre_switch_level():
     # 3-step means from step 4: 0.333, 0.55, 0.717, 0.783 (>= 0.72 at step 7 -> 3 steps after the switch)
     assert steps == 3
     assert recovery_steps([0.9, 0.9, 0.9, 0.0, 0.0, 0.1, 0.2], 3) == (pytest.approx(0.9), None)
+    # Only steps before the next switch count: recovering after it is not recovering from this one.
+    assert recovery_steps(reward, switch_step=4, end_step=7) == (pytest.approx(0.8), None)
+    # A phase shorter than the window uses what it has.
+    assert recovery_steps([0.0, 0.0, 0.5], switch_step=2, end_step=3) == (0.0, 0)
     with pytest.raises(ValueError, match="no steps before"):
         recovery_steps([0.5, 0.5], 0)
 

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 from benchmarks.reproduce.experiment import Budget, Settings, failures, rl_run, run_and_load
 from benchmarks.reproduce.report import band_plot, header, md_table, runs_section, save_fig, write_report
 from benchmarks.reproduce.starts import style_start
-from benchmarks.reproduce.summary import recovery_steps, stat
+from benchmarks.reproduce.summary import first_step_started_after, recovery_steps, stat
 
 METHODS = ("sao", "running_mean")
 FULL_SWITCH, FULL_PHASES = 10, 3
@@ -34,7 +34,8 @@ def run(s: Settings) -> int:
         per_switch = []
         for i, sw in enumerate(switches):
             end = switches[i + 1] if i + 1 < len(switches) else None
-            rec = [recovery_steps(c.reward, sw, end) for c in cs if len(c.reward) > sw]
+            rec = [recovery_steps(c.reward, sw, end, search_from=first_step_started_after(
+                c.series["rollout/policy_step_min"], sw)) for c in cs if len(c.reward) > sw]
             pre = stat([r[0] for r in rec])
             steps = [r[1] for r in rec]
             got = [x for x in steps if x is not None]
@@ -58,7 +59,9 @@ def run(s: Settings) -> int:
     md += md_table(["method", "switch at step", "pre-switch reward (mean ± std, per seed)",
                     "recovery steps per seed", "mean recovery (recovered seeds)", "recovered"], rows)
     md += ("\n\nA switch is 'recovered' when the 3-step mean reward returns to 90% of the mean of the 3 steps before "
-           "it; 'never' means not within the run (the next switch or the end). A low pre-switch level makes "
+           "it; 'never' means not within the run (the next switch or the end). The search starts at the first "
+           "step whose whole batch started after the switch (`rollout/policy_step_min`): earlier batches still "
+           "hold episodes the judge scored by the old style. A low pre-switch level makes "
            f"recovery trivially easy, so read the pre-switch column too.\n\n![reward]({png})\n")
     md += runs_section(results, start.rl_overrides(b.eval_size))
     fails = failures(results)

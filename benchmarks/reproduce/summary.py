@@ -34,7 +34,8 @@ class Curves:
 
 
 SERIES_KEYS = ("actor/kept_fraction", "actor/ess", "actor/clip_fraction", "critic/grad_norm/attention",
-               "critic/grad_norm/moe", "critic/explained_variance", "actor/grad_norm", "version")
+               "critic/grad_norm/moe", "critic/explained_variance", "actor/grad_norm", "version",
+               "rollout/policy_step_min")
 
 
 def curves_of(result: RunResult, batch: int, start_eval: float | None = None) -> Curves:
@@ -111,19 +112,30 @@ def smooth(xs: list[float], window: int) -> list[float]:
     return out
 
 
+def first_step_started_after(policy_step_min: list[float], switch_step: int) -> int:
+    """The first trainer step whose whole batch started at or after `switch_step`: in an
+    asynchronous run a batch holds episodes started up to `max_staleness` steps earlier, which the
+    environment judged by the old phase; a switch shows in the reward only from this step."""
+    for s, v in enumerate(policy_step_min):
+        if s >= switch_step and not math.isnan(v) and v >= switch_step:
+            return s
+    return switch_step
+
+
 def recovery_steps(reward: list[float], switch_step: int, end_step: int | None = None, pre_window: int = 3,
-                   post_window: int = 3, target: float = 0.9) -> tuple[float, int | None]:
+                   post_window: int = 3, target: float = 0.9, search_from: int | None = None) -> tuple[float, int | None]:
     """Steps after `switch_step` until the reward (mean over `post_window` steps) is back to `target`
     x the pre-switch reward (mean of the `pre_window` steps before the switch), looking only at
-    steps before `end_step` (the next switch; default the end of the run). Returns
-    (pre-switch reward, steps, or None if it did not recover before `end_step`)."""
+    steps before `end_step` (the next switch; default the end of the run) and from `search_from`
+    (default the switch; see `first_step_started_after`). Returns (pre-switch reward, steps after
+    the switch, or None if it did not recover before `end_step`)."""
     pre = reward[max(0, switch_step - pre_window): switch_step]
     if not pre:
         raise ValueError(f"no steps before the switch at step {switch_step}")
     level = sum(pre) / len(pre)
     end = len(reward) if end_step is None else min(end_step, len(reward))
     post_window = max(1, min(post_window, end - switch_step))  # a phase shorter than the window
-    for s in range(switch_step, end - post_window + 1):
+    for s in range(max(switch_step, search_from or 0), end - post_window + 1):
         window = reward[s: s + post_window]
         if sum(window) / len(window) >= target * level:
             return level, s - switch_step

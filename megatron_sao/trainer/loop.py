@@ -286,6 +286,9 @@ class SAOTrainer:
             "trainer_idle_fraction": self.wait_s / max(self.wait_s + self.busy_s, 1e-9),
             "rollout_idle_fraction": self.driver.engine_idle_fraction(),
         })
+        started = [t.info["policy_step"] for t in trajs if "policy_step" in t.info]
+        if started:  # trainer steps at which this batch's episodes started (non-stationary envs judge by it)
+            m["rollout/policy_step_min"], m["rollout/policy_step_max"] = min(started), max(started)
         due = self.cfg.run.eval_every and (self.step % self.cfg.run.eval_every == 0 or self.step == self.total)
         if due and self.rollout is not None:
             m["eval/accuracy"] = self.evaluate()

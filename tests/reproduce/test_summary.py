@@ -7,7 +7,8 @@ import math
 import pytest
 
 from benchmarks.reproduce.runner import Run
-from benchmarks.reproduce.summary import binomial_se, mean_curve, recovery_steps, smooth, stat
+from benchmarks.reproduce.summary import (binomial_se, first_step_started_after, mean_curve, recovery_steps,
+                                          smooth, stat)
 
 
 def test_recovery_steps_counts_steps_until_90_percent_of_the_pre_switch_level():
@@ -45,3 +46,14 @@ def test_run_key_changes_with_what_the_run_computes():
     assert a.key() != Run("sao", 2, "examples/tiny_cpu.yaml", ("algorithm.critic_steps=1",)).key()
     assert a.key() != Run("sao", 1, "examples/tiny_cpu.yaml", ("algorithm.critic_steps=2",)).key()
     assert a.key() != Run("sao", 1, "examples/tiny_cpu.yaml", ("algorithm.critic_steps=1",), stage="sft").key()
+
+
+def test_recovery_waits_for_batches_started_after_the_switch():
+    # Async batches at steps 4 and 5 still hold episodes started before the switch at step 4.
+    started_min = [0, 0, 1, 2, 3, 3, 4, 6, 7, 8]
+    assert first_step_started_after(started_min, 4) == 6
+    assert first_step_started_after([math.nan] * 10, 4) == 4  # not logged: the switch step itself
+    reward = [0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.1, 0.2, 0.8, 0.8, 0.8]
+    # From step 4 the old-style batches would count as an instant "recovery".
+    assert recovery_steps(reward, 4, post_window=1) == (pytest.approx(0.8), 0)
+    assert recovery_steps(reward, 4, post_window=1, search_from=6) == (pytest.approx(0.8), 4)

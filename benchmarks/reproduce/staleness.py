@@ -38,7 +38,7 @@ def kept(c) -> list[float]:
 
 
 def run(s: Settings) -> int:
-    b = dataclasses.replace(s.budget, eval_every=s.budget.steps)  # one eval at the end: the curves are per step
+    b = s.budget
     lags = QUICK_LAGS if s.quick else FULL_LAGS
     start = toy_start(s.quick, s.work, s.log)
     sft = start.evaluate_sft(b.eval_size, s.log)

@@ -31,6 +31,8 @@ def test_policy_lag_makes_every_trajectory_exactly_that_stale(tmp_path):
     assert [r["version"] for r in rows] == [0, 1, 2]
     assert [r["lag_histogram"] for r in rows] == [{"0": 8}, {"1": 8}, {"1": 8}]
     assert all("logprob_mismatch_lag0" not in r for r in rows[1:])  # no token of the current policy
+    # Sync: every episode of step s's batch started after step s-1 finished.
+    assert all(r["rollout/policy_step_min"] == r["rollout/policy_step_max"] == r["step"] for r in rows)
 
 
 def test_sync_mode_trains_on_policy_and_syncs_weights_exactly(tmp_path):

@@ -46,8 +46,10 @@ def test_all_experiments_quick(tmp_path):
         data = json.loads((d / "summary.json").read_text())
         assert data["failed"] == []
     # SAO's reference run is shared by the main comparison and the ablations: trained once.
-    sao_runs = [d for d in (work / "runs").iterdir() if d.name.startswith("sao-s1-")]
-    assert len(sao_runs) == 1
+    main_runs = json.loads((out / "main" / "summary.json").read_text())["runs"]
+    ablation_runs = json.loads((out / "ablations" / "summary.json").read_text())["runs"]
+    assert main_runs["sao/s1"] == ablation_runs["sao/s1"]
+    assert len({d.name for d in (work / "runs").iterdir() if d.name.startswith("sao-s1-")}) == 2  # + online's
     # A second invocation reuses every finished run instead of training again.
     p2 = subprocess.run([*cmd[:4], "main", *cmd[5:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p2.returncode == 0, p2.stderr[-3000:]

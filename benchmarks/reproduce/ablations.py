@@ -12,8 +12,8 @@ import math
 
 import matplotlib.pyplot as plt
 
-from benchmarks.reproduce.experiment import Settings, failures, rl_run, run_and_load
-from benchmarks.reproduce.report import band_plot, header, md_table, runs_section, save_fig, write_report
+from benchmarks.reproduce.experiment import Settings, finish, rl_run, run_and_load
+from benchmarks.reproduce.report import band_plot, header, md_table, save_fig
 from benchmarks.reproduce.starts import toy_start
 from benchmarks.reproduce.summary import paired_delta, stat
 
@@ -95,10 +95,5 @@ def run(s: Settings) -> int:
            "frozen attention (the reference) the attention gradient is 0 by construction, so the "
            "`attention_trained` row is the one that shows how large it would be.\n\n"
            f"![ablations]({png})\n")
-    md += runs_section(results, start.rl_overrides(b.eval_size))
-    fails = failures(results)
-    if fails:
-        md += "\n**Failed runs**\n\n" + "\n".join(f"- {f}" for f in fails) + "\n"
-    write_report(s.out, md, {"sft": sft, "budget": vars(b), "variants": data, "failed": fails,
-                             "runs": {r.run.label + f"/s{r.run.seed}": str(r.dir) for r in results}})
-    return 1 if fails else 0
+    code = finish(s, md, results, start.rl_overrides(b.eval_size), {"sft": sft, "budget": vars(b), "variants": data})
+    return code

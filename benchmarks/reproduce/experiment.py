@@ -96,3 +96,17 @@ def run_and_load(s: Settings, runs: list[Run], batch: int, start_eval: float | N
 
 def failures(results: list[RunResult]) -> list[str]:
     return [f"{r.run.label} seed {r.run.seed}: failed, log {r.dir}" for r in results if not r.ok]
+
+
+def finish(s: Settings, md: str, results: list[RunResult], common: tuple[str, ...], data: dict) -> int:
+    """The end every experiment shares: the runs' exact settings and any failed run appended to the
+    markdown, results.md + summary.json written; returns the exit code (1 if a run failed)."""
+    from benchmarks.reproduce.report import runs_section, write_report
+
+    md += runs_section(results, common)
+    fails = failures(results)
+    if fails:
+        md += "\n**Failed runs**\n\n" + "\n".join(f"- {f}" for f in fails) + "\n"
+    write_report(s.out, md, {**data, "failed": fails,
+                             "runs": {f"{r.run.label}/s{r.run.seed}": str(r.dir) for r in results}})
+    return 1 if fails else 0

@@ -11,8 +11,8 @@ import math
 
 import matplotlib.pyplot as plt
 
-from benchmarks.reproduce.experiment import Settings, failures, rl_run, run_and_load
-from benchmarks.reproduce.report import band_plot, header, md_table, runs_section, save_fig, write_report
+from benchmarks.reproduce.experiment import Settings, finish, rl_run, run_and_load
+from benchmarks.reproduce.report import band_plot, header, md_table, save_fig
 from benchmarks.reproduce.starts import toy_start
 from benchmarks.reproduce.summary import binomial_se, paired_delta, stat
 
@@ -63,10 +63,5 @@ def run(s: Settings) -> int:
            f"{se:.3f} at the SFT accuracy ({binomial_se(0.5, b.eval_size):.3f} at 50%); differences between "
            f"methods smaller than about twice that, or than the seed spread, are not resolved by this "
            f"experiment.\n\n![curves]({png})\n")
-    md += runs_section(results, start.rl_overrides(b.eval_size))
-    fails = failures(results)
-    if fails:
-        md += "\n**Failed runs**\n\n" + "\n".join(f"- {f}" for f in fails) + "\n"
-    write_report(s.out, md, {"sft": sft, "budget": vars(b), "methods": data, "failed": fails,
-                             "runs": {r.run.label + f"/s{r.run.seed}": str(r.dir) for r in results}})
-    return 1 if fails or any(math.isnan(c.final_eval()) for cs in groups.values() for c in cs) else 0
+    code = finish(s, md, results, start.rl_overrides(b.eval_size), {"sft": sft, "budget": vars(b), "methods": data})
+    return code or int(any(math.isnan(c.final_eval()) for cs in groups.values() for c in cs))

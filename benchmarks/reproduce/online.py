@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from benchmarks.reproduce.experiment import Budget, Settings, failures, rl_run, run_and_load
-from benchmarks.reproduce.report import band_plot, header, md_table, runs_section, save_fig, write_report
+from benchmarks.reproduce.experiment import Budget, Settings, finish, rl_run, run_and_load
+from benchmarks.reproduce.report import band_plot, header, md_table, save_fig
 from benchmarks.reproduce.starts import style_start
 from benchmarks.reproduce.summary import first_step_started_after, recovery_steps, stat
 
@@ -63,10 +63,6 @@ def run(s: Settings) -> int:
            "step whose whole batch started after the switch (`rollout/policy_step_min`): earlier batches still "
            "hold episodes the judge scored by the old style. A low pre-switch level makes "
            f"recovery trivially easy, so read the pre-switch column too.\n\n![reward]({png})\n")
-    md += runs_section(results, start.rl_overrides(b.eval_size))
-    fails = failures(results)
-    if fails:
-        md += "\n**Failed runs**\n\n" + "\n".join(f"- {f}" for f in fails) + "\n"
-    write_report(s.out, md, {"switch_every": every, "phases": phases, "budget": vars(b), "methods": data,
-                             "failed": fails, "runs": {r.run.label + f"/s{r.run.seed}": str(r.dir) for r in results}})
-    return 1 if fails else 0
+    code = finish(s, md, results, start.rl_overrides(b.eval_size),
+                  {"switch_every": every, "phases": phases, "budget": vars(b), "methods": data})
+    return code

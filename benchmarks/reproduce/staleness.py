@@ -15,8 +15,8 @@ import math
 
 import matplotlib.pyplot as plt
 
-from benchmarks.reproduce.experiment import Settings, failures, rl_run, run_and_load
-from benchmarks.reproduce.report import band_plot, header, md_table, runs_section, save_fig, write_report
+from benchmarks.reproduce.experiment import Settings, finish, rl_run, run_and_load
+from benchmarks.reproduce.report import band_plot, header, md_table, save_fig
 from benchmarks.reproduce.starts import toy_start
 from benchmarks.reproduce.summary import stat
 
@@ -92,13 +92,9 @@ def run(s: Settings) -> int:
            f"With L close to the run length the engine holds the starting policy for most of the run, so the "
            f"largest lag is close to learning off-policy from the SFT model's samples.\n\n"
            f"![curves]({png})\n\n![final eval vs lag]({png2})\n")
-    md += runs_section(results, start.rl_overrides(b.eval_size))
-    fails = failures(results)
-    if fails:
-        md += "\n**Failed runs**\n\n" + "\n".join(f"- {f}" for f in fails) + "\n"
-    write_report(s.out, md, {"sft": sft, "budget": dataclasses.asdict(b), "lags": list(lags), "runs_data": data, "failed": fails,
-                             "runs": {r.run.label + f"/s{r.run.seed}": str(r.dir) for r in results}})
-    return 1 if fails else 0
+    code = finish(s, md, results, start.rl_overrides(b.eval_size),
+                  {"sft": sft, "budget": dataclasses.asdict(b), "lags": list(lags), "runs_data": data})
+    return code
 
 
 def _mean_after(xs: list[float], lag: int) -> float:

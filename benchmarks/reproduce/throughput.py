@@ -13,8 +13,8 @@ import dataclasses
 
 import matplotlib.pyplot as plt
 
-from benchmarks.reproduce.experiment import Budget, Settings, failures, rl_run
-from benchmarks.reproduce.report import header, md_table, runs_section, save_fig, write_report
+from benchmarks.reproduce.experiment import Budget, Settings, finish, rl_run
+from benchmarks.reproduce.report import header, md_table, save_fig
 from benchmarks.reproduce.runner import execute_all
 from benchmarks.reproduce.starts import toy_start
 from benchmarks.reproduce.summary import stat
@@ -64,10 +64,5 @@ def run(s: Settings) -> int:
                 f"starting point `{start.dir.name}`; runs one at a time")
     md += md_table(["mode", "trajectories / s: mean ± std (per seed)", "trainer idle fraction", "rollout idle fraction"], rows)
     md += f"\n\n![throughput]({png})\n"
-    md += runs_section(results, start.rl_overrides(b.eval_size))
-    fails = failures(results)
-    if fails:
-        md += "\n**Failed runs**\n\n" + "\n".join(f"- {f}" for f in fails) + "\n"
-    write_report(s.out, md, {"budget": dataclasses.asdict(b), "modes": data, "failed": fails,
-                             "runs": {r.run.label + f"/s{r.run.seed}": str(r.dir) for r in results}})
-    return 1 if fails else 0
+    code = finish(s, md, results, start.rl_overrides(b.eval_size), {"budget": dataclasses.asdict(b), "modes": data})
+    return code

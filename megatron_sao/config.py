@@ -47,6 +47,10 @@ class ModelConfig:
     # "tiny_qwen3_moe" (random init, own char tokenizer; no download).
     path: str = "tiny_qwen3_moe"
     tokenizer: Optional[str] = None  # defaults to `path`
+    # The trainer's models are built in this dtype (models/precision.py). bfloat16: Megatron mixed
+    # precision (bf16 weights/activations, fp32 main params, grads and Adam state), what every GPU
+    # recipe uses and what TE's fused attention needs. float32 (the default): the CPU demo and CI,
+    # where bf16 matmuls are slow. float16 is refused (no loss scaling).
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_seq_len: int = 256
 
@@ -56,10 +60,13 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    etp: Optional[int] = None  # expert tensor parallel size (None = tp; Megatron needs 1 for TP=EP=2 on 2 ranks)
+    # Expert tensor parallel size. None = the one rule trainer, planner and converter share
+    # (models/parallel_sizes.default_expert_tp): 1 (experts whole on their EP rank) when ep >= tp, else tp.
+    etp: Optional[int] = None
     sequence_parallel: bool = False
     micro_batch_size: int = 8
-    recompute: Literal["none", "full"] = "none"  # full activation recompute (long contexts)
+    # Full activation recompute (long contexts); `sao plan` refuses a config that needs it and lacks it.
+    recompute: Literal["none", "full"] = "none"
 
 
 @dataclass
@@ -269,6 +276,10 @@ def validate(cfg: SAOConfig) -> SAOConfig:
         _check(a.name == "sao", "algorithm.advantage", "step-level GAE needs the critic (algorithm.name: sao)")
     for k in ("tp", "pp", "ep", "micro_batch_size"):
         _check(getattr(p, k) >= 1, f"parallel.{k}", f"must be >= 1, got {getattr(p, k)}")
+    if p.etp is not None:
+        _check(p.etp >= 1, "parallel.etp", f"must be >= 1 (or unset), got {p.etp}")
+    _check(cfg.model.dtype != "float16", "model.dtype",
+           "float16 training needs loss scaling, which the trainer does not implement; use bfloat16")
     _check(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel", "needs parallel.tp > 1")
     _check(r.concurrency >= 1, "rollout.concurrency", "must be >= 1")
     _check(r.max_turns >= 1, "rollout.max_turns", "must be >= 1")

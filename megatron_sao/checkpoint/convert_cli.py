@@ -18,7 +18,8 @@ def hf_to_megatron_main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: = tp)")
+    ap.add_argument("--etp", type=int, default=None,
+                    help="expert tensor parallel size (default: the trainer's rule: 1 when ep >= tp, else tp)")
     ap.add_argument("--role", choices=("actor", "critic"), default="actor")
     ap.add_argument("--value-head-init", choices=("normal", "zero"), default="normal")
     ap.add_argument("--overwrite", action="store_true")

@@ -4,8 +4,8 @@
 environment (torchrun: RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*; srun: SLURM_PROCID/SLURM_NTASKS/
 SLURM_LOCALID), falls back to a single local process, picks nccl with CUDA and gloo without, and
 then builds Megatron's TP/PP/EP/DP groups. The expert-tensor-parallel size comes from
-`ParallelSizes.expert_tp` (set `etp=1` to keep experts whole on each EP rank; TP=2+EP=2 on two
-ranks needs it), so the sharding code and the process groups read the same number.
+`ParallelSizes.expert_tp` (`parallel.etp`, or the one default rule in models/parallel_sizes.py), so
+the sharding code, the planner and the process groups read the same number.
 
 Every collective made through these groups inherits the process-group timeout, so a rank that dies
 or hangs turns into an error on the others instead of a silent hang (weight sync relies on that).
@@ -117,25 +117,12 @@ class ParallelContext:
         )
 
 
-def _validate_sizes(tp: int, pp: int, ep: int, etp: int, sequence_parallel: bool, world: int) -> None:
-    for name, v in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"ParallelSizes.{name} must be a positive int, got {v!r}")
-    if world % (tp * pp) != 0:
-        raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
-    dp = world // (tp * pp)
-    if (dp * tp) % (ep * etp) != 0:
-        # Megatron lays the expert grid (etp x ep) over the dp*tp ranks of one pipeline stage.
-        raise ValueError(f"etp*ep = {etp}*{ep} must divide dp*tp = {dp}*{tp} (world {world}, pp {pp})")
-    if sequence_parallel and tp == 1:
-        raise ValueError("sequence_parallel=True needs tp > 1")
-
-
 def init_parallel(sizes, *, seed: int = 1234, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelContext:
     """Initialise torch.distributed (if needed) and Megatron parallel state for `sizes`.
 
     Args:
-        sizes: a `ParallelSizes` (tp, pp, ep, sequence_parallel, expert_tp).
+        sizes: a `ParallelSizes` (tp, pp, ep, sequence_parallel, expert_tp); its world-size rules
+            are checked before any process group is created.
         seed: base seed for Megatron's model-parallel RNG tracker and torch's default generator.
         timeout_s: process-group timeout applied to every collective.
     """
@@ -144,9 +131,9 @@ def init_parallel(sizes, *, seed: int = 1234, timeout_s: float = DEFAULT_TIMEOUT
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     tp, pp, ep, sp = int(sizes.tp), int(sizes.pp), int(sizes.ep), bool(sizes.sequence_parallel)
-    etp = int(getattr(sizes, "expert_tp", tp))
+    etp = int(sizes.expert_tp)
     rank, world, local_rank = _launcher_env()
-    _validate_sizes(tp, pp, ep, etp, sp, world)
+    sizes.validate_for(world_size=world)  # the same rules `sao plan` applies (models/parallel_sizes.py)
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -103,13 +103,24 @@ def engine_optim(o: OptimSection, total_steps: int):
 def parallel_sizes(cfg: SAOConfig):
     from megatron_sao.models.parallel_sizes import ParallelSizes
 
-    p = cfg.parallel
-    return ParallelSizes(tp=p.tp, pp=p.pp, ep=p.ep, sequence_parallel=p.sequence_parallel, etp=p.etp)
+    return ParallelSizes.from_config(cfg.parallel)  # the one etp rule, shared with `sao plan`
+
+
+def params_dtype(cfg: SAOConfig) -> torch.dtype:
+    """The dtype both engines are built in: `model.dtype` (bf16 = Megatron mixed precision)."""
+    from megatron_sao.config import ConfigError
+    from megatron_sao.models.precision import training_dtype
+
+    try:
+        return training_dtype(cfg.model.dtype)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def engine_overrides(cfg: SAOConfig) -> dict:
-    """TransformerConfig fields that come from the run config."""
+    """TransformerConfig fields that come from the run config (every stage: sft, value-pretrain, train)."""
     if cfg.parallel.recompute == "full":
+        # Every layer recomputed from its input, one layer per checkpoint (what `sao plan` counts).
         return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     return {}
 
@@ -149,7 +160,7 @@ def build_actor(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = No
     return MegatronEngine(model_spec(model_dir), parallel_sizes(cfg), engine_optim(optim, total_steps or cfg.run.total_steps),
                           role="actor", init=_init_source(init or cfg.actor.init or str(model_dir)),
                           micro_batch_size=cfg.parallel.micro_batch_size, ctx=ctx,
-                          config_overrides=engine_overrides(cfg))
+                          params_dtype=params_dtype(cfg), config_overrides=engine_overrides(cfg))
 
 
 def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = None, freeze: bool = True):
@@ -162,7 +173,7 @@ def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = N
                           micro_batch_size=cfg.parallel.micro_batch_size,
                           freeze_patterns=critic_freeze_patterns(cfg.critic, spec) if freeze else (),
                           grad_norm_groups=CRITIC_NORM_GROUPS if spec.is_moe else CRITIC_NORM_GROUPS_DENSE,
-                          ctx=ctx, config_overrides=engine_overrides(cfg))
+                          ctx=ctx, params_dtype=params_dtype(cfg), config_overrides=engine_overrides(cfg))
 
 
 def build_rollout_engine(cfg: SAOConfig, model_dir: Path):

@@ -128,7 +128,7 @@ def test_convert_uses_the_recipe_layout():
     res = run("hf-to-megatron", "parallel.ep=16")
     assert res.returncode == 0, res.stderr
     assert res.stdout.split()[1:] == ["tools/convert_hf_to_megatron.py", "--hf-dir", "/hf", "--out-dir", "/mg",
-                                      "--tp", "4", "--pp", "1", "--ep", "16"]
+                                      "--tp", "4", "--pp", "1", "--ep", "16", "--etp", "1"]
     res = run("megatron-to-hf")
     assert res.stdout.split()[1:] == ["tools/convert_megatron_to_hf.py", "--megatron-dir", "/mg", "--out-dir", "/out"]
     assert run("sideways").returncode == 2

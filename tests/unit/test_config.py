@@ -41,6 +41,8 @@ def test_presets_and_precedence(tmp_path):
     (["trainer.policy_lag=8", "buffer.max_staleness=4"], "buffer.max_staleness: must be >= trainer.policy_lag"),
     (["run.seed=1.5"], "run.seed: expected an integer"),
     (["algorithm.eps_low"], "expected key.path=value"),
+    (["parallel.etp=0"], "parallel.etp: must be >= 1"),
+    (["model.dtype=float16"], "model.dtype: float16 training needs loss scaling"),
 ])
 def test_errors_name_the_key(overrides, needle):
     with pytest.raises(ConfigError, match=needle):

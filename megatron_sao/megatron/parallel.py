@@ -9,6 +9,12 @@ ranks needs it), so the sharding code and the process groups read the same numbe
 
 Every collective made through these groups inherits the process-group timeout, so a rank that dies
 or hangs turns into an error on the others instead of a silent hang (weight sync relies on that).
+
+Collective-device rule: every tensor handed to a collective lives on `ctx.device` (the GPU under
+NCCL), or on the host only for a group created with backend="gloo". `collective_device(group)`
+answers for code that has no `ParallelContext`. Under `SAO_COLLECTIVE_GUARD=1` on a CPU build
+(the test suite), `init_parallel` installs `collective_guard`, which makes `ctx.device` a pretend
+accelerator and fails any collective that breaks the rule.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_sao.megatron import collective_guard
 from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -140,6 +147,7 @@ def init_parallel(sizes, *, seed: int = 1234, timeout_s: float = DEFAULT_TIMEOUT
         timeout_s: process-group timeout applied to every collective.
     """
     ensure_cpu_compat()
+    guarded = collective_guard.enabled() and collective_guard.install()  # before any group exists
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -189,9 +197,28 @@ def init_parallel(sizes, *, seed: int = 1234, timeout_s: float = DEFAULT_TIMEOUT
         dp_rank=ps.get_data_parallel_rank(),
         sequence_parallel=sp,
         backend=backend,
-        device=torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"),
+        device=_training_device(use_cuda, guarded),
         timeout_s=timeout_s,
     )
+
+
+def _training_device(use_cuda: bool, guarded: bool) -> torch.device:
+    if use_cuda:
+        return torch.device("cuda", torch.cuda.current_device())
+    return collective_guard.PRETEND_DEVICE if guarded else torch.device("cpu")
+
+
+def collective_device(group=None) -> torch.device:
+    """The device a tensor must be on for a collective over `group` (the default group if None).
+
+    NCCL groups: this rank's GPU; gloo groups (megatron-core's *_GLOO ones, the CPU build): the
+    host, or the collective guard's pretend accelerator when it checks a CPU run.
+    """
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if collective_guard.installed() and collective_guard.nccl_group(group):
+        return collective_guard.PRETEND_DEVICE
+    return torch.device("cpu")
 
 
 def destroy_parallel(*, destroy_process_group: bool = True) -> None:

@@ -85,7 +85,7 @@ class SAOTrainer:
 
     def _stop_agreed(self) -> bool:
         """All ranks stop at the same step boundary, whichever of them saw the signal."""
-        flag = torch.tensor([1.0 if self._stop_requested else 0.0])
+        flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.ctx.device)
         if self.ctx.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -307,7 +307,7 @@ class SAOTrainer:
         if self.ctx.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, device=self.ctx.device)
         return box[0]
 
     def _barrier(self) -> None:

@@ -25,9 +25,10 @@ import os
 import shlex
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Literal, Sequence
+from typing import Literal, Mapping, Sequence
 
 from megatron_sao.cluster.hostlist import HostlistError, expand_hostlist
+from megatron_sao.cluster.socket_ifname import GLOO, gloo_ifname_from_env
 from megatron_sao.config import ConfigError, SAOConfig, load_config
 
 Role = Literal["trainer", "rollout"]
@@ -103,7 +104,8 @@ def _pos_int(value: int, name: str) -> int:
 def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[str] = (),
                       run_dir: str, job_id: str = "local", gpus_per_node: int | None = None,
                       trainer_nodes: int | None = None, model_dir: str | None = None,
-                      restart_count: int = 0, exe: Executables = Executables()) -> LaunchPlan:
+                      restart_count: int = 0, exe: Executables = Executables(),
+                      environ: Mapping[str, str] | None = None) -> LaunchPlan:
     """Assign roles to `hosts` and build every node's commands for `config` (+ `overrides`).
 
     Args:
@@ -113,6 +115,7 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
         gpus_per_node / trainer_nodes: allocation facts that win over cluster.* in the config.
         model_dir: HF checkpoint the vLLM servers load (default: model.path).
         restart_count: SLURM_RESTART_COUNT, so a requeued job does not see the last attempt's done file.
+        environ: the launcher's environment (default os.environ): GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME.
     """
     hosts = list(hosts)
     if not hosts:
@@ -148,6 +151,10 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
     # Re-validate with what the job really is (types, server_urls, ...) before anything starts.
     cfg = load_config(config, [*overrides, *launch_overrides])
     master = trainer_hosts[0]
+    # gloo groups (megatron-core's) bind where GLOO_SOCKET_IFNAME says; without a name here the
+    # trainer picks the interface that routes to the master on its node (cluster/socket_ifname.py).
+    gloo = gloo_ifname_from_env(os.environ if environ is None else environ)
+    gloo_env = {GLOO: gloo} if gloo else {}
 
     nodes: list[NodePlan] = []
     for rank, host in enumerate(trainer_hosts):
@@ -155,7 +162,7 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
                 f"--master-addr={master}", f"--master-port={c.master_port}",
                 "-m", "megatron_sao.cli", "train", config, "--resume", *overrides, *launch_overrides]
         # --resume: a requeued job continues from the run dir's latest checkpoint (fresh if none).
-        env = {"SAO_NODE_RANK": str(rank), "SAO_WEIGHT_SYNC_PORT": str(c.master_port + 1)}
+        env = {"SAO_NODE_RANK": str(rank), "SAO_WEIGHT_SYNC_PORT": str(c.master_port + 1), **gloo_env}
         proc = ProcessSpec(f"trainer-{rank}", argv, env, os.path.join(logs, f"trainer-node{rank}-{host}.log"))
         nodes.append(NodePlan(rank, host, "trainer", [proc], wait_for=[u + "/health" for u in server_urls], health=[]))
     for j, host in enumerate(rollout_hosts):

@@ -11,6 +11,7 @@ call an engine on the thread that called `ensure_cpu_compat()` / `init_parallel(
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -214,7 +215,10 @@ class MegatronEngine:
         local = torch.cat(outs, dim=0) if self.ctx.is_last_stage else None
         rows = len(micro) * self.micro_batch_size * self.ctx.dp
         full = fwd.gather_to_all(local, (rows, cols), self.ctx)[:b, :t]
-        return full * batch["attention_mask"].to(full.device).to(full.dtype)
+        mask = batch["attention_mask"]
+        # Back where the caller's batch lives (the trainer's batches are host tensors: GAE and the
+        # log-prob checks mix these outputs with them; on a GPU `full` is on the GPU).
+        return (full * mask.to(full.device).to(full.dtype)).to(mask.device)
 
     # ------------------------------------------------------------------ public API
     def logprobs(self, batch: Batch) -> torch.Tensor:
@@ -245,7 +249,7 @@ class MegatronEngine:
                                  forward_only=False)
         t1 = time.perf_counter()
         metrics = fwd.reduce_step_metrics(store, self.ctx)
-        bad = torch.tensor([0.0 if torch.isfinite(torch.tensor(metrics["loss"])) else 1.0])
+        bad = torch.tensor([0.0 if math.isfinite(metrics["loss"]) else 1.0], device=self.ctx.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank must take the same branch
         outcome = safe_optimizer_step(self.optimizer, clip_grad=self.optim_config.clip_grad,
                                       loss_is_finite=bool(bad.item() == 0.0), param_names=self._param_names,

@@ -118,7 +118,7 @@ def export_hf_weights(module: torch.nn.Module, spec, ctx, *, bucket_bytes: int =
             sending = stage > 0 and on_root_pipeline
             if sending:
                 meta = [_stage_metadata(module, spec, layout)]
-                dist.broadcast_object_list(meta, src=ctx.rank, group=ctx.pp_group)
+                dist.broadcast_object_list(meta, src=ctx.rank, group=ctx.pp_group, device=ctx.device)
             for name, full in _stage_tensors(module, spec, layout):
                 if bucketer is not None:
                     yield from bucketer.add(name, full)
@@ -127,7 +127,7 @@ def export_hf_weights(module: torch.nn.Module, spec, ctx, *, bucket_bytes: int =
         elif ctx.rank == 0:
             src = dist.get_global_rank(ctx.pp_group, stage)
             meta = [None]
-            dist.broadcast_object_list(meta, src=src, group=ctx.pp_group)
+            dist.broadcast_object_list(meta, src=src, group=ctx.pp_group, device=ctx.device)
             for name, shape, dtype in meta[0]:
                 buf = torch.empty(shape, dtype=dtype, device=ctx.device)
                 dist.broadcast(buf, src=src, group=ctx.pp_group)

@@ -174,7 +174,8 @@ def make_train_loss_func(role: str, loss_fn: LossFn, denominator: torch.Tensor, 
                 raise TypeError(f"loss_fn returned a loss of shape {getattr(loss, 'shape', type(loss))}; need a 0-dim tensor")
             reported = {"loss": loss.detach().float(), _WEIGHT: mb["action_mask"].float().sum()}
             for k, v in metrics.items():
-                reported[k] = (v.detach() if torch.is_tensor(v) else torch.tensor(v)).float().reshape(())
+                # a Python number becomes a tensor beside the output: DP ranks all-reduce these
+                reported[k] = (v.detach() if torch.is_tensor(v) else torch.tensor(v, device=out.device)).float().reshape(())
             return loss, _ONE, reported
 
         return loss_func
@@ -224,5 +225,5 @@ def reduce_step_metrics(store: list[dict[str, torch.Tensor]], ctx) -> dict[str, 
             out[k] = float(v[0] / v[1]) if rule == "mean" and v[1] > 0 else (float("nan") if rule == "mean" else float(v[0]))
         payload = [out]
     if ctx.pp > 1:
-        dist.broadcast_object_list(payload, src=ctx.last_stage_rank, group=ctx.pp_group)
+        dist.broadcast_object_list(payload, src=ctx.last_stage_rank, group=ctx.pp_group, device=ctx.device)
     return payload[0]

@@ -116,10 +116,14 @@ def apply_freeze(model_chunks, patterns: Sequence[str], *, allow_empty_on_this_r
 def check_patterns_matched_globally(report: FreezeReport, group=None) -> None:
     """All-reduce per-pattern match counts; raise if a pattern matched nothing on every rank."""
     patterns = list(report.matches_per_pattern)
-    counts = torch.tensor([report.matches_per_pattern[p] for p in patterns], dtype=torch.long)
+    counts = [report.matches_per_pattern[p] for p in patterns]
     if torch.distributed.is_initialized():
+        from megatron_sao.megatron.parallel import collective_device
+
+        counts = torch.tensor(counts, dtype=torch.long, device=collective_device(group))
         torch.distributed.all_reduce(counts, group=group)
-    empty = [p for p, c in zip(patterns, counts.tolist()) if c == 0]
+        counts = counts.tolist()
+    empty = [p for p, c in zip(patterns, counts) if c == 0]
     if empty:
         raise ValueError(f"freeze pattern(s) matched no parameter on any rank: {empty}")
 

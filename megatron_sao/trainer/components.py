@@ -240,12 +240,12 @@ def start_stage(cfg: SAOConfig):
     Returns (ParallelContext, RunDir); only rank 0 writes to the run directory.
     """
     from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
-    from megatron_sao.megatron.parallel import init_parallel
+    from megatron_sao.megatron.parallel import init_parallel, process_group_timeout_s
     from megatron_sao.trainer.run_dir import RunDir
 
     set_threads()
     ensure_cpu_compat()
-    ctx = init_parallel(parallel_sizes(cfg))
+    ctx = init_parallel(parallel_sizes(cfg), timeout_s=process_group_timeout_s(cfg.rollout.timeout_s))
     torch.manual_seed(cfg.run.seed)
     return ctx, RunDir(cfg.run.dir, is_writer=ctx.rank == 0)
 

@@ -73,6 +73,7 @@ class SAOTrainer:
         if self.rank0:
             self._start_rollouts(state)
         if state is not None and not cfg.trainer.replay:  # the engine starts from the base model
+            self._barrier()  # rank 0 started the rollout engines alone: meet it outside the export's collectives
             self._post_resume_sync()
 
     # ------------------------------------------------------------------ the algorithm
@@ -85,8 +86,9 @@ class SAOTrainer:
 
     def _stop_agreed(self) -> bool:
         """All ranks stop at the same step boundary, whichever of them saw the signal."""
-        flag = torch.tensor([1.0 if self._stop_requested else 0.0])
+        flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.ctx.device)
         if self.ctx.world_size > 1:
+            self._wait_for_rank0("the stop agreement")  # rank 0 may still push weights or evaluate
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -303,15 +305,27 @@ class SAOTrainer:
                         f"step_{self.step:06d}.jsonl", call=self.driver.call)["accuracy"]
 
     # ------------------------------------------------------------------ distributed helpers
+    # Every collective here may follow a phase only rank 0 runs (batch wait, eval, weight push,
+    # rollout start): the others wait for it at the Rank0Gate, outside the collective, so no
+    # process-group timeout is spent on it (docs/architecture.md, "Timeouts").
+    def _wait_for_rank0(self, what: str) -> None:
+        from megatron_sao.megatron import rank0_gate
+
+        waited = rank0_gate.shared().arrive(what)
+        if waited > 60:
+            logger.info("rank %d waited %.0fs for rank 0 to reach %s", self.ctx.rank, waited, what)
+
     def _broadcast(self, obj):
         if self.ctx.world_size == 1:
             return obj
+        self._wait_for_rank0("a broadcast")
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, device=self.ctx.device)
         return box[0]
 
     def _barrier(self) -> None:
         if self.ctx.world_size > 1:
+            self._wait_for_rank0("a barrier")
             dist.barrier()
 
     def close(self) -> None:

@@ -56,8 +56,11 @@ def run_value_pretrain(cfg: SAOConfig) -> Path:
     v = cfg.value_pretrain
     trajs = collect_rollouts(cfg, policy_dir, v.rollouts) if ctx.rank == 0 else None
     if ctx.world_size > 1:
+        from megatron_sao.megatron import rank0_gate
+
+        rank0_gate.shared().arrive("the rollouts' broadcast")  # rank 0 collected them alone, for minutes
         box = [trajs]
-        torch.distributed.broadcast_object_list(box, src=0)
+        torch.distributed.broadcast_object_list(box, src=0, device=ctx.device)
         trajs = box[0]
     if ctx.rank == 0:
         save_trajectories(run.path / "value_pretrain_rollouts.safetensors", trajs)

@@ -132,3 +132,31 @@ def test_convert_uses_the_recipe_layout():
     res = run("megatron-to-hf")
     assert res.stdout.split()[1:] == ["tools/convert_megatron_to_hf.py", "--megatron-dir", "/mg", "--out-dir", "/out"]
     assert run("sideways").returncode == 2
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"NCCL_SOCKET_IFNAME": "ib0"}, "GLOO_SOCKET_IFNAME=ib0"),
+    ({"NCCL_SOCKET_IFNAME": "=bond0,eth1"}, "GLOO_SOCKET_IFNAME=bond0,eth1"),
+    ({"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eth2"}, "GLOO_SOCKET_IFNAME=eth2"),
+    ({}, None),  # common.sh's default ^lo,docker names no interface: each trainer picks the route to the master
+])
+def test_trainers_get_gloo_socket_ifname_beside_nccl(env, expected):
+    out = dry_run("sao_aime.sh", "gpu[1-2]", SAO_CONFIG=COLOC, SAO_TRAINER_NODES="2", **env)
+    trainers = [line for block, lines in node_blocks(out).items() if block.endswith("trainer") for line in lines
+                if "torchrun" in line]
+    assert len(trainers) == 2
+    for line in trainers:
+        if expected is None:
+            assert "GLOO_SOCKET_IFNAME" not in line
+        else:
+            assert line.startswith("env ") and expected in line.split(" torchrun ")[0], line
+
+
+def test_gloo_interface_rules():
+    from megatron_sao.cluster.socket_ifname import gloo_ifname_from_env, interface_for
+
+    assert gloo_ifname_from_env({"NCCL_SOCKET_IFNAME": "^lo,docker"}) is None
+    assert gloo_ifname_from_env({"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "ib0"}) == "eth0"
+    assert gloo_ifname_from_env({"NCCL_SOCKET_IFNAME": " =ib0 , ib1 "}) == "ib0,ib1"
+    assert interface_for("127.0.0.1") == "lo"  # the kernel's route, read back as an interface name
+    assert interface_for("no-such-host.invalid") is None

@@ -35,7 +35,6 @@ class RunConfig:
     total_steps: int = 100  # actor steps (critic warm-up steps count separately)
     save_every: int = 50
     eval_every: int = 25
-    log_every: int = 1
     tensorboard: bool = True
     console: Literal["rich", "plain", "none"] = "rich"
     max_consecutive_nonfinite: int = 3  # NaN/inf steps in a row before the run stops with a checkpoint
@@ -87,22 +86,30 @@ class ActorConfig:
     init: Optional[str] = None  # HF dir or megatron checkpoint dir; None = model.path
 
 
+# The paper's frozen-attention critic as group names (expanded per model in models/freeze.py).
+PAPER_CRITIC_FREEZE = ("attention", "embeddings", "router", "norms")
+
+
 @dataclass
 class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-6))
     init: Optional[str] = None  # a saved critic (megatron or HF) or None = the actor's HF weights
-    value_head_init: Literal["normal", "zero"] = "normal"
-    # Parameter-name patterns frozen during RL. "attention" = the frozen-attention preset
-    # (qkv, output projection, q/k norms); [] trains everything (the "no frozen attention" ablation).
-    freeze: list[str] = field(default_factory=lambda: ["attention"])
+    # What stays frozen during RL: group names (models/freeze.py CRITIC_FREEZE_GROUPS) or parameter-name
+    # patterns. The default is the paper's frozen-attention critic: attention, word embeddings, router
+    # and norms frozen, so only the expert (dense: MLP) projections and the value head train.
+    # [embeddings, router, norms] is the "attention trained" ablation; [] trains everything.
+    freeze: list[str] = field(default_factory=lambda: list(PAPER_CRITIC_FREEZE))
 
 
 @dataclass
 class AlgorithmConfig:
-    # sao: critic + skip-observation token GAE + DIS.  grpo: n rollouts per prompt, group baseline,
-    # PPO clip.  grpo_dis: grpo advantages with the DIS loss.  running_mean: DIS with a running-mean
-    # baseline instead of a critic.
-    name: Literal["sao", "grpo", "grpo_dis", "running_mean"] = "sao"
+    # sao: critic + skip-observation token GAE + DIS.
+    # grpo: the paper's vanilla GRPO baseline: n rollouts per prompt, group baseline, PPO clip with the
+    #   ratio against the learner's own log-probs before the update (no staleness correction).
+    # grpo_rollout_ratio: GRPO with the PPO clip ratio taken against the rollout log-probs (a partial
+    #   staleness correction; what `grpo` meant before).
+    # grpo_dis: grpo advantages with the DIS loss.  running_mean: DIS with a running-mean baseline.
+    name: Literal["sao", "grpo", "grpo_rollout_ratio", "grpo_dis", "running_mean"] = "sao"
     advantage: Literal["token", "step_avg", "step_last"] = "token"  # token-level GAE or step-level
     gamma: float = 1.0
     critic_lambda: float = 1.0
@@ -114,13 +121,26 @@ class AlgorithmConfig:
     ppo_clip_high: float = 0.28
     critic_steps: int = 2  # K critic optimizer steps per actor step
     critic_warmup_steps: int = 10  # critic-only steps before the actor moves
-    group_size: int = 8  # grpo: rollouts per prompt
+    group_size: int = 8  # grpo*: rollouts per prompt
     running_mean_window: int = 512  # running_mean: rewards kept in the baseline window
     whiten_advantages: bool = False
 
     @property
     def uses_critic(self) -> bool:
         return self.name == "sao"
+
+    @property
+    def uses_groups(self) -> bool:
+        """n rollouts per prompt, trained as whole groups."""
+        return self.name in GROUPED_ALGORITHMS
+
+    @property
+    def uses_rollout_logprobs(self) -> bool:
+        """The policy loss takes its ratio against the log-probs the sampler recorded."""
+        return self.name != "grpo"
+
+
+GROUPED_ALGORITHMS = ("grpo", "grpo_rollout_ratio", "grpo_dis")
 
 
 @dataclass
@@ -156,9 +176,14 @@ class EnvConfig:
 @dataclass
 class BufferConfig:
     batch_size: int = 128  # trajectories per actor step (single rollout: = prompts per step)
+    # Admission control starts an episode at most max_staleness steps before the batch it is meant
+    # for, so this bounds how far rollouts run ahead. A trajectory that still arrives staler (a long
+    # episode) is handled by staleness_policy: keep trains on it and DIS masks the drifted tokens
+    # (the paper: every finished trajectory is trained on); drop deletes it and re-runs its prompt,
+    # at most max_stale_drops times, after which the prompt's next trajectory is trained on anyway.
     max_staleness: int = 4  # max policy-version lag of any action token
-    staleness_policy: Literal["drop", "keep"] = "drop"  # drop (and count) or keep for DIS to mask
-    max_pending: int = 1024  # admission control: finished trajectories held before the driver pauses
+    staleness_policy: Literal["drop", "keep"] = "keep"
+    max_stale_drops: int = 2
 
 
 @dataclass
@@ -167,7 +192,6 @@ class TrainerConfig:
     # Train on the trajectories of a saved file (megatron_sao.trajectory format) instead of live
     # rollouts, in file order: deterministic batches for debugging, regression and parity tests.
     replay: Optional[str] = None
-    global_batch_tokens: Optional[int] = None  # optional cap for micro-batching by tokens
     # Staleness stress test: the rollout engine always holds the policy of `policy_lag` actor steps
     # ago (the trainer keeps that many weight snapshots in host memory). With `mode: sync` every
     # trajectory is then exactly `policy_lag` versions old, whatever the machine's speed.
@@ -268,7 +292,7 @@ def validate(cfg: SAOConfig) -> SAOConfig:
     _check(a.critic_steps >= 1, "algorithm.critic_steps", f"must be >= 1, got {a.critic_steps}")
     _check(a.critic_warmup_steps >= 0, "algorithm.critic_warmup_steps", "must be >= 0")
     _check(a.group_size >= 1, "algorithm.group_size", "must be >= 1")
-    if a.name in ("grpo", "grpo_dis"):
+    if a.uses_groups:
         _check(a.group_size >= 2, "algorithm.group_size", f"{a.name} needs at least 2 rollouts per prompt")
         _check(b.batch_size % a.group_size == 0, "buffer.batch_size",
                f"must be a multiple of algorithm.group_size ({a.group_size}) for {a.name}")
@@ -287,19 +311,28 @@ def validate(cfg: SAOConfig) -> SAOConfig:
     _check(r.max_total_tokens >= 2, "rollout.max_total_tokens", f"must be >= 2, got {r.max_total_tokens}")
     _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    if a.uses_rollout_logprobs:
+        # The learner's log-probs come from the raw logits; the sampler's would describe the
+        # tempered / truncated distribution, and the importance ratio would mask tokens at lag 0.
+        # (Evaluation samples with its own fixed settings and trains nothing.)
+        for key, value, neutral in (("temperature", r.temperature, 1.0), ("top_p", r.top_p, 1.0)):
+            _check(value == neutral, f"rollout.{key}",
+                   f"must be {neutral} for algorithm.name={a.name}: its loss compares the learner's log-probs "
+                   f"(raw logits) with the rollout log-probs, which {key}={value} would change; only "
+                   f"algorithm.name=grpo (ratio against its own log-probs) samples with other settings")
     _check(r.timeout_s > 0, "rollout.timeout_s", "must be > 0")
     if r.backend == "vllm_server":
         _check(bool(r.server_urls), "rollout.server_urls", "backend vllm_server needs at least one url")
     _check(b.batch_size >= 1, "buffer.batch_size", "must be >= 1")
     _check(b.max_staleness >= 0, "buffer.max_staleness", "must be >= 0")
-    _check(b.max_pending >= b.batch_size, "buffer.max_pending", "must be >= buffer.batch_size")
+    _check(b.max_stale_drops >= 0, "buffer.max_stale_drops", f"must be >= 0, got {b.max_stale_drops}")
     lag = cfg.trainer.policy_lag
     _check(lag >= 0, "trainer.policy_lag", f"must be >= 0, got {lag}")
     if lag and b.staleness_policy == "drop":
         _check(b.max_staleness >= lag, "buffer.max_staleness",
                f"must be >= trainer.policy_lag ({lag}) with staleness_policy drop, or every trajectory is dropped")
     _check(cfg.run.total_steps >= 0, "run.total_steps", "must be >= 0")
-    for k in ("save_every", "eval_every", "log_every"):
+    for k in ("save_every", "eval_every"):
         _check(getattr(cfg.run, k) >= 0, f"run.{k}", "must be >= 0")
     for role in ("actor", "critic"):
         o = getattr(cfg, role).optim
@@ -372,7 +405,35 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {tp}")
 
 
+class RemovedConfigKey(UserWarning):
+    """A key the schema no longer has was given; it is ignored (the message names it)."""
+
+
+# Keys that were validated but never read; old configs and run snapshots still carry them.
+REMOVED_KEYS: dict[str, str] = {
+    "run.log_every": "metrics are logged every step",
+    "critic.value_head_init": "a critic without a saved value head starts from N(0, init_std); for a zero "
+                              "head convert with `sao convert hf-to-megatron --role critic --value-head-init zero`",
+    "buffer.max_pending": "admission control (buffer.max_staleness) bounds the finished trajectories held",
+    "trainer.global_batch_tokens": "micro-batches are parallel.micro_batch_size rows",
+}
+
+
+def _drop_removed_keys(data: dict, prefix: str) -> dict:
+    import warnings
+
+    out = dict(data)
+    for k in list(out):
+        key = f"{prefix}.{k}" if prefix else k
+        if key in REMOVED_KEYS:
+            del out[k]
+            warnings.warn(f"{key}: removed from the config schema and ignored ({REMOVED_KEYS[key]})",
+                          RemovedConfigKey, stacklevel=2)
+    return out
+
+
 def _from_dict(cls: type, data: dict, prefix: str = "") -> Any:
+    data = _drop_removed_keys(data, prefix)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)

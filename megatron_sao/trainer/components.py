@@ -141,15 +141,11 @@ def _init_source(path: str):
 
 
 def critic_freeze_patterns(critic: CriticConfig, spec=None) -> list[str]:
-    """Patterns of `critic.freeze`, with "attention" expanded for this model: without q/k norms
-    (Llama) the q/k-norm patterns are left out, since a pattern that matches nothing is an error."""
-    from megatron_sao.models.freeze import CRITIC_FROZEN_ATTENTION, critic_frozen_attention_patterns
+    """Patterns of `critic.freeze`: group names ("attention", "embeddings", "router", "norms") are
+    expanded for this model (models/freeze.py), anything else is a pattern."""
+    from megatron_sao.models.freeze import expand_freeze_entries
 
-    attention = critic_frozen_attention_patterns(spec) if spec is not None else CRITIC_FROZEN_ATTENTION
-    out: list[str] = []
-    for p in critic.freeze:
-        out.extend(attention if p == "attention" else [p])
-    return out
+    return expand_freeze_entries(critic.freeze, spec)
 
 
 def build_actor(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = None,
@@ -163,17 +159,31 @@ def build_actor(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = No
                           params_dtype=params_dtype(cfg), config_overrides=engine_overrides(cfg))
 
 
-def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = None, freeze: bool = True):
+def critic_optimizer_steps(cfg: SAOConfig) -> int:
+    """Critic optimizer steps of a `sao train` run: K per trainer step, warm-up steps included."""
+    a = cfg.algorithm
+    return (a.critic_warmup_steps + cfg.run.total_steps) * a.critic_steps
+
+
+def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = None, freeze: bool = True,
+                 total_steps: int | None = None):
+    """The critic engine; `total_steps` (optimizer steps, for the LR schedule) defaults to a
+    `sao train` run's. Logs the whole model's trainable / frozen parameters per group."""
     from megatron_sao.megatron.engine import MegatronEngine
+    from megatron_sao.models.param_counts import format_param_counts, param_counts_by_group
 
     spec = model_spec(model_dir)
-    return MegatronEngine(spec, parallel_sizes(cfg),
-                          engine_optim(cfg.critic.optim, cfg.run.total_steps * cfg.algorithm.critic_steps),
-                          role="critic", init=_init_source(init or cfg.critic.init or str(model_dir)),
-                          micro_batch_size=cfg.parallel.micro_batch_size,
-                          freeze_patterns=critic_freeze_patterns(cfg.critic, spec) if freeze else (),
-                          grad_norm_groups=CRITIC_NORM_GROUPS if spec.is_moe else CRITIC_NORM_GROUPS_DENSE,
-                          ctx=ctx, params_dtype=params_dtype(cfg), config_overrides=engine_overrides(cfg))
+    steps = total_steps if total_steps is not None else critic_optimizer_steps(cfg)
+    engine = MegatronEngine(spec, parallel_sizes(cfg), engine_optim(cfg.critic.optim, steps),
+                            role="critic", init=_init_source(init or cfg.critic.init or str(model_dir)),
+                            micro_batch_size=cfg.parallel.micro_batch_size,
+                            freeze_patterns=critic_freeze_patterns(cfg.critic, spec) if freeze else (),
+                            grad_norm_groups=CRITIC_NORM_GROUPS if spec.is_moe else CRITIC_NORM_GROUPS_DENSE,
+                            ctx=ctx, params_dtype=params_dtype(cfg), config_overrides=engine_overrides(cfg))
+    engine.param_counts = param_counts_by_group(engine.module, spec, engine.layout)
+    if engine.ctx.rank == 0:
+        logger.info("critic parameters by group (whole model): %s", format_param_counts(engine.param_counts))
+    return engine
 
 
 def build_rollout_engine(cfg: SAOConfig, model_dir: Path):

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_sao.algorithms import RunningMeanBaseline, logprob_mismatch
+from megatron_sao.algorithms import RunningMeanBaseline
 from megatron_sao.buffer import TrajectoryBuffer
 from megatron_sao.config import SAOConfig, dump_config
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
-from megatron_sao.trainer.losses import critic_loss_fn, policy_loss_fn
+from megatron_sao.trainer.losses import critic_loss_fn, lag0_mismatch, policy_loss_fn
 from megatron_sao.trainer.rollout_driver import PromptStream, ReplaySource, RolloutDriver, unit_of
 from megatron_sao.trainer.run_dir import rng_state, set_rng_state
 from megatron_sao.trainer.targets import compute_targets
@@ -56,7 +56,7 @@ class SAOTrainer:
         self.actor = C.build_actor(cfg, self.model_dir, ctx=self.ctx)
         self.critic = C.build_critic(cfg, self.model_dir, ctx=self.ctx) if a.uses_critic else None
         self.baseline = RunningMeanBaseline(a.running_mean_window) if a.name == "running_mean" else None
-        self.group = a.group_size if a.name in ("grpo", "grpo_dis") else 1
+        self.group = a.group_size if a.uses_groups else 1
         self.warmup = a.critic_warmup_steps if a.uses_critic else 0
         self.step, self.version = 0, 0
         self.nonfinite = {"actor": 0, "critic": 0}  # skipped (NaN/inf) steps in a row, per model
@@ -68,7 +68,8 @@ class SAOTrainer:
         self.buffer = self.driver = self.rollout = None
         if self.rank0:
             self.buffer = TrajectoryBuffer(cfg.buffer.batch_size, cfg.buffer.max_staleness, cfg.buffer.staleness_policy,
-                                           directory=self.run_dir.buffer_dir, group_size=self.group)
+                                           directory=self.run_dir.buffer_dir, group_size=self.group,
+                                           max_stale_drops=cfg.buffer.max_stale_drops)
         state = self._resume() if resume else None
         if self.rank0:
             self._start_rollouts(state)
@@ -123,14 +124,13 @@ class SAOTrainer:
                              **{"critic/grad_norm": res.grad_norm})
 
                 if self.step >= self.warmup:  # critic warm-up: the actor waits, rollouts go on
-                    tv = time.monotonic()
-                    lp = self.actor.logprobs(fields)
-                    m["time/actor_forward_s"] = time.monotonic() - tv
-                    lag0 = batch.action_mask & (batch.versions == self.version)
-                    if lag0.any():
-                        m["logprob_mismatch_lag0"] = float(logprob_mismatch(lp, batch.rollout_logprobs, lag0))
+                    # Tokens sampled by the weights about to be trained: the loss measures their
+                    # train/rollout log-prob mismatch from the step's own forward (trainer/losses.py).
+                    fields["lag0_mask"] = batch.action_mask & (batch.versions == self.version)
                     res = self.actor.train_step(fields, self.policy_loss)
                     self._check_finite(res, "actor")
+                    if (mismatch := lag0_mismatch(res.metrics)) is not None:
+                        m["logprob_mismatch_lag0"] = mismatch
                     m.update({f"actor/{k}": v for k, v in res.metrics.items()}, **{"actor/grad_norm": res.grad_norm})
                     if not res.skipped:
                         self.version += 1
@@ -284,6 +284,8 @@ class SAOTrainer:
             "mean_turns": sum(t.num_turns for t in trajs) / len(trajs),
             "lag_histogram": self.buffer.stats.last_lag_histogram,
             "buffer/dropped_stale": self.buffer.stats.dropped_stale, "buffer/failed": self.buffer.stats.failed,
+            "buffer/kept_after_drops": self.buffer.stats.kept_after_drops,
+            "buffer/groups_with_failures": self.buffer.stats.groups_with_failures,
             "buffer/ready": len(self.buffer),
             "trainer_idle_fraction": self.wait_s / max(self.wait_s + self.busy_s, 1e-9),
             "rollout_idle_fraction": self.driver.engine_idle_fraction(),

@@ -24,7 +24,7 @@ from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.hf_export import export_hf_model
 from megatron_sao.trainer.losses import critic_loss_fn
-from megatron_sao.trainer.targets import compute_targets
+from megatron_sao.trainer.targets import critic_targets
 from megatron_sao.trajectory import collate_padded, save_trajectories
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ def run_value_pretrain(cfg: SAOConfig) -> Path:
         raise RuntimeError(f"value-pretrain: all {len(trajs)} rollouts failed; first error: {trajs[0].error}")
     if v.lr is not None:
         cfg.critic.optim.lr = v.lr
-    critic = C.build_critic(cfg, policy_dir, ctx=ctx, init=str(policy_dir), freeze=v.freeze_attention)
+    critic = C.build_critic(cfg, policy_dir, ctx=ctx, init=str(policy_dir), freeze=v.freeze_attention,
+                            total_steps=v.steps)
     rng = random.Random(cfg.run.seed)
     loss_fn = critic_loss_fn()
     console = Console(cfg.run.console if ctx.rank == 0 else "none", total=v.steps, title="sao value-pretrain")
@@ -77,11 +78,11 @@ def run_value_pretrain(cfg: SAOConfig) -> Path:
     for step in range(v.steps):
         batch = collate_padded([usable[rng.randrange(len(usable))] for _ in range(min(v.batch_size, len(usable)))])
         fields = {k: t for k, t in batch.to_dict().items() if t.dim() == 2}
-        values = critic.values(fields)
-        targets = compute_targets(batch, values, cfg.algorithm)
-        fields["returns"] = targets.returns
+        # The critic's targets do not depend on the policy's algorithm (grpo, running_mean...).
+        old_values, _, returns = critic_targets(batch, critic.values(fields), cfg.algorithm)
+        fields["returns"] = returns
         res = critic.train_step(fields, loss_fn)
-        ev = float(explained_variance(targets.old_values, targets.returns, batch.action_mask))
+        ev = float(explained_variance(old_values, returns, batch.action_mask))
         log.append({"step": step, "value_loss": res.loss, "explained_variance": ev, "grad_norm": res.grad_norm})
         console.update({"step": step, "critic/loss": res.loss, "critic/explained_variance": ev})
     console.close()

@@ -79,7 +79,9 @@ def resolve_model_dir(cfg: SAOConfig, run_dir: Path) -> Path:
         return materialize_builtin_model(cfg.model.path, run_dir / "base_model", cfg.run.seed)
     p = Path(cfg.model.path)
     if not (p / "config.json").exists():
-        raise FileNotFoundError(f"model.path: {p} is neither a built-in model ({sorted(BUILTIN_MODELS)}) "
+        from megatron_sao.errors import MissingInputError
+
+        raise MissingInputError(f"model.path: {p} is neither a built-in model ({sorted(BUILTIN_MODELS)}) "
                                 "nor an HF directory with config.json")
     return p
 

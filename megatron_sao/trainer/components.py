@@ -193,7 +193,9 @@ def agent_loop_config(cfg: SAOConfig):
 
 def env_factory(cfg: SAOConfig):
     from megatron_sao.envs import make_env
+    from megatron_sao.envs.sandbox import configure_default_pool
 
+    configure_default_pool(allow_same_uid=cfg.env.sandbox_allow_same_uid)
     kwargs = dict(cfg.env.kwargs)
 
     def factory(task):

@@ -35,101 +35,23 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import sys
 import sysconfig
 import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_sao.envs.sandbox_call import StatusReader, collect, kill_all_of_uid, planned_isolation
 from megatron_sao.envs.sandbox_cgroup import CallCgroup, CgroupFactory
+from megatron_sao.envs.sandbox_types import SandboxError, SandboxLimits, SandboxResult
+
+__all__ = ["SandboxError", "SandboxLimits", "SandboxPool", "SandboxResult", "configure_default_pool",
+           "default_pool", "run_python"]
 
 _BOOTSTRAP_SOURCE = Path(__file__).with_name("sandbox_bootstrap.py").read_text(encoding="utf-8")
 _CHILD_PATH = str(Path(__file__).with_name("sandbox_child"))
-_KILL_BIN = shutil.which("kill")
-_READ_CHUNK = 4096
-_EXIT_GRACE_S = 2.0  # after the program's end, how long output pipes may stay open
-
-
-class SandboxError(RuntimeError):
-    """The sandbox itself failed (a host problem, not something the policy did)."""
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    """Resource limits of one sandbox call. ``memory_mb`` and ``max_processes`` bound each process
-    and, where a cgroup is available (root), the call's whole process tree; ``max_disk_mb`` bounds
-    everything the call writes (its private tmpfs) in namespaces mode."""
-
-    wall_time_s: float = 10.0
-    cpu_time_s: int = 10
-    memory_mb: int = 1024
-    max_processes: int = 16
-    max_output_bytes: int = 16_384
-    max_file_mb: int = 16
-    max_disk_mb: int = 64
-    max_open_files: int = 64
-    allow_site_packages: bool = False  # False: stdlib only (python -S)
-
-    def __post_init__(self) -> None:
-        for name in ("wall_time_s", "cpu_time_s", "memory_mb", "max_processes",
-                     "max_output_bytes", "max_file_mb", "max_disk_mb", "max_open_files"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise ValueError(f"SandboxLimits.{name} must be a positive number, got {v!r}")
-        if not isinstance(self.cpu_time_s, int):
-            raise ValueError(f"SandboxLimits.cpu_time_s must be an int (seconds), got {self.cpu_time_s!r}")
-
-
-@dataclass
-class SandboxResult:
-    """What one call produced. ``exit_code`` is negative for a signal, None if never started."""
-
-    stdout: str
-    stderr: str
-    exit_code: int | None
-    timed_out: bool = False
-    killed_reason: str | None = None
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-    wall_time_s: float = 0.0
-    isolation: tuple[str, ...] = field(default_factory=tuple)
-    leftover_processes: int = 0  # still running when the program ended; killed then
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and self.killed_reason is None
-
-    def as_observation(self, max_chars: int = 4000) -> str:
-        """Text shown to the policy: output, then bracketed notes on errors and limits."""
-        parts: list[str] = []
-        if self.stdout:
-            parts.append(_clip(self.stdout, max_chars))
-        if self.stderr:
-            parts.append("[stderr]\n" + _clip(self.stderr, max_chars))
-        if self.stdout_truncated or self.stderr_truncated:
-            parts.append("[output truncated: the output size limit was reached]")
-        if self.killed_reason is not None:
-            parts.append(f"[killed: {self.killed_reason}]")
-        elif self.exit_code not in (0, None):
-            parts.append(f"[exit status {self.exit_code}]")
-        if self.leftover_processes:
-            parts.append(f"[{self.leftover_processes} background process(es) still running when the program "
-                         "ended were killed]")
-        if not parts:
-            parts.append("[no output]")
-        return "\n".join(parts)
-
-
-def _clip(text: str, max_chars: int) -> str:
-    text = text.rstrip("\n")
-    if len(text) <= max_chars:
-        return text
-    half = max_chars // 2
-    return f"{text[:half]}\n...[{len(text) - max_chars} chars omitted]...\n{text[-half:]}"
 
 
 class _UidSlots:
@@ -278,7 +200,7 @@ class SandboxPool:
             if cg is not None:
                 cg.close()
             if uid is not None and mode == "process":
-                await _kill_all_of_uid(uid)
+                await kill_all_of_uid(uid)
             shutil.rmtree(workdir, ignore_errors=True)
             if uid is not None:
                 _UIDS.release(uid)
@@ -290,7 +212,7 @@ class SandboxPool:
         if uid is not None and mode == "process":
             os.chown(workdir, uid, uid)
             os.chown(code_file, uid, uid)
-        isolation = _planned_isolation(mode, uid, limits, cg, factory)
+        isolation = planned_isolation(mode, uid, limits, cg, factory)
         readonly = _readonly_paths(limits.allow_site_packages)
         status_r, status_w = os.pipe()
         cfg = {
@@ -314,146 +236,8 @@ class SandboxPool:
                 close_fds=True, pass_fds=(status_w,), start_new_session=True)
         finally:
             os.close(status_w)
-        status = _StatusReader(status_r)
-        return await _collect(proc, status, limits, t0, cg)
-
-
-def _planned_isolation(mode: str, uid: int | None, limits: SandboxLimits, cg: CallCgroup | None,
-                       factory: CgroupFactory | None) -> list[str]:
-    """The layers the parent sets up or asks for; the child appends what it installed itself."""
-    out = [f"uid={uid}" if uid is not None else ("userns" if mode == "namespaces" else "uid=same")]
-    if mode == "namespaces":
-        out += ["pidns", "netns", "mountns", "ipcns", "utsns", "rootfs=private", f"disk=tmpfs:{limits.max_disk_mb}m"]
-    else:
-        out += ["pgroup", "subreaper", f"disk=per-file:{limits.max_file_mb}m"]
-        if uid is None:
-            out.append("parent=nondumpable")
-    if cg is not None:
-        out += [f"memory={factory.kind}:{limits.memory_mb}m", f"pids={factory.kind}:{limits.max_processes}"]
-    else:
-        out.append(f"memory=per-process:{limits.memory_mb}m")
-    nproc_scope = "uid" if uid is not None else ("userns" if mode == "namespaces" else "uid+running")
-    out.append(f"nproc={nproc_scope}:{limits.max_processes}")
-    return out
-
-
-class _StatusReader:
-    """Reads the bootstrap's status pipe (JSON lines) until every writer has closed it."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd, self.msgs = fd, []
-        self.done = asyncio.ensure_future(self._read())
-
-    async def _read(self) -> None:
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader()
-        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
-                                                    os.fdopen(self.fd, "rb", buffering=0))
-        try:
-            while line := await reader.readline():
-                try:
-                    self.msgs.append(json.loads(line))
-                except ValueError:
-                    pass
-        finally:
-            transport.close()
-
-    def get(self, key: str):
-        return next((m[key] for m in self.msgs if key in m), None)
-
-    def final(self) -> dict:
-        return next((m for m in self.msgs if "leftovers" in m), {})
-
-
-async def _collect(proc: asyncio.subprocess.Process, status: _StatusReader, limits: SandboxLimits, t0: float,
-                   cg: CallCgroup | None) -> SandboxResult:
-    """Read both streams under the output cap and the wall clock until the program ends (the
-    status pipe closes when the bootstrap is done); kill the call's processes on either limit."""
-    cap = limits.max_output_bytes
-    over = asyncio.Event()
-    bufs = {"out": bytearray(), "err": bytearray()}
-    truncated = {"out": False, "err": False}
-
-    async def pump(stream: asyncio.StreamReader, key: str) -> None:
-        buf = bufs[key]
-        while chunk := await stream.read(_READ_CHUNK):
-            room = cap - len(buf)
-            buf += chunk[:max(room, 0)]
-            if len(chunk) > room:
-                truncated[key] = True
-                over.set()
-        # Past the cap the pump keeps reading (and discarding) until EOF: a pipe nobody reads
-        # pauses its transport, and the process's exit would never be seen.
-
-    pumps = asyncio.ensure_future(asyncio.gather(pump(proc.stdout, "out"), pump(proc.stderr, "err")))
-    overflow = asyncio.ensure_future(over.wait())
-    done, _ = await asyncio.wait({status.done, overflow}, timeout=limits.wall_time_s,
-                                 return_when=asyncio.FIRST_COMPLETED)
-    reason = None
-    if status.done not in done:
-        reason = "output_limit" if overflow in done else "wall_timeout"
-    else:  # the program ended: its output is complete once the pipes close
-        await asyncio.wait({pumps}, timeout=_EXIT_GRACE_S)
-    if reason is not None or not pumps.done():
-        _kill_call(proc.pid, status.get("child"), cg)
-    await proc.wait()
-    await asyncio.wait({pumps, status.done}, timeout=_EXIT_GRACE_S)
-    for f in (pumps, status.done, overflow):
-        f.cancel()
-    await asyncio.gather(pumps, status.done, overflow, return_exceptions=True)
-    wall = time.monotonic() - t0
-
-    err = bytes(bufs["err"]).decode("utf-8", errors="replace")
-    ready, final = status.get("ready"), status.final()
-    if ready is None and reason is None:
-        why = status.get("error") or f"bootstrap exit {proc.returncode}: {err[-2000:]}"
-        raise SandboxError(f"sandbox failed to start: {why}")
-    rc = final.get("exit")
-    if final.get("signal"):
-        rc = -final["signal"]
-    if reason == "wall_timeout":
-        reason = f"wall-clock limit of {limits.wall_time_s:g} s exceeded"
-    elif reason == "output_limit":
-        reason = f"output limit of {cap} bytes exceeded"
-    elif cg is not None and cg.oom_killed():
-        reason = f"memory limit of {limits.memory_mb} MiB for the whole call exceeded (OOM kill)"
-    elif rc == -signal.SIGXCPU:
-        reason = f"CPU time limit of {limits.cpu_time_s} s exceeded"
-    elif rc is not None and rc < 0:
-        reason = f"terminated by signal {signal.Signals(-rc).name}"
-    elif not final:
-        reason = "the sandbox's process ended without reporting (killed from outside?)"
-    return SandboxResult(
-        stdout=bytes(bufs["out"]).decode("utf-8", errors="replace"), stderr=err, exit_code=rc,
-        timed_out=reason is not None and reason.startswith("wall-clock"), killed_reason=reason,
-        stdout_truncated=truncated["out"], stderr_truncated=truncated["err"], wall_time_s=wall,
-        isolation=tuple(ready or ()), leftover_processes=int(final.get("leftovers") or 0))
-
-
-def _kill_call(pid: int, child: int | None, cg: CallCgroup | None) -> None:
-    """Kill the bootstrap's group (A and the PID namespace's init B: the kernel then kills the rest of
-    the namespace), the user process's own group (process mode), and the cgroup."""
-    for group in (pid, child):
-        if group:
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    if cg is not None:
-        cg.kill_all()
-
-
-async def _kill_all_of_uid(uid: int) -> None:
-    """Kill every process of a private sandbox uid (process mode: catches anything left anywhere)."""
-    if _KILL_BIN is not None:
-        argv = [_KILL_BIN, "-9", "-1"]
-    else:
-        argv = [sys.executable, "-I", "-S", "-c", "import os; os.kill(-1, 9)"]
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL, user=uid, group=uid, extra_groups=[], env={},
-        close_fds=True)
-    await proc.wait()  # exit status 1 just means there was nothing left to kill
+        status = StatusReader(status_r)
+        return await collect(proc, status, limits, t0, cg)
 
 
 _DEFAULT_POOLS: dict[int, SandboxPool] = {}

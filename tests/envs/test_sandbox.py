@@ -6,7 +6,6 @@ test_sandbox_hostile.py."""
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import tempfile
 import uuid

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 

@@ -90,11 +90,14 @@ class RunDir:
     def remove_stale(self) -> list[Path]:
         """Temp files and directories of a process that died while writing (never read by anyone)."""
         gone = ckpts.remove_uncommitted(self.ckpt_root)
-        for d in (self.path, self.buffer_dir, self.buffer_dir / "failed", self.path / "eval"):
-            if d.is_dir():
-                for p in d.glob("*.tmp-*"):
-                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-                    gone.append(p)
+        # Only what the trainer itself writes: other processes (a rollout server materializing the
+        # base model) may be writing their own temp files into the run directory right now.
+        patterns = [(self.path, f".{name}.tmp-*") for name in TRAIN_LOGS]
+        patterns += [(self.buffer_dir, "*.tmp-*"), (self.buffer_dir / "failed", "*.tmp-*")]
+        for d, pattern in patterns:
+            for p in d.glob(pattern) if d.is_dir() else ():
+                p.unlink(missing_ok=True)
+                gone.append(p)
         if gone:
             logger.info("removed %d half-written file(s) of an earlier process: %s", len(gone),
                         ", ".join(str(p.relative_to(self.path)) for p in gone[:5]) + (" ..." if len(gone) > 5 else ""))

@@ -32,7 +32,7 @@ behind are killed and counted (``leftover_processes``), not charged the full wal
 from __future__ import annotations
 
 import asyncio
-import json
+import marshal
 import os
 import shutil
 import sys
@@ -50,8 +50,14 @@ from megatron_sao.envs.sandbox_types import SandboxError, SandboxLimits, Sandbox
 __all__ = ["SandboxError", "SandboxLimits", "SandboxPool", "SandboxResult", "configure_default_pool",
            "default_pool", "run_python"]
 
-_BOOTSTRAP_SOURCE = Path(__file__).with_name("sandbox_bootstrap.py").read_text(encoding="utf-8")
 _CHILD_PATH = str(Path(__file__).with_name("sandbox_child"))
+# The child imports the bootstrap and its helpers as top-level modules from these directories. They
+# are imported here once as well, which writes their bytecode caches (when the package directory is
+# writable): the child runs with -B and would otherwise compile them on every call.
+_BOOTSTRAP_STUB = (f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {_CHILD_PATH!r}]; "
+                   "import sandbox_bootstrap; sandbox_bootstrap.main()")
+from megatron_sao.envs import sandbox_bootstrap  # noqa: E402,F401
+from megatron_sao.envs.sandbox_child import process, rootfs, syscall_filter  # noqa: E402,F401
 
 
 class _UidSlots:
@@ -230,7 +236,7 @@ class SandboxPool:
         t0 = time.monotonic()
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, *flags, "-c", _BOOTSTRAP_SOURCE, json.dumps(cfg),
+                sys.executable, *flags, "-c", _BOOTSTRAP_STUB, marshal.dumps(cfg).hex(),
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, cwd=str(workdir), env=env,
                 close_fds=True, pass_fds=(status_w,), start_new_session=True)

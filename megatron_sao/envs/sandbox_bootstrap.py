@@ -1,8 +1,10 @@
 """Child-side bootstrap of the Python sandbox: sets up isolation, then runs the untrusted main.py.
 
-``sandbox.py`` starts ``python -I -B [-S] -c <this file's source> <config json>`` in a fresh session;
-``main()`` puts ``sandbox_child/`` on sys.path and imports its modules top-level. This code is trusted and standard-library only.
-It reports on a status pipe (fd ``status_fd``, JSON lines the untrusted code never sees):
+``sandbox.py`` starts ``python -I -B [-S] -c <stub> <config>`` in a fresh session; the stub puts
+``envs/`` and ``envs/sandbox_child/`` on sys.path and calls ``main()`` here, which imports the
+helpers as top-level modules (the package itself is never imported in the child). This code is trusted and standard-library only.
+It reports on a status pipe (fd ``status_fd``, one Python literal per line, never seen by the
+untrusted code):
 ``{"child": pid}``, ``{"ready": [isolation layers]}``, ``{"exit": code, "signal": n, "leftovers": n}``
 or ``{"error": message}``.
 
@@ -26,9 +28,15 @@ user without user namespaces whose config allowed running as its own uid) -- two
      best effort; this mode is weaker and says so in `isolation`.
 """
 
-import json
+import marshal
 import os
 import sys
+
+# Imports cost most of a call's startup: only os, sys, marshal (built in), ctypes, resource, struct and
+# errno are loaded before the user's code; the config travels marshalled (same interpreter on both
+# sides), status lines are Python literals (no json, re, enum), signal numbers are Linux's.
+SIGKILL = 9
+AF_INET, AF_INET6 = 2, 10
 
 INSIDE_ID = 1000  # the call's uid/gid inside its user namespace
 _ALLOWED_DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
@@ -46,7 +54,7 @@ class _Status:
         self.fd = fd
 
     def send(self, **msg) -> None:
-        os.write(self.fd, (json.dumps(msg) + "\n").encode())
+        os.write(self.fd, (repr(msg) + "\n").encode())
 
 
 # ---------------------------------------------------------------------- namespaced mode
@@ -104,7 +112,6 @@ def _init(cfg: dict, code: str, status: _Status) -> str:
 # ---------------------------------------------------------------------- process mode
 def _run_process_mode(cfg: dict, status: _Status) -> str:
     import process
-    import signal
     import syscall_filter  # noqa: F401  (loaded before the user's process needs it)
 
     process.die_with_parent()
@@ -120,7 +127,7 @@ def _run_process_mode(cfg: dict, status: _Status) -> str:
     _, st = os.waitpid(child, 0)
     left = process.processes_in_group(child, exclude=os.getpid())
     try:
-        os.killpg(child, signal.SIGKILL)
+        os.killpg(child, SIGKILL)
     except ProcessLookupError:
         pass
     while True:  # orphans come to this subreaper
@@ -145,7 +152,6 @@ def _user_process(cfg: dict, status: _Status, workdir: str, pgid: int | None, pa
         nproc = process.tasks_of_uid(os.getuid()) + lim["nproc"] if same_uid else lim["nproc"]
         process.set_limits(lim, nproc)
         active = list(cfg["isolation"])
-        import socket, traceback  # noqa: F401,E401  (loaded while the stdlib is surely readable)
         if cfg["uid"] is not None:
             process.drop_to(cfg["uid"], cfg["uid"])
         os.umask(0o077)
@@ -169,9 +175,9 @@ def _user_process(cfg: dict, status: _Status, workdir: str, pgid: int | None, pa
         status.send(error=f"{type(e).__name__}: {e}")
         os._exit(125)
     os.closerange(3, 1 << 16)  # the status pipe and anything else inherited
-    for name in ("process", "rootfs", "syscall_filter"):
+    for name in ("process", "rootfs", "syscall_filter", "sandbox_bootstrap"):
         sys.modules.pop(name, None)
-    sys.path[:] = [p for p in sys.path if p != cfg["child_path"]]
+    sys.path[:] = [p for p in sys.path if p not in (cfg["child_path"], os.path.dirname(cfg["child_path"]))]
     return workdir
 
 
@@ -191,11 +197,9 @@ def _install_audit_hook(workdir: str, restrict_fs: bool, read_roots: list) -> No
     """Network: deny IPv4/IPv6 with a clear message (in a network namespace they would fail anyway,
     less clearly). Same-uid mode also denies reads and writes outside the working directory
     (reads: also outside `read_roots`, the standard library), spawning and ctypes."""
-    import socket
-
     root = os.path.realpath(workdir)
     readable = tuple(os.path.realpath(p) for p in read_roots) + (root,)
-    inet = {socket.AF_INET, socket.AF_INET6}
+    inet = {AF_INET, AF_INET6}
     realpath, fsdecode = os.path.realpath, os.fsdecode
 
     def under(path, roots) -> bool:
@@ -241,8 +245,6 @@ def _install_audit_hook(workdir: str, restrict_fs: bool, read_roots: list) -> No
 
 
 def _run_user_code(path: str, memory_mb: int) -> int:
-    import traceback
-
     with open(path, encoding="utf-8") as f:
         source = f.read()
     sys.argv = [path]
@@ -260,6 +262,8 @@ def _run_user_code(path: str, memory_mb: int) -> int:
         print(f"MemoryError: the sandbox memory limit ({memory_mb} MiB) was exceeded", file=sys.stderr)
         return 1
     except BaseException as e:  # report like the interpreter would, minus this bootstrap's frame
+        import traceback  # only now: it costs more than the rest of the bootstrap
+
         tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
         traceback.print_exception(type(e), e, tb)
         return 1
@@ -270,9 +274,8 @@ def _run_user_code(path: str, memory_mb: int) -> int:
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
+    cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
     status = _Status(cfg["status_fd"])
-    sys.path.insert(0, cfg["child_path"])
     try:  # only the untrusted code's process (C) returns from these
         workdir = _run_namespaced(cfg, status) if cfg["mode"] == "namespaces" else _run_process_mode(cfg, status)
     except BaseException as e:  # noqa: BLE001
@@ -280,7 +283,3 @@ def main() -> None:
         os._exit(125)
     # Outside every handler above: the program's sys.exit, atexit and threads behave as usual.
     sys.exit(_run_user_code(os.path.join(workdir, "main.py"), cfg["limits"]["memory_mb"]))
-
-
-if __name__ == "__main__":
-    main()

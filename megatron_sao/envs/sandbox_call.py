@@ -7,8 +7,8 @@ detached child that keeps stdout open cannot hold the call, it is killed and cou
 
 from __future__ import annotations
 
+import ast
 import asyncio
-import json
 import os
 import shutil
 import signal
@@ -43,7 +43,7 @@ def planned_isolation(mode: str, uid: int | None, limits: SandboxLimits, cg: Cal
 
 
 class StatusReader:
-    """Reads the bootstrap's status pipe (JSON lines) until every writer has closed it."""
+    """Reads the bootstrap's status pipe (a Python literal per line) until every writer has closed it."""
 
     def __init__(self, fd: int) -> None:
         self.fd, self.msgs = fd, []
@@ -57,8 +57,8 @@ class StatusReader:
         try:
             while line := await reader.readline():
                 try:
-                    self.msgs.append(json.loads(line))
-                except ValueError:
+                    self.msgs.append(ast.literal_eval(line.decode()))
+                except (ValueError, SyntaxError):
                     pass
         finally:
             transport.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
-import signal
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x02000000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
@@ -29,7 +28,7 @@ def prctl(option: int, value: int) -> None:
 def die_with_parent(parent: int | None = None) -> None:
     """SIGKILL this process when its parent dies; `parent` (its pid, as this process sees it) is
     checked afterwards in case it died before the prctl."""
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, 9)  # SIGKILL (the signal module would import enum: startup cost)
     if parent is not None and os.getppid() != parent:
         os._exit(125)
 

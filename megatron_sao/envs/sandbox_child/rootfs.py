@@ -113,11 +113,9 @@ def build(root: str, readonly: list[str], disk_mb: int, uid: int, gid: int, code
 
 
 def _pivot_into(root: str) -> None:
-    import platform
-
     os.chdir(root)
     os.mkdir(".oldroot")
-    _check(_libc.syscall(_PIVOT_ROOT[platform.machine()], b".", b".oldroot"), "pivot_root")
+    _check(_libc.syscall(_PIVOT_ROOT[os.uname().machine], b".", b".oldroot"), "pivot_root")
     os.chdir("/")
     _check(_libc.umount2(b"/.oldroot", MNT_DETACH), "umount the host root")
     os.rmdir("/.oldroot")

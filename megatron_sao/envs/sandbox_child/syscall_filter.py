@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import platform
+import os
 import struct
 
 _ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
@@ -106,7 +106,7 @@ class _Program:
 
 def build(same_uid: bool = False, pgid: int = 0, machine: str | None = None) -> bytes:
     """The filter program for this machine; `pgid` is the call's process group (same-uid mode)."""
-    machine = machine or platform.machine()
+    machine = machine or os.uname().machine
     if machine not in _ARCH:
         raise OSError(errno.ENOSYS, f"no seccomp syscall table for {machine}")
     nr = _SYSCALLS[machine]

@@ -16,9 +16,10 @@ as non-root it has no capabilities and RLIMIT_NPROC counts only its own user nam
 
 **process** (no namespaces: root in a container without CAP_SYS_ADMIN, or a non-root user without
 user namespaces): the call's own process group under a child subreaper, a private uid as root,
-seccomp (no signals outside the group, no leaving it, no IPv4/IPv6 sockets, no ptrace), rlimits and
-audit hooks (no reads or writes outside the working directory and the standard library, no
-spawning, no ctypes). Running untrusted code as the trainer's *own* uid this way is refused unless
+seccomp (no signals outside the group, no leaving it, no IPv4/IPv6 sockets, no ptrace), Landlock
+where the kernel has it (files below the standard library and the working directory only; TCP,
+signals and abstract sockets scoped on newer kernels), rlimits and audit hooks (the same file
+limits, no spawning, no ctypes). Running untrusted code as the trainer's *own* uid this way is refused unless
 ``SandboxPool(allow_same_uid=True)`` (config: ``env.sandbox_allow_same_uid``): the trainer then
 makes itself non-dumpable so the code cannot read its /proc entries (environment, memory).
 
@@ -57,7 +58,7 @@ _CHILD_PATH = str(Path(__file__).with_name("sandbox_child"))
 _BOOTSTRAP_STUB = (f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {_CHILD_PATH!r}]; "
                    "import sandbox_bootstrap; sandbox_bootstrap.main()")
 from megatron_sao.envs import sandbox_bootstrap  # noqa: E402,F401
-from megatron_sao.envs.sandbox_child import process, rootfs, syscall_filter  # noqa: E402,F401
+from megatron_sao.envs.sandbox_child import landlock, process, rootfs, syscall_filter  # noqa: E402,F401
 
 
 class _UidSlots:

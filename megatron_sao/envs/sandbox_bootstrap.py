@@ -23,9 +23,10 @@ user without user namespaces whose config allowed running as its own uid) -- two
      reaps it.
   C  its own process group (seccomp then forbids leaving it, signalling anything outside it, and
      IPv4/IPv6 sockets), a private uid as root, rlimits (as the trainer's own uid RLIMIT_NPROC is
-     "the uid's tasks now + the call's budget"), audit hooks that deny reads and writes outside
-     the working directory and the standard library, process spawning and ctypes. Audit hooks are
-     best effort; this mode is weaker and says so in `isolation`.
+     "the uid's tasks now + the call's budget"), Landlock where the kernel has it (file access
+     below the standard library and the working directory only; TCP, signals and abstract unix
+     sockets scoped on newer kernels), audit hooks that deny the same reads and writes, process
+     spawning and ctypes. This mode is weaker than namespaces and says so in `isolation`.
 """
 
 import marshal
@@ -111,8 +112,9 @@ def _init(cfg: dict, code: str, status: _Status) -> str:
 
 # ---------------------------------------------------------------------- process mode
 def _run_process_mode(cfg: dict, status: _Status) -> str:
+    import landlock  # noqa: F401  (loaded before the user's process needs it)
     import process
-    import syscall_filter  # noqa: F401  (loaded before the user's process needs it)
+    import syscall_filter  # noqa: F401
 
     process.die_with_parent()
     _join_cgroup(cfg)
@@ -157,6 +159,14 @@ def _user_process(cfg: dict, status: _Status, workdir: str, pgid: int | None, pa
         os.umask(0o077)
         os.chdir(workdir)
         os.environ.update(HOME=workdir, TMPDIR=workdir if process_mode else "/tmp")
+        if process_mode:  # no private root filesystem: let the kernel limit file access where it can
+            import landlock
+
+            process.prctl(process.PR_SET_NO_NEW_PRIVS, 1)
+            try:
+                active.append(landlock.restrict(workdir, cfg["read_roots"]))
+            except OSError as e:
+                active.append(f"no-landlock({e})")
         try:
             import syscall_filter
 
@@ -175,7 +185,7 @@ def _user_process(cfg: dict, status: _Status, workdir: str, pgid: int | None, pa
         status.send(error=f"{type(e).__name__}: {e}")
         os._exit(125)
     os.closerange(3, 1 << 16)  # the status pipe and anything else inherited
-    for name in ("process", "rootfs", "syscall_filter", "sandbox_bootstrap"):
+    for name in ("process", "rootfs", "syscall_filter", "landlock", "sandbox_bootstrap"):
         sys.modules.pop(name, None)
     sys.path[:] = [p for p in sys.path if p not in (cfg["child_path"], os.path.dirname(cfg["child_path"]))]
     return workdir

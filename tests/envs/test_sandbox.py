@@ -6,6 +6,7 @@ test_sandbox_hostile.py."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import tempfile
 import uuid
@@ -203,3 +204,41 @@ def test_same_uid_opt_in_comes_from_the_config():
     finally:
         sandbox.configure_default_pool()
     assert not sandbox.default_pool().allow_same_uid
+
+
+def test_landlock_confines_file_access_and_signals_without_audit_hooks(tmp_path):
+    """Process mode's kernel-enforced layer, checked on its own (no audit hook in this child)."""
+    from megatron_sao.envs.sandbox_child import landlock
+
+    version = landlock.abi()
+    if version < 1:
+        pytest.skip("this kernel has no Landlock (process mode then reports no-landlock)")
+    outside = tmp_path / "answers.txt"
+    outside.write_text("42")
+    work = tmp_path / "work"
+    work.mkdir()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child restricts itself and reports what it could do
+        os.close(r)
+        libc_prctl = __import__("ctypes").CDLL(None).prctl
+        libc_prctl(38, 1, 0, 0, 0)  # no_new_privs
+        enforced = landlock.restrict(str(work), [os.path.dirname(os.__file__)])
+        seen = [enforced]
+        for what, fn in [("read outside", lambda: open(outside).read()),
+                         ("write inside", lambda: (work / "x").write_text("ok")),
+                         ("signal parent", lambda: os.kill(os.getppid(), 0))]:
+            try:
+                fn()
+                seen.append(f"{what}: allowed")
+            except OSError as e:
+                seen.append(f"{what}: {type(e).__name__}")
+        os.write(w, "\n".join(seen).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    lines = os.read(r, 4096).decode().splitlines()
+    assert lines[0].startswith(f"landlock=abi{version}:fs")
+    assert "read outside: PermissionError" in lines and "write inside: allowed" in lines
+    if version >= 6:
+        assert "signal parent: PermissionError" in lines

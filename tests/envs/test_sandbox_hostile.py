@@ -164,6 +164,8 @@ def test_nothing_escapes_and_the_trainer_survives(mode_run, world):
         assert ("userns" in iso) == mode.startswith("user"), iso
     else:
         assert {"pgroup", "subreaper", "seccomp", "audit=fs+net+nospawn"} <= set(iso), iso
+        from megatron_sao.envs.sandbox_child import landlock
+        assert any(x.startswith("landlock=abi") for x in iso) == (landlock.abi() >= 1), iso
         assert ("uid=same" in iso and "parent=nondumpable" in iso) == mode.startswith("user"), iso
     # 5: no same-uid access to the parent, no signals outside the call.
     assert SECRET not in r["environ"]["stdout"], r["environ"]

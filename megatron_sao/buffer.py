@@ -19,10 +19,12 @@ lag is the largest over its action tokens (pause-keep rollouts can span several 
   resumed run starts them again.
 
 Persistence. Every trajectory is written to `<dir>/<seq>-<traj_id>.safetensors` when it enters
-(atomic write), so a crash loses nothing that finished. A consumed trajectory's file is deleted only
-after a checkpoint that covers its step is committed (`release_consumed(step)`); on resume the
-files still present are exactly the trajectories the checkpointed model has not trained on, and
-they re-enter in their original finish order.
+(atomic write), so a crash loses nothing that finished. A consumed trajectory's file is kept until
+the *older* of the two kept checkpoints covers its step (`release_consumed`, called by the trainer
+after a commit), so a fallback to that checkpoint still finds it. Each checkpoint records which
+consumed files it covers (`covered()`); resume (`restore(covered)`) treats those as consumed
+whatever state they are in, and only the other files re-enter, in their original finish order.
+A kill between the commit and the release therefore never trains a trajectory twice.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .faults import fault_point
 from .trajectory import Trajectory, load_trajectories, save_trajectories
 
 
@@ -51,8 +54,9 @@ class BufferStats:
 @dataclass
 class _Entry:
     seq: int
-    traj: Trajectory
+    traj: Trajectory | None  # None: a consumed file restored on resume (never read again)
     path: Path | None
+    traj_id: str = ""
 
 
 class TrajectoryBuffer:
@@ -77,9 +81,13 @@ class TrajectoryBuffer:
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.failed_dir.mkdir(exist_ok=True)
+            for d in (self.dir, self.failed_dir):  # half-written by a process that died mid-write
+                for tmp in d.glob("*.tmp-*"):
+                    tmp.unlink(missing_ok=True)
         self._ready: OrderedDict[str, _Entry] = OrderedDict()  # traj_id -> entry, finish order
         self._consumed: list[tuple[int, _Entry]] = []  # (step, entry), files kept until a checkpoint
         self._seq = 0
+        self._restored: list[Trajectory] | None = None
         self._cond = threading.Condition()
         self._closed = False
         self.stats = BufferStats()
@@ -102,7 +110,8 @@ class TrajectoryBuffer:
             if self.dir is not None:
                 path = self.dir / f"{seq:09d}-{traj.traj_id}.safetensors"
                 save_trajectories(path, [traj])
-            self._ready[traj.traj_id] = _Entry(seq, traj, path)
+                fault_point("buffer_put")
+            self._ready[traj.traj_id] = _Entry(seq, traj, path, traj.traj_id)
             self._cond.notify_all()
 
     def __len__(self) -> int:
@@ -111,7 +120,8 @@ class TrajectoryBuffer:
 
     def pending_prompt_ids(self) -> list[str]:
         with self._cond:
-            return [e.traj.prompt_id for e in self._ready.values()] + [e.traj.prompt_id for _, e in self._consumed]
+            return ([e.traj.prompt_id for e in self._ready.values()]
+                    + [e.traj.prompt_id for _, e in self._consumed if e.traj is not None])
 
     # ------------------------------------------------------------------ consumer side
     def lag(self, traj: Trajectory, current_version: int) -> int:
@@ -187,10 +197,18 @@ class TrajectoryBuffer:
                     self.stats.groups_with_failures += 1
             self.stats.taken += len(batch)
             self.stats.last_lag_histogram = dict(sorted(hist.items()))
+            fault_point("batch_taken")
             return batch
 
+    def covered(self) -> list[list]:
+        """[traj_id, step] of every consumed trajectory whose file is still kept: what a checkpoint
+        written now covers (trainer_state.json records it for `restore`)."""
+        with self._cond:
+            return [[e.traj_id, step] for step, e in self._consumed]
+
     def release_consumed(self, up_to_step: int) -> int:
-        """Delete the files of trajectories trained at steps <= up_to_step (a checkpoint covers them)."""
+        """Delete the files of trajectories trained at steps <= up_to_step (the checkpoints that
+        could be resumed from all cover them)."""
         with self._cond:
             keep, n = [], 0
             for step, entry in self._consumed:
@@ -209,21 +227,32 @@ class TrajectoryBuffer:
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ resume
-    def restore(self) -> list[Trajectory]:
-        """Reload every trajectory file left in the directory (finish order) into the ready queue."""
+    def restore(self, covered: dict[str, int] | None = None) -> list[Trajectory]:
+        """Resume: reload the trajectory files left in the directory into the ready queue (finish
+        order), except those the checkpoint covers (`covered`: traj_id -> step that trained it),
+        which are consumed whatever state their files are in and are only kept for release.
+        Idempotent: later calls return the first call's list."""
         if self.dir is None:
             return []
-        restored = []
+        covered = covered or {}
         with self._cond:
+            if self._restored is not None:
+                return list(self._restored)
+            restored = []
             for path in sorted(self.dir.glob("*.safetensors")):
-                seq = int(path.name.split("-", 1)[0])
-                (traj,) = load_trajectories(path)
-                self._ready[traj.traj_id] = _Entry(seq, traj, path)
+                seq_text, _, rest = path.name.partition("-")
+                seq, traj_id = int(seq_text), rest[: -len(".safetensors")]
                 self._seq = max(self._seq, seq + 1)
+                if traj_id in covered:
+                    self._consumed.append((covered[traj_id], _Entry(seq, None, path, traj_id)))
+                    continue
+                (traj,) = load_trajectories(path)
+                self._ready[traj.traj_id] = _Entry(seq, traj, path, traj.traj_id)
                 restored.append(traj)
             for path in self.failed_dir.glob("*.safetensors"):
                 self._seq = max(self._seq, int(path.name.split("-", 1)[0]) + 1)
                 if self.group_size > 1:  # a group waiting for members must know its failed ones
                     self._count_failed_member(load_trajectories(path)[0])
+            self._restored = restored
             self._cond.notify_all()
-        return restored
+        return list(restored)

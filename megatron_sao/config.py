@@ -171,6 +171,9 @@ class EnvConfig:
     eval_seed: Optional[int] = None
     kwargs: dict[str, Any] = field(default_factory=dict)  # environment constructor arguments
     task_kwargs: dict[str, Any] = field(default_factory=dict)  # task loader arguments (n, max_ops, data_dir...)
+    # Where user namespaces are unavailable (non-root), model code can only run as the trainer's own
+    # uid with seccomp, rlimits and audit hooks (envs/sandbox.py, process mode); refused unless true.
+    sandbox_allow_same_uid: bool = False
 
 
 @dataclass

@@ -79,7 +79,9 @@ def resolve_model_dir(cfg: SAOConfig, run_dir: Path) -> Path:
         return materialize_builtin_model(cfg.model.path, run_dir / "base_model", cfg.run.seed)
     p = Path(cfg.model.path)
     if not (p / "config.json").exists():
-        raise FileNotFoundError(f"model.path: {p} is neither a built-in model ({sorted(BUILTIN_MODELS)}) "
+        from megatron_sao.errors import MissingInputError
+
+        raise MissingInputError(f"model.path: {p} is neither a built-in model ({sorted(BUILTIN_MODELS)}) "
                                 "nor an HF directory with config.json")
     return p
 
@@ -212,7 +214,9 @@ def agent_loop_config(cfg: SAOConfig):
 
 def env_factory(cfg: SAOConfig):
     from megatron_sao.envs import make_env
+    from megatron_sao.envs.sandbox import configure_default_pool
 
+    configure_default_pool(allow_same_uid=cfg.env.sandbox_allow_same_uid)
     kwargs = dict(cfg.env.kwargs)
 
     def factory(task):

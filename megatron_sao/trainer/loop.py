@@ -24,6 +24,8 @@ import torch.distributed as dist
 from megatron_sao.algorithms import RunningMeanBaseline
 from megatron_sao.buffer import TrajectoryBuffer
 from megatron_sao.config import SAOConfig, dump_config
+from megatron_sao.errors import UserError
+from megatron_sao.trainer import checkpoints as ckpts
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.losses import critic_loss_fn, lag0_mismatch, policy_loss_fn
@@ -44,10 +46,12 @@ class TrainingInterrupted(RuntimeError):
 
 
 class SAOTrainer:
-    def __init__(self, cfg: SAOConfig, resume: bool = False):
+    def __init__(self, cfg: SAOConfig, resume: bool = False, overwrite: bool = False):
         self.cfg, a = cfg, cfg.algorithm
         self.ctx, self.run_dir = C.start_stage(cfg)
         self.rank0 = self.ctx.rank == 0
+        if self.rank0:
+            self.run_dir.start_train(overwrite=overwrite)
         if self.rank0:
             dump_config(cfg, self.run_dir.path / "config.yaml")
         self._barrier()
@@ -244,22 +248,50 @@ class SAOTrainer:
         state = {"step": self.step, "version": self.version, "nonfinite": self.nonfinite,
                  "driver": self.driver.state() if self.rank0 else None,
                  "baseline": self.baseline.state_dict() if self.baseline else None,
-                 "buffer_stats": vars(self.buffer.stats) if self.rank0 else None, "rng": rng_state()}
+                 "buffer_stats": vars(self.buffer.stats) if self.rank0 else None, "rng": rng_state(),
+                 # The trajectory files this checkpoint has trained on: resume never loads them
+                 # again, whether or not the release below happened before a kill.
+                 "covered": self.buffer.covered() if self.rank0 else None}
 
         def parts(d: Path):
             self.actor.save(str(d / "actor"))
             if self.critic is not None:
                 self.critic.save(str(d / "critic"))
-        self.run_dir.save_checkpoint(self.step, parts, state, barrier=self._barrier)
-        if self.rank0:
-            self.buffer.release_consumed(self.step - 1)
+        previous = self.run_dir.save_checkpoint(self.step, parts, state, barrier=self._barrier)
+        if self.rank0 and previous is not None:
+            # Release only what the older kept checkpoint covers too: a fallback to it (the newest
+            # one damaged) must still find the trajectories trained after it.
+            self.buffer.release_consumed(ckpts.step_of(previous) - 1)
 
     def _resume(self) -> dict | None:
-        ckpt = self.run_dir.latest_checkpoint()
-        if ckpt is None:
-            logger.info("--resume: no checkpoint in %s, starting fresh", self.run_dir.ckpt_root)
+        """Load the newest intact checkpoint (falling back past damaged ones, which are named and set
+        aside); with none at all, clear what an earlier attempt logged and start fresh."""
+        root = self.run_dir.ckpt_root
+        found = self._broadcast([str(p) for p in ckpts.candidates(root)] if self.rank0 else None)
+        if not found:
+            if self.rank0:
+                self.run_dir.clear_training()
+            logger.warning("--resume: no checkpoint in %s; starting fresh (what an earlier attempt logged "
+                           "and buffered is removed: no checkpoint covers it)", root)
             return None
-        state = self.run_dir.load_trainer_state(ckpt)
+        damaged: list[tuple[Path, str]] = []
+        for ckpt in map(Path, found):
+            problem = self._checkpoint_damage(ckpt)
+            if problem is None:
+                break
+            logger.warning("checkpoint %s is damaged: %s", ckpt.name, problem)
+            damaged.append((ckpt, problem))
+        else:
+            raise UserError(f"--resume: no intact checkpoint in {root}: "
+                            + "; ".join(f"{c.name}: {p}" for c, p in damaged))
+        if damaged:
+            if self.rank0:
+                for bad, _ in damaged:
+                    ckpts.set_aside(root, bad, ckpt)
+            logger.warning("resuming from %s, the newest intact checkpoint (set aside as *.damaged: %s)",
+                           ckpt.name, ", ".join(bad.name for bad, _ in damaged))
+            self._barrier()
+        state = ckpts.load_trainer_state(ckpt)
         self.actor.load(str(ckpt / "actor"))
         if self.critic is not None:
             self.critic.load(str(ckpt / "critic"))
@@ -268,9 +300,23 @@ class SAOTrainer:
             self.baseline.load_state_dict(state["baseline"])
         if state.get("rng") is not None:
             set_rng_state(state["rng"])
+        if self.rank0:
+            self.buffer.restore({tid: step for tid, step in state.get("covered") or []})
         self.run_dir.truncate_logs(self.step)
         logger.info("resumed from %s at step %d (policy version %d)", ckpt, self.step, self.version)
         return state
+
+    def _checkpoint_damage(self, ckpt: Path) -> str | None:
+        """Agreed by all ranks: rank 0 checks the manifest and trainer state, every rank its own shards."""
+        r = self.ctx.rank
+        mine = [f"{role}/rank_{r:05d}.pt" for role in ("actor", "critic")
+                if role == "actor" or self.critic is not None]
+        problem = (ckpts.damage(ckpt) if self.rank0 else None) or ckpts.damage(ckpt, rank_files=mine)
+        if self.ctx.world_size == 1:
+            return problem
+        everyone = [None] * self.ctx.world_size
+        dist.all_gather_object(everyone, problem)
+        return next((p for p in everyone if p), None)
 
     # ------------------------------------------------------------------ logging
     def _log(self, m: dict, trajs, batch, step_s: float) -> None:

@@ -52,7 +52,9 @@ def run_value_pretrain(cfg: SAOConfig) -> Path:
     ctx, run = C.start_stage(cfg)
     policy_dir = Path(cfg.actor.init) if cfg.actor.init else run.path / "sft_model"
     if not (policy_dir / "config.json").exists():
-        raise FileNotFoundError(f"value-pretrain: no policy at {policy_dir}; run `sao sft` first or set actor.init")
+        from megatron_sao.errors import MissingInputError
+
+        raise MissingInputError(f"value-pretrain: no policy at {policy_dir}; run `sao sft` first or set actor.init")
     v = cfg.value_pretrain
     trajs = collect_rollouts(cfg, policy_dir, v.rollouts) if ctx.rank == 0 else None
     if ctx.world_size > 1:

@@ -125,3 +125,25 @@ def test_failed_group_members_are_known_after_a_restore(tmp_path):
     again.put(traj("b"))
     again.put(traj("b"))
     assert [t.prompt_id for t in again.take(0, 0, timeout=5)] == ["a"]  # groups complete in finish order
+
+def test_files_a_checkpoint_covers_are_never_trained_again_whatever_the_release_did(tmp_path):
+    """A kill between the checkpoint commit and the release of the trained files: the checkpoint's
+    `covered` list, not the files on disk, decides what resume trains."""
+    buf = TrajectoryBuffer(batch_size=2, max_staleness=9, directory=tmp_path)
+    ts = [traj(f"p{i}") for i in range(6)]
+    for t in ts:
+        buf.put(t)
+    buf.take(step=0, current_version=0)
+    buf.take(step=1, current_version=0)
+    covered = {tid: step for tid, step in buf.covered()}  # what a checkpoint after step 1 records
+    assert covered == {ts[0].traj_id: 0, ts[1].traj_id: 0, ts[2].traj_id: 1, ts[3].traj_id: 1}
+    # ... and the process dies before release_consumed: all six files are still there.
+    (tmp_path / "000000099-deadbeef.safetensors.tmp-1-ab").write_bytes(b"half")  # killed mid-write
+    again = TrajectoryBuffer(batch_size=2, max_staleness=9, directory=tmp_path)
+    assert not list(tmp_path.glob("*.tmp-*"))
+    assert [t.prompt_id for t in again.restore(covered)] == ["p4", "p5"]
+    assert [t.prompt_id for t in again.restore()] == ["p4", "p5"]  # idempotent
+    # The covered files are consumed, released once an older kept checkpoint covers their step.
+    assert again.release_consumed(0) == 2
+    assert len(list(tmp_path.glob("*.safetensors"))) == 4
+    assert sorted(tid for tid, _ in again.covered()) == sorted([ts[2].traj_id, ts[3].traj_id])

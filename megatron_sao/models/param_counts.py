@@ -13,6 +13,7 @@ import torch
 from megatron_sao.checkpoint.names import canonical_name
 from megatron_sao.checkpoint.sharding import RankLayout, local_to_global_name, tp_partition
 from megatron_sao.models.hf_config import ModelSpec
+from megatron_sao.models.vocab import padded_vocab_size
 
 # (group, name fragments that put a canonical name into it), first match wins.
 _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -43,7 +44,10 @@ def _full_numel(global_name: str, local_numel: int, spec: ModelSpec, layout: Ran
         return local_numel
     if split.dim is None:
         return local_numel
-    return local_numel * (layout.expert_tp if split.expert else layout.tp)
+    full = local_numel * (layout.expert_tp if split.expert else layout.tp)
+    if split.vocab:  # the model holds padded vocabulary rows (models/vocab.py); count the real ones
+        full = full // padded_vocab_size(spec.vocab_size, layout.tp) * spec.vocab_size
+    return full
 
 
 def local_param_table(model_chunks, spec: ModelSpec, layout: RankLayout) -> dict[str, tuple[int, bool]]:

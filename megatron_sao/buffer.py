@@ -10,7 +10,7 @@ lag is the largest over its action tokens (pause-keep rollouts can span several 
   `on_drop` so the rollout driver runs it again *first* (a long trajectory is retried at the head
   of the queue instead of being starved behind short ones);
 - "keep": trained on anyway; the DIS mask removes tokens whose ratio left the trust band.
-The driver's admission control (see trainer/rollout_driver.py) bounds how far rollouts run ahead,
+The driver's admission control (see rollout/episodes.py) bounds how far rollouts run ahead,
 so drops are rare by construction; the bound here is the guarantee.
 
 Persistence. Every trajectory is written to `<dir>/<seq>-<traj_id>.safetensors` when it enters

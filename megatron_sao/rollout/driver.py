@@ -166,9 +166,11 @@ class RolloutSide:
 
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float = 30.0) -> None:
-        """Close every engine (HTTP sessions, transfer groups, in-process engines) and stop the loop."""
-        if self.driver.loop is not None and self.driver.error is None:
+        """Cancel the episodes, close every engine (HTTP sessions, transfer groups, in-process engines),
+        stop the loop."""
+        if self.driver.loop is not None and self.driver._thread.is_alive():
             async def close_all():
+                await self.driver.cancel_episodes()
                 await asyncio.gather(*(e.close() for e in self.pool.engines), return_exceptions=True)
             try:
                 self.driver.call(close_all(), timeout=timeout)

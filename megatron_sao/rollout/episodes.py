@@ -71,6 +71,8 @@ class RolloutDriver:
         self._lock = threading.Lock()
         self._running: dict[Unit, tuple[asyncio.Task, ServerSlot]] = {}
         self._rerun: set[Unit] = set()  # cancelled because their server died: run them again
+        self._tasks: set[asyncio.Task] = set()
+        self._closing = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop: asyncio.Event | None = None
@@ -256,13 +258,21 @@ class RolloutDriver:
         if self.error is not None:
             self._stop.set()
 
+    async def cancel_episodes(self) -> None:
+        """Stop admitting and cancel every running episode (before the engines are closed)."""
+        self._closing = True
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def _main(self) -> None:
-        tasks: set[asyncio.Task] = set()
+        tasks = self._tasks
         monitor = asyncio.create_task(self._monitor_health()) if self.health_interval_s > 0 else None
         try:
             while not self._stop.is_set():
                 with self._lock:
-                    admit = self._admit()
+                    admit = self._admit() and not self._closing
                     unit = self._next_unit() if admit else None
                     if unit is not None:
                         self.in_flight.add(unit)

@@ -221,13 +221,22 @@ class SAOTrainer:
 
     def _push(self, buckets, version: int) -> None:
         check = self._weight_check_reference() if self.cfg.rollout.weight_sync_check else {}
+        error = None
         if self.rank0:
-            m = self.rollout.push_weights(buckets, version, **check)
-            logger.info("weights v%d -> %d server(s): %.2fs, %d buckets, %.1f MB", version,
-                        len(m.per_engine_seconds), m.seconds, m.buckets, m.bytes / 2**20)
+            try:
+                m = self.rollout.push_weights(buckets, version, **check)
+                logger.info("weights v%d -> %d server(s): %.2fs, %d buckets, %.1f MB", version,
+                            len(m.per_engine_seconds), m.seconds, m.buckets, m.bytes / 2**20)
+            except Exception as e:  # noqa: BLE001 - every rank must learn it, or they wait forever
+                error = f"{type(e).__name__}: {e}"
         else:
             for _ in buckets:  # the export's collectives pair with rank 0's
                 pass
+        error = self._broadcast(error)
+        if error is not None:
+            # No checkpoint here: the actor has stepped but no server holds its weights; the last
+            # checkpoint (and the post-resume sync) is the consistent state to go back to.
+            raise TrainingStopped(f"weight sync v{version} failed at step {self.step}: {error}")
 
     def _weight_check_reference(self) -> dict:
         """rollout.weight_sync_check: the actor's log-probs of fixed tokens (all ranks: a forward),

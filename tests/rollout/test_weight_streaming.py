@@ -187,8 +187,8 @@ def _fake_trainer(live: LiveBuckets, policy_lag: int = 0):
     driver = types.SimpleNamespace(call=lambda coro, timeout=None: asyncio.run(coro))
     actor = types.SimpleNamespace(export_hf_weights=lambda nbytes: iter(live))
     fake = types.SimpleNamespace(cfg=cfg, actor=actor, rollout=rollout, driver=driver, rank0=True, version=1,
-                                 _lagged=deque())
-    for name in ("_push", "_lagged_snapshot", "_weight_check_reference"):
+                                 _lagged=deque(), ctx=types.SimpleNamespace(world_size=1), step=7)
+    for name in ("_push", "_lagged_snapshot", "_weight_check_reference", "_broadcast"):
         if hasattr(SAOTrainer, name):
             setattr(fake, name, types.MethodType(getattr(SAOTrainer, name), fake))
     return fake, types.MethodType(SAOTrainer._sync_weights, fake)
@@ -215,3 +215,21 @@ def test_policy_lag_pushes_explicit_cpu_copies_of_an_older_version(moe_dir):
     fake.version = 2
     sync()  # version 2 kept; version 1 goes to the engines
     assert fake.rollout.pushed == [(1, len(live.chunks))] and [v for v, _ in fake._lagged] == [2]
+
+
+def test_a_failed_weight_sync_stops_every_rank_without_hanging(moe_dir):
+    """A weight sync that fails on rank 0 (a check mismatch, no server left) is broadcast, so every
+    rank stops at the same point instead of waiting in the next collective."""
+    from megatron_sao.rollout.weight_sync import WeightSyncError
+    from megatron_sao.trainer.loop import TrainingStopped
+
+    live = LiveBuckets(load_checkpoint(moe_dir), per_bucket=4)
+    fake, sync = _fake_trainer(live)
+
+    def broken(buckets, version, **kw):
+        for _ in buckets:
+            pass
+        raise WeightSyncError("weight check failed on http://r0:8000 (version 1): max |dlogprob| 0.9 > atol 0.001")
+    fake.rollout.push_weights = broken
+    with pytest.raises(TrainingStopped, match=r"weight sync v1 failed at step 7: WeightSyncError: weight check failed"):
+        sync()

@@ -128,7 +128,8 @@ def bench(n: int, args, tmp: Path) -> dict:
             "tokens_per_s": round(sum(t.length for t in trajs) / secs, 1),
             "failed": sum(not t.trainable for t in trajs), "weight_updates": len(syncs),
             "update_median_s": round(statistics.median(syncs), 4),
-            "episodes_by_server": metrics["rollout/episodes_by_server"]}
+            "episodes_by_server": metrics["rollout/episodes_by_server"],
+            "started_by_server": metrics["rollout/episodes_started_by_server"]}
 
 
 def main() -> None:

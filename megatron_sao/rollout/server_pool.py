@@ -152,6 +152,7 @@ class ServerPool:
             "rollout/server_deaths": self.deaths,
             "rollout/episodes_rerun": self.reruns,
             "rollout/episodes_by_server": {s.label: s.finished for s in self.slots},
+            "rollout/episodes_started_by_server": {s.label: s.started for s in self.slots},
             "rollout/version_by_server": {s.label: int(s.engine.version) for s in self.slots},
             "rollout/max_in_flight_by_server": {s.label: s.max_in_flight for s in self.slots},
         }

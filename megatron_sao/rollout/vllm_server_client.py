@@ -263,11 +263,13 @@ class VLLMServerClient:
 
         rv = Rendezvous(self.cfg.weight_transfer_master_address, self.cfg.transfer_port(self.index),
                         server_world_size=self.cfg.tensor_parallel_size)
-        init = asyncio.ensure_future(self._control("POST", "/init_weight_transfer_engine",
+        # Forming a group across nodes can take longer than a control call: the request timeout bounds it.
+        wait_s = max(self.cfg.control_timeout_s, self.cfg.request_timeout_s)
+        init = asyncio.ensure_future(self._request("POST", "/init_weight_transfer_engine", timeout_s=wait_s,
                                                    json={"init_info": rv.worker_init_info()}))
         try:
             self._group = await asyncio.to_thread(join_group, rv.master_address, rv.master_port, 0, rv.world_size,
-                                                  self.transport, self.cfg.control_timeout_s)
+                                                  self.transport, wait_s)
         finally:
             await init
 
@@ -283,6 +285,11 @@ class VLLMServerClient:
 
         recv = asyncio.ensure_future(self._control("POST", "/update_weights",
                                                    json={"update_info": bucket_update_info(bucket)}))
+        # A request refused before any receive (bad names, no session) must not leave us broadcasting
+        # to workers that will never join: give it a moment to fail first (vLLM's trainer does the same).
+        await asyncio.wait({recv}, timeout=0.05)
+        if recv.done() and recv.exception() is not None:
+            raise recv.exception()
         try:
             await asyncio.to_thread(broadcast_bucket, self._group, [t for _, t in bucket])
         finally:

@@ -86,7 +86,7 @@ def build_local_plan(config: str, *, trainer_ranks: int, rollout_servers: int, r
         raise ValueError(f"--server must be vllm or sao, got {server!r}")
     config = os.path.abspath(config)
     if server == "vllm" and rollout_servers:
-        overrides = [*overrides, f"model.path={_model_dir(config, overrides, run_dir)}"]
+        overrides = [*overrides, *_builtin_model_dir(config, overrides, run_dir)]
     mport = master_port or free_port()
     rport = rollout_port or free_port_block(rollout_servers, avoid=[mport])
     wport = weight_sync_port or free_port_block(rollout_servers, avoid=[mport, *range(rport, rport + rollout_servers)])
@@ -120,15 +120,18 @@ def build_local_plan(config: str, *, trainer_ranks: int, rollout_servers: int, r
                      run_dir, plan)
 
 
-def _model_dir(config: str, overrides: Sequence[str], run_dir: str) -> str:
-    """vllm serve needs an HF directory: write a built-in model where the trainer would (same seed)."""
+def _builtin_model_dir(config: str, overrides: Sequence[str], run_dir: str) -> list[str]:
+    """vllm serve needs an HF directory: a built-in model is written where the trainer would write
+    it (same seed) and both are pointed at it. Other model paths go to vllm serve unchanged."""
     from pathlib import Path
 
     from megatron_sao.config import load_config
-    from megatron_sao.trainer.components import resolve_model_dir
+    from megatron_sao.trainer.components import is_builtin, resolve_model_dir
 
     cfg = load_config(config, [*overrides, f"run.dir={run_dir}"])
-    return str(resolve_model_dir(cfg, Path(run_dir)))
+    if not is_builtin(cfg.model.path):
+        return []
+    return [f"model.path={resolve_model_dir(cfg, Path(run_dir))}"]
 
 
 def run_local(plan: LocalPlan, *, health_timeout_s: float = 300.0, grace_s: float = 30.0,

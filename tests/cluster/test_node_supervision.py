@@ -138,7 +138,7 @@ def test_local_plan_is_the_slurm_plan_on_localhost(tmp_path):
     assert s1[s1.index("--port") + 1] == "9102" and "--enable-scale-out" in s1
     assert s1[s1.index("--weight-transfer-config") + 1] == '{"backend":"sao_gloo"}'
     assert s1[s1.index("--worker-extension-cls") + 1] == "megatron_sao.rollout.vllm_worker_ext.SAOWorkerExtension"
-    assert s1[s1.index("--max-num-seqs") + 1] == "128"  # online_style: concurrency 256 over 2 servers
+    assert s1[s1.index("--max-num-seqs") + 1] == "64"  # online_style: rollout.max_num_seqs
     assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in plan.servers] == ["0", str(1 % (os.cpu_count() or 1))]
     assert plan.health == ["http://127.0.0.1:9101/health", "http://127.0.0.1:9102/health"]
     t = plan.trainer.argv
@@ -147,7 +147,7 @@ def test_local_plan_is_the_slurm_plan_on_localhost(tmp_path):
     assert t[8:12] == ["-m", "megatron_sao.cli", "train", str(RECIPES / "online_style.yaml")]
     assert 'rollout.server_urls=["http://127.0.0.1:9101", "http://127.0.0.1:9102"]' in t
     assert "rollout.weight_transfer_ports=[29801, 29802]" in t and "rollout.weight_transfer_master_address=127.0.0.1" in t
-    assert "rollout.max_num_seqs=128" in t and "rollout.weight_transport=gloo" in t
+    assert "rollout.max_num_seqs=64" in t and "rollout.weight_transport=gloo" in t
     assert "rollout.backend=vllm_server" in t and f"run.dir={tmp_path}" in t
     assert plan.trainer.env["OMP_NUM_THREADS"] == "1"
     sao = build_local_plan(cfg, trainer_ranks=1, rollout_servers=1, run_dir=str(tmp_path), python="py")

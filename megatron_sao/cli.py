@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("megatron_sao.trainer.evaluate", "main", "Pass@1 at temperature 1.0, top-p 1.0"),
     "convert": ("megatron_sao.checkpoint.convert_cli", "cli_main", "HF <-> Megatron checkpoint conversion"),
     "plan": ("megatron_sao.cluster.planner", "main", "per-GPU memory and parallel layout checks"),
-    "serve-rollout": ("megatron_sao.rollout.server", "cli_main", "serve a rollout engine over HTTP"),
+    "serve-rollout": ("megatron_sao.trainer.serve_rollout", "main", "serve a rollout engine over HTTP"),
     "bench": ("megatron_sao.benchmarks_cli", "main", "run a benchmark from benchmarks/"),
 }
 

@@ -158,6 +158,19 @@ class RolloutConfig:
     timeout_s: float = 600.0  # every request and collective; a dead engine is reported after this
     gpu_memory_utilization: float = 0.5
     colocate: bool = False  # vLLM on the trainer GPUs with sleep/wake
+    # Generate requests in flight per server: what `vllm serve --max-num-seqs` is started with (the launch
+    # plan passes the same value to both). None: ceil(concurrency / servers) for vllm_server, else unbounded.
+    max_num_seqs: Optional[int] = None
+    # How weights reach the engines: reload (safetensors bytes), nccl (GPU), gloo (CPU vllm serve), auto.
+    weight_transport: Literal["auto", "reload", "nccl", "gloo"] = "auto"
+    # nccl / gloo: the trainer rank-0 host as the servers see it, and one port per server (set by the
+    # launch plan from cluster.weight_sync_port; no defaults, a wrong guess would hang a rendezvous).
+    weight_transfer_master_address: str = ""
+    weight_transfer_ports: list[int] = field(default_factory=list)
+    weight_sync_check: bool = False  # after every update, compare each server's log-probs with the trainer's
+    weight_sync_check_atol: float = 1e-3
+    health_check_interval_s: float = 10.0  # servers failing it stop getting episodes (theirs re-run elsewhere)
+    vllm_serve_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags of the launch plan
 
 
 @dataclass
@@ -195,9 +208,10 @@ class TrainerConfig:
     # Train on the trajectories of a saved file (megatron_sao.trajectory format) instead of live
     # rollouts, in file order: deterministic batches for debugging, regression and parity tests.
     replay: Optional[str] = None
-    # Staleness stress test: the rollout engine always holds the policy of `policy_lag` actor steps
-    # ago (the trainer keeps that many weight snapshots in host memory). With `mode: sync` every
-    # trajectory is then exactly `policy_lag` versions old, whatever the machine's speed.
+    # Staleness stress test (CPU only): the rollout engine always holds the policy of `policy_lag`
+    # actor steps ago. The trainer keeps policy_lag + 1 full CPU copies of the weights for it (model
+    # size x (lag + 1) of host memory), so it is refused for bf16/fp16 models and cluster placements.
+    # With `mode: sync` every trajectory is then exactly `policy_lag` versions old.
     policy_lag: int = 0
 
 
@@ -234,6 +248,7 @@ class ClusterConfig:
     rollout_tp: int = 1  # vLLM tensor parallel size of one server
     rollout_port: int = 8000
     master_port: int = 29500
+    weight_sync_port: int = 29600  # server i's weight-transfer group: port weight_sync_port + i on trainer rank 0
     gpu_memory_gib: float = 80.0  # per-GPU memory the planner budgets against
 
 
@@ -326,11 +341,35 @@ def validate(cfg: SAOConfig) -> SAOConfig:
     _check(r.timeout_s > 0, "rollout.timeout_s", "must be > 0")
     if r.backend == "vllm_server":
         _check(bool(r.server_urls), "rollout.server_urls", "backend vllm_server needs at least one url")
+        _check(len(set(r.server_urls)) == len(r.server_urls), "rollout.server_urls", f"has duplicates: {r.server_urls}")
+    if r.max_num_seqs is not None:
+        _check(r.max_num_seqs >= 1, "rollout.max_num_seqs", f"must be >= 1, got {r.max_num_seqs}")
+    if r.weight_transfer_ports:
+        n = len(r.server_urls) if r.backend == "vllm_server" else 1
+        _check(len(r.weight_transfer_ports) == n, "rollout.weight_transfer_ports",
+               f"needs one port per server ({n}), got {r.weight_transfer_ports}")
+        _check(len(set(r.weight_transfer_ports)) == len(r.weight_transfer_ports), "rollout.weight_transfer_ports",
+               f"must be distinct (one transfer group per server), got {r.weight_transfer_ports}")
+        _check(all(0 < p < 65536 for p in r.weight_transfer_ports), "rollout.weight_transfer_ports",
+               f"must be TCP ports, got {r.weight_transfer_ports}")
+        _check(bool(r.weight_transfer_master_address), "rollout.weight_transfer_master_address",
+               "is required with rollout.weight_transfer_ports (the trainer rank-0 host)")
+    _check(r.weight_sync_check_atol > 0, "rollout.weight_sync_check_atol", "must be > 0")
+    _check(r.health_check_interval_s >= 0, "rollout.health_check_interval_s", "must be >= 0 (0 = off)")
     _check(b.batch_size >= 1, "buffer.batch_size", "must be >= 1")
     _check(b.max_staleness >= 0, "buffer.max_staleness", "must be >= 0")
     _check(b.max_stale_drops >= 0, "buffer.max_stale_drops", f"must be >= 0, got {b.max_stale_drops}")
     lag = cfg.trainer.policy_lag
     _check(lag >= 0, "trainer.policy_lag", f"must be >= 0, got {lag}")
+    if lag:
+        # The stress test keeps `lag` full copies of the weights in host memory (by design, see
+        # trainer.policy_lag): fine for the CPU demo's models, never for a GPU-sized one.
+        _check(cfg.model.dtype == "float32" and cfg.cluster.placement == "embedded", "trainer.policy_lag",
+               "is a CPU staleness test (it holds policy_lag full copies of the model in host memory); "
+               f"it needs model.dtype float32 and cluster.placement embedded, got {cfg.model.dtype} / "
+               f"{cfg.cluster.placement}")
+        _check(not cfg.rollout.weight_sync_check, "rollout.weight_sync_check",
+               "cannot check the lagged weights of trainer.policy_lag against the current actor")
     if lag and b.staleness_policy == "drop":
         _check(b.max_staleness >= lag, "buffer.max_staleness",
                f"must be >= trainer.policy_lag ({lag}) with staleness_policy drop, or every trajectory is dropped")

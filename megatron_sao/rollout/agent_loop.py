@@ -21,8 +21,10 @@ How an episode ends (``info["end_reason"]``):
     with that token. A stop-token state itself is never a target (an observation always follows it).
     When the observation does not fit, the end is treated as terminal: ``bootstrap=0.0``
     (``info["bootstrap"] = "no_room_for_observation"``).
-* ``error``: the engine or the environment raised -> ``failed``, reward 0, ``error`` = type + message.
-  A failure ends only its own episode; the trainer counts failed trajectories and never trains on them.
+* ``error``: the environment (or anything but the engine call) raised -> ``failed``, reward 0, ``error`` =
+  type + message; ``engine_error``: the engine's generate raised (a dead or unreachable server). A
+  failure ends only its own episode; the trainer counts failed trajectories and never trains on them,
+  and the driver re-runs an ``engine_error`` episode on another server if its server is unhealthy.
 
 A turn cut by ``max_new_tokens_per_turn`` with budget left is not the end: the template's closing
 is appended with the observation (``ChatFormatter.closing_for``) and the environment judges the cut
@@ -35,7 +37,7 @@ turn from the same prefix (the new weights sample the whole turn, so a turn neve
 re-tries are counted in ``info["abort_retries"]`` and capped by ``max_abort_retries``.
 
 ``run_many`` runs a fixed list of tasks with bounded concurrency (evaluation, value pretraining);
-the trainer's long-running producer, with admission control, is ``trainer/rollout_driver.py``.
+the trainer's long-running producer, with admission control, is ``rollout/episodes.py``.
 Both hand each trajectory to ``on_done`` as soon as it finishes (single rollout: no grouping, so a
 slow episode never holds back a fast one).
 """
@@ -54,7 +56,7 @@ from typing import Any
 
 from megatron_sao.envs.base import Environment, Task
 from megatron_sao.rollout.chat import ChatFormatter
-from megatron_sao.rollout.engine import GenerationResult, RolloutEngine, SamplingParams
+from megatron_sao.rollout.protocol import GenerationResult, RolloutEngine, SamplingParams
 from megatron_sao.trajectory import Trajectory, TrajectoryBuilder
 
 EnvFactory = Callable[[Task], "Environment | Awaitable[Environment]"]
@@ -63,6 +65,10 @@ OnDone = Callable[[Trajectory], "None | Awaitable[None]"]
 
 class AbortRetriesExceeded(RuntimeError):
     """The engine aborted the same turn more than ``max_abort_retries`` times."""
+
+
+class EngineCallError(RuntimeError):
+    """The engine's ``generate`` raised: the server may be gone (the driver checks its health)."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,8 @@ async def _generate_turn(engine: RolloutEngine, prefix: list[int], sampling: Sam
             activity.begin()
         try:
             result = await engine.generate(list(prefix), sampling)
+        except Exception as e:  # noqa: BLE001 - tagged for the driver's failover
+            raise EngineCallError(f"{type(e).__name__}: {e}") from e
         finally:
             if activity is not None:
                 activity.end()
@@ -221,8 +229,9 @@ async def run_episode(engine: RolloutEngine, env: Environment, task: Task, forma
                 break
             b.add_observation(obs)
     except Exception as e:  # noqa: BLE001 - an episode's failure must never stop the others
-        status, reward, error = "failed", 0.0, f"{type(e).__name__}: {e}"
-        info["end_reason"] = "error"
+        engine_side = isinstance(e, EngineCallError)  # its message already names the engine's exception
+        status, reward, error = "failed", 0.0, str(e) if engine_side else f"{type(e).__name__}: {e}"
+        info["end_reason"] = "engine_error" if engine_side else "error"
     finally:
         try:
             await env.close()

@@ -188,20 +188,66 @@ def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = N
     return engine
 
 
-def build_rollout_engine(cfg: SAOConfig, model_dir: Path):
-    from megatron_sao.rollout.engine import EngineConfig, make_engine
+def engine_config(cfg: SAOConfig, model_dir: Path):
+    """The rollout engines' config: every server of rollout.server_urls, its TP (cluster.rollout_tp),
+    and the weight-transfer rendezvous the launch plan assigned."""
+    from megatron_sao.rollout.protocol import EngineConfig
 
     r = cfg.rollout
-    return make_engine(EngineConfig(
+    return EngineConfig(
         backend=r.backend, model_path=str(model_dir), dtype=cfg.model.dtype,
         max_model_len=min(cfg.model.max_seq_len, r.max_total_tokens), inflight_policy=r.inflight_policy,
-        seed=cfg.run.seed, max_batch_size=r.concurrency, gpu_memory_utilization=r.gpu_memory_utilization,
-        enable_sleep_mode=r.colocate, server_urls=tuple(r.server_urls), request_timeout_s=r.timeout_s))
+        seed=cfg.run.seed, max_batch_size=r.max_num_seqs or r.concurrency,
+        gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=r.colocate,
+        tensor_parallel_size=cfg.cluster.rollout_tp if r.backend == "vllm_server" else 1,
+        weight_transport=r.weight_transport, server_urls=tuple(r.server_urls), request_timeout_s=r.timeout_s,
+        weight_transfer_master_address=r.weight_transfer_master_address,
+        weight_transfer_ports=tuple(r.weight_transfer_ports))
+
+
+def build_rollout_engine(cfg: SAOConfig, model_dir: Path):
+    """One engine (evaluation of a model dir, value pretraining): the hf / in-process vLLM backends."""
+    from megatron_sao.rollout.factory import make_engine
+
+    return make_engine(engine_config(cfg, model_dir))
+
+
+def max_num_seqs(cfg: SAOConfig) -> int | None:
+    """Generate requests in flight per server: rollout.max_num_seqs, else what the launch plan gives
+    vllm serve (an even share of rollout.concurrency); unbounded for one in-process engine."""
+    r = cfg.rollout
+    if r.max_num_seqs is not None:
+        return r.max_num_seqs
+    return -(-r.concurrency // len(r.server_urls)) if r.backend == "vllm_server" else None
+
+
+def build_rollout_side(cfg: SAOConfig, model_dir: Path, on_done, *, group_size: int, state: dict | None,
+                       in_buffer: set, step_offset: int):
+    """Every rollout engine, the episode driver and weight sync, as one ``RolloutSide`` (not started)."""
+    from megatron_sao.rollout.chat import ChatFormatter
+    from megatron_sao.rollout.driver import RolloutSide, RolloutSideConfig
+    from megatron_sao.rollout.factory import make_engines
+    from megatron_sao.rollout.prompts import PromptStream
+
+    r = cfg.rollout
+    drv = (state or {}).get("driver", {})
+    requeue = [tuple(u) for u in drv.get("queued", []) + drv.get("in_flight", []) if tuple(u) not in in_buffer]
+    side_cfg = RolloutSideConfig(
+        batch_size=cfg.buffer.batch_size, ahead=0 if cfg.trainer.mode == "sync" else cfg.buffer.max_staleness,
+        concurrency=r.concurrency, group_size=group_size, max_num_seqs=max_num_seqs(cfg), sync_timeout_s=r.timeout_s,
+        check_weights=r.weight_sync_check, check_atol=r.weight_sync_check_atol,
+        health_interval_s=r.health_check_interval_s)
+    engines = make_engines(engine_config(cfg, model_dir))
+    labels = list(r.server_urls) if r.backend == "vllm_server" else None
+    return RolloutSide(engines, env_factory(cfg), PromptStream(train_tasks(cfg), cfg.run.seed),
+                       ChatFormatter(load_tokenizer(cfg, model_dir)), agent_loop_config(cfg), on_done, side_cfg,
+                       labels=labels, next_pos=drv.get("next_pos", 0), requeue=requeue, skip=in_buffer,
+                       step_offset=step_offset)
 
 
 def agent_loop_config(cfg: SAOConfig):
     from megatron_sao.rollout.agent_loop import AgentLoopConfig
-    from megatron_sao.rollout.engine import SamplingParams
+    from megatron_sao.rollout.protocol import SamplingParams
 
     r = cfg.rollout
     max_total = min(r.max_total_tokens, cfg.model.max_seq_len)

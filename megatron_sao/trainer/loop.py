@@ -6,7 +6,8 @@ Per step (DESIGN.md data flow):
      (length-adaptive policy lambda)
   3. K critic steps on the fixed returns
   4. after the critic warm-up: one actor step with the DIS loss, then push weights (version + 1)
-Rollouts never wait for the trainer except through admission control (rollout_driver.py).
+Rollouts never wait for the trainer except through admission control (rollout/episodes.py); the
+rollout side (every server, episodes, weight sync) is one object, `rollout/driver.py::RolloutSide`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from megatron_sao.trainer import checkpoints as ckpts
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.losses import critic_loss_fn, lag0_mismatch, policy_loss_fn
-from megatron_sao.trainer.rollout_driver import PromptStream, ReplaySource, RolloutDriver, unit_of
+from megatron_sao.rollout.prompts import unit_of
+from megatron_sao.rollout.replay import ReplaySource
 from megatron_sao.trainer.run_dir import rng_state, set_rng_state
 from megatron_sao.trainer.targets import compute_targets
 from megatron_sao.trajectory import collate_padded
@@ -196,19 +198,60 @@ class SAOTrainer:
             raise TrainingStopped(f"{n} non-finite {role} steps in a row at step {self.step}; checkpoint written")
 
     def _sync_weights(self) -> float:
+        """Stream the actor's weights to every rollout server as `self.version` (all ranks: the export
+        runs collectives). Rank 0 never holds more than two buckets (RolloutSide.push_weights)."""
         if self.cfg.trainer.replay:
             return 0.0  # no rollout engine to feed
         t0 = time.monotonic()
-        buckets = list(self.actor.export_hf_weights(self.cfg.rollout.weight_sync_bucket_mb << 20))
+        buckets = self.actor.export_hf_weights(self.cfg.rollout.weight_sync_bucket_mb << 20)
         version = self.version
-        if self.cfg.trainer.policy_lag:  # staleness stress test: push the snapshot of policy_lag steps ago
-            self._lagged.append((version, [[(n, t.clone()) for n, t in b] for b in buckets]))
-            if len(self._lagged) <= self.cfg.trainer.policy_lag:
+        if self.cfg.trainer.policy_lag:
+            lagged = self._lagged_snapshot(buckets, version)
+            if lagged is None:
                 return time.monotonic() - t0
-            version, buckets = self._lagged.popleft()
-        if self.rank0:
-            self.driver.call(self.rollout.update_weights(buckets, version), timeout=self.cfg.rollout.timeout_s)
+            version, buckets = lagged
+        self._push(buckets, version)
         return time.monotonic() - t0
+
+    def _lagged_snapshot(self, buckets, version: int):
+        """trainer.policy_lag (a CPU staleness stress test): keep an explicit CPU copy of this version's
+        weights and return the (version, buckets) of `policy_lag` steps ago, or None while there is
+        none. By design this holds policy_lag + 1 full copies of the model in host memory; the config
+        refuses it for bf16/fp16 models and cluster placements (config.validate)."""
+        snapshot = [[(n, t.detach().to("cpu", copy=True)) for n, t in b] for b in buckets]
+        self._lagged.append((version, snapshot))
+        if len(self._lagged) <= self.cfg.trainer.policy_lag:
+            return None
+        version, snapshot = self._lagged.popleft()
+        return version, iter(snapshot)
+
+    def _push(self, buckets, version: int) -> None:
+        check = self._weight_check_reference() if self.cfg.rollout.weight_sync_check else {}
+        error = None
+        if self.rank0:
+            try:
+                m = self.rollout.push_weights(buckets, version, **check)
+                logger.info("weights v%d -> %d server(s): %.2fs, %d buckets, %.1f MB", version,
+                            len(m.per_engine_seconds), m.seconds, m.buckets, m.bytes / 2**20)
+            except Exception as e:  # noqa: BLE001 - every rank must learn it, or they wait forever
+                error = f"{type(e).__name__}: {e}"
+        else:
+            for _ in buckets:  # the export's collectives pair with rank 0's
+                pass
+        error = self._broadcast(error)
+        if error is not None:
+            # No checkpoint here: the actor has stepped but no server holds its weights; the last
+            # checkpoint (and the post-resume sync) is the consistent state to go back to.
+            raise TrainingStopped(f"weight sync v{version} failed at step {self.step}: {error}")
+
+    def _weight_check_reference(self) -> dict:
+        """rollout.weight_sync_check: the actor's log-probs of fixed tokens (all ranks: a forward),
+        which every server must reproduce after the update (WeightSync.verify)."""
+        vocab = self.actor.spec.vocab_size
+        tokens = torch.randint(1, vocab, (1, 24), generator=torch.Generator().manual_seed(0))
+        lp = self.actor.logprobs({"tokens": tokens, "attention_mask": torch.ones_like(tokens, dtype=torch.bool)})
+        return {"check_tokens": tokens[0].tolist(), "check_prompt_len": 1,
+                "reference_logprobs": lp[0, 1:].float().cpu().tolist()}
 
     # ------------------------------------------------------------------ rollouts
     def _start_rollouts(self, state: dict | None) -> None:
@@ -221,27 +264,17 @@ class SAOTrainer:
                 self.buffer.restore()
             self.driver = ReplaySource(cfg.trainer.replay, self.buffer.put, fresh=state is None)
             return
-        self.rollout = C.build_rollout_engine(cfg, self.model_dir)
-        from megatron_sao.rollout.chat import ChatFormatter
-
-        formatter = ChatFormatter(C.load_tokenizer(cfg, self.model_dir))
-        ahead = 0 if cfg.trainer.mode == "sync" else cfg.buffer.max_staleness
-        drv = (state or {}).get("driver", {})
         in_buffer = {unit_of(t) for t in self.buffer.restore()} if state else set()
-        requeue = [tuple(u) for u in drv.get("queued", []) + drv.get("in_flight", []) if tuple(u) not in in_buffer]
-        self.driver = RolloutDriver(
-            self.rollout, C.env_factory(cfg), PromptStream(C.train_tasks(cfg), cfg.run.seed), formatter,
-            C.agent_loop_config(cfg), self.buffer.put, batch_size=cfg.buffer.batch_size, ahead=ahead,
-            concurrency=cfg.rollout.concurrency, group_size=self.group, next_pos=drv.get("next_pos", 0),
-            requeue=requeue, skip=in_buffer, step_offset=self.step)
-        self.buffer.on_drop = self.driver.requeue
-        self.driver.start()
-        self.formatter = formatter
+        self.rollout = C.build_rollout_side(cfg, self.model_dir, self.buffer.put, group_size=self.group, state=state,
+                                            in_buffer=in_buffer, step_offset=self.step)
+        self.driver = self.rollout  # what the loop reads: error, finished, failed, in_flight, state()
+        self.buffer.on_drop = self.rollout.requeue
+        self.rollout.start()
+        self.formatter = self.rollout.formatter
 
     def _post_resume_sync(self) -> None:
-        buckets = list(self.actor.export_hf_weights(self.cfg.rollout.weight_sync_bucket_mb << 20))
-        if self.rank0:
-            self.driver.call(self.rollout.update_weights(buckets, self.version), timeout=self.cfg.rollout.timeout_s)
+        """The servers start from the base model: give them the resumed weights (all ranks)."""
+        self._push(self.actor.export_hf_weights(self.cfg.rollout.weight_sync_bucket_mb << 20), self.version)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
@@ -339,6 +372,8 @@ class SAOTrainer:
         started = [t.info["policy_step"] for t in trajs if "policy_step" in t.info]
         if started:  # trainer steps at which this batch's episodes started (non-stationary envs judge by it)
             m["rollout/policy_step_min"], m["rollout/policy_step_max"] = min(started), max(started)
+        if self.rollout is not None:
+            m.update(self.rollout.metrics())  # per server: episodes, weight version, health, sync check
         due = self.cfg.run.eval_every and (self.step % self.cfg.run.eval_every == 0 or self.step == self.total)
         if due and self.rollout is not None:
             m["eval/accuracy"] = self.evaluate()
@@ -349,8 +384,8 @@ class SAOTrainer:
     def evaluate(self) -> float:
         from megatron_sao.trainer.evaluate import run_eval
 
-        return run_eval(self.cfg, self.rollout, self.formatter, out_path=self.run_dir.path / "eval" /
-                        f"step_{self.step:06d}.jsonl", call=self.driver.call)["accuracy"]
+        return run_eval(self.cfg, self.rollout, out_path=self.run_dir.path / "eval" /
+                        f"step_{self.step:06d}.jsonl")["accuracy"]
 
     # ------------------------------------------------------------------ distributed helpers
     # Every collective here may follow a phase only rank 0 runs (batch wait, eval, weight push,
@@ -378,12 +413,10 @@ class SAOTrainer:
 
     def close(self) -> None:
         if self.driver is not None:
-            try:
-                if self.driver.error is None and self.rollout is not None:
-                    self.driver.call(self.rollout.close(), timeout=30)
-            except Exception as e:  # noqa: BLE001 - shutting down; report and go on
-                logger.warning("closing the rollout engine failed: %r", e)
-            self.driver.stop()
+            if self.rollout is not None:
+                self.rollout.close()  # every engine's sessions and transfer groups, then the loop
+            else:
+                self.driver.stop()
             self.driver = None
         if self.buffer is not None:
             self.buffer.close()

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 def collect_rollouts(cfg: SAOConfig, policy_dir: Path, n: int) -> list:
     from megatron_sao.rollout.agent_loop import run_many
     from megatron_sao.rollout.chat import ChatFormatter
-    from megatron_sao.trainer.rollout_driver import PromptStream
+    from megatron_sao.rollout.prompts import PromptStream
 
     formatter = ChatFormatter(C.load_tokenizer(cfg, policy_dir))
     stream = PromptStream(C.train_tasks(cfg), cfg.run.seed + 7)

@@ -11,7 +11,7 @@ from test_agent_loop_fakes import CountingEnv, ScriptedEngine, lp, qwen_shape_to
 from megatron_sao.envs.base import StepResult
 from megatron_sao.rollout.agent_loop import AgentLoopConfig, EngineActivity, run_episode, run_many
 from megatron_sao.rollout.chat import ChatFormatter
-from megatron_sao.rollout.engine import SamplingParams
+from megatron_sao.rollout.protocol import SamplingParams
 from megatron_sao.tokenizers import build_char_tokenizer, char_token_id
 
 TOK = build_char_tokenizer()
@@ -179,7 +179,7 @@ def test_engine_error_gives_a_failed_trajectory_and_closes_the_env():
     env = CountingEnv()
     traj = play(ScriptedEngine(calls, fail_on_call=1), env)
     assert traj.status == "failed" and traj.reward == 0.0 and traj.error == "ConnectionError: engine went away"
-    assert traj.info["end_reason"] == "error" and env.closed and not traj.trainable
+    assert traj.info["end_reason"] == "engine_error" and env.closed and not traj.trainable
 
 
 def test_env_without_observation_or_too_long_prompt_fails_clearly():

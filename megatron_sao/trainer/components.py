@@ -197,12 +197,17 @@ def engine_config(cfg: SAOConfig, model_dir: Path):
     return EngineConfig(
         backend=r.backend, model_path=str(model_dir), dtype=cfg.model.dtype,
         max_model_len=min(cfg.model.max_seq_len, r.max_total_tokens), inflight_policy=r.inflight_policy,
-        seed=cfg.run.seed, max_batch_size=r.max_num_seqs or r.concurrency,
+        seed=cfg.run.seed, max_batch_size=r.max_num_seqs or r.concurrency, device=rollout_device(),
         gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=r.colocate,
         tensor_parallel_size=cfg.cluster.rollout_tp if r.backend == "vllm_server" else 1,
         weight_transport=r.weight_transport, server_urls=tuple(r.server_urls), request_timeout_s=r.timeout_s,
         weight_transfer_master_address=r.weight_transfer_master_address,
         weight_transfer_ports=tuple(r.weight_transfer_ports))
+
+
+def rollout_device() -> str:
+    """Where an in-process HF engine runs: this rank's GPU ("cuda" is the device init_parallel set), else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def build_rollout_engine(cfg: SAOConfig, model_dir: Path):

@@ -310,6 +310,10 @@ class MegatronEngine:
         """Bring `parts` back (bit-exact: params and optimizer state; grads as zeros)."""
         return self._offload.onload(parts)
 
+    def resident(self, *parts: str) -> bool:
+        """Whether `parts` (default: all) are on the device."""
+        return self._offload.resident(*parts)
+
     def device_bytes(self) -> dict[str, int]:
         """Bytes of params / grads / optimizer state on the device now."""
         return self._offload.device_bytes()

@@ -292,7 +292,7 @@ def memory(st) -> dict:
 
 
 def generate(st) -> dict:
-    from megatron_sao.rollout.engine import EngineConfig, SamplingParams
+    from megatron_sao.rollout.protocol import EngineConfig, SamplingParams
     from megatron_sao.rollout.hf_engine import HFEngine
 
     n_new = st["shape"]["gen_tokens"]

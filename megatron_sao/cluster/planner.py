@@ -349,3 +349,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def trainer_memory_check(cfg: SAOConfig, model_dir: str | Path, gpu_mem_gib: float, world: int,
+                         transformer_engine: bool = True) -> None:
+    """The planner's trainer verdict, run by the trainer itself on GPUs before it builds a model.
+
+    The sbatch scripts run `sao plan` first, but a job started with SAO_SKIP_PLAN=1 or by a
+    hand-written torchrun would skip it and run out of memory in its first step. Raises ConfigError
+    naming the field (parallel.recompute, cluster.trainer_nodes) when the trainer does not fit;
+    rollout-side problems are the launch plan's business, not the trainer's.
+    """
+    config_json = Path(model_dir) / "config.json"
+    opts = PlanOptions(gpu_mem_gib=gpu_mem_gib, world=world, transformer_engine=transformer_engine)
+    p = plan(cfg, str(config_json) if config_json.exists() else None, opts)
+    trainer = [i for i in p.problems if i.field in ("parallel.recompute", "cluster.trainer_nodes")]
+    if trainer:
+        raise ConfigError("; ".join(map(str, trainer)) + f" (planned for {gpu_mem_gib:.0f} GiB GPUs, {world} ranks; "
+                          "`sao plan` shows the figures; SAO_SKIP_PLAN=1 skips this check)")

@@ -323,6 +323,23 @@ def start_stage(cfg: SAOConfig):
     return ctx, RunDir(cfg.run.dir, is_writer=ctx.rank == 0)
 
 
+def check_trainer_memory(cfg: SAOConfig, model_dir: Path, ctx, gpu_mem_gib: float | None = None,
+                         transformer_engine: bool | None = None) -> None:
+    """On GPUs, refuse before any model is built a config the planner says will not fit
+    (cluster/planner.py::trainer_memory_check): a job started without the sbatch preflight must not
+    run out of memory in its first step. CPU runs are not planned. SAO_SKIP_PLAN=1 skips it."""
+    if ctx.backend != "nccl" or os.environ.get("SAO_SKIP_PLAN") == "1":
+        return
+    from megatron_sao.cluster.planner import trainer_memory_check
+    from megatron_sao.models.layer_specs import transformer_engine_usable
+
+    if gpu_mem_gib is None:
+        gpu_mem_gib = torch.cuda.get_device_properties(ctx.device).total_memory / 2**30
+    if transformer_engine is None:  # without TE the local spec's unfused attention holds s x s scores
+        transformer_engine = transformer_engine_usable()
+    trainer_memory_check(cfg, model_dir, gpu_mem_gib, ctx.world_size, transformer_engine)
+
+
 def set_threads() -> None:
     n = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
     if n > 0:

@@ -63,6 +63,7 @@ class SAOTrainer:
         self._barrier()
         self.model_dir = C.resolve_model_dir(cfg, self.run_dir.path) if self.rank0 else None
         self.model_dir = Path(self._broadcast(str(self.model_dir) if self.model_dir else None))
+        C.check_trainer_memory(cfg, self.model_dir, self.ctx)
         self.actor = C.build_actor(cfg, self.model_dir, ctx=self.ctx)
         self.critic = C.build_critic(cfg, self.model_dir, ctx=self.ctx) if a.uses_critic else None
         self.baseline = RunningMeanBaseline(a.running_mean_window) if a.name == "running_mean" else None

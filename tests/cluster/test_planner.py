@@ -145,3 +145,25 @@ def test_main_exit_codes(capsys, tmp_path, qwen_dict):
     assert "parallel.tpp" in capsys.readouterr().err
     assert main([AIME, "--json", "--hf-config", str(hf)]) == 0
     assert json.loads(capsys.readouterr().out)["fits"] is True
+
+
+def test_the_trainer_refuses_on_gpus_what_the_planner_says_runs_out_of_memory(tmp_path, monkeypatch):
+    """A job started without the sbatch preflight (SAO_SKIP_PLAN=1 in the sbatch script, or a
+    hand-written torchrun) is refused by the trainer before it builds a model, naming the field."""
+    from types import SimpleNamespace
+
+    from megatron_sao.config import ConfigError
+    from megatron_sao.trainer.components import check_trainer_memory
+
+    no_recompute = load_config(AIME, ["parallel.recompute=none"])
+    world = no_recompute.cluster.trainer_nodes * no_recompute.cluster.gpus_per_node
+    gpu = SimpleNamespace(backend="nccl", world_size=world, device=None)
+    monkeypatch.delenv("SAO_SKIP_PLAN", raising=False)
+    with pytest.raises(ConfigError, match="parallel.recompute: without activation recompute"):
+        check_trainer_memory(no_recompute, tmp_path, gpu, gpu_mem_gib=80, transformer_engine=True)
+    check_trainer_memory(load_config(AIME), tmp_path, gpu, gpu_mem_gib=80, transformer_engine=True)  # as written: fits
+    with pytest.raises(ConfigError, match="cluster.trainer_nodes"):  # a GPU node without TE: unfused s x s attention
+        check_trainer_memory(load_config(AIME), tmp_path, gpu, gpu_mem_gib=80, transformer_engine=False)
+    check_trainer_memory(no_recompute, tmp_path, SimpleNamespace(backend="gloo", world_size=world, device=None))
+    monkeypatch.setenv("SAO_SKIP_PLAN", "1")
+    check_trainer_memory(no_recompute, tmp_path, gpu, gpu_mem_gib=80, transformer_engine=True)

@@ -12,7 +12,7 @@ def sao(*args, timeout=600, torchrun=0):
     """Run the real CLI in a subprocess (each stage builds its own Megatron world)."""
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torchrun),
-               "--master_port", str(29000 + os.getpid() % 1000), "-m", "megatron_sao.cli", *args]
+               "--standalone", "-m", "megatron_sao.cli", *args]
     else:
         cmd = [sys.executable, "-m", "megatron_sao.cli", *args]
     p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)

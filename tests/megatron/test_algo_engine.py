@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,12 +15,6 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "algo_engine.py")
 TORCHRUN = os.path.join(ROOT, ".venv", "bin", "torchrun")
 # tiny qwen3_moe (megatron_sao/models/presets.py): vocab 128, hidden 64, 2 layers, 4 experts of 32.
 VOCAB, HIDDEN, LAYERS, EXPERTS, MOE_FFN = 128, 64, 2, 4, 32
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd) -> dict:
@@ -39,7 +32,7 @@ def _run(cmd) -> dict:
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("algo_engine")
     out = _run([sys.executable, WORKER, str(tmp), "single"])
-    out.update(_run([TORCHRUN, "--nproc_per_node", "2", "--master_port", str(_free_port()), WORKER, str(tmp),
+    out.update(_run([TORCHRUN, "--nproc_per_node", "2", "--standalone", WORKER, str(tmp),
                      "tp2sp_ep2", "pp2"]))
     return out
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 
 import pytest
@@ -15,15 +14,9 @@ TORCHRUN = os.path.join(ROOT, ".venv", "bin", "torchrun")
 LAYOUTS = ["dp2", "tp2sp", "ep2", "pp2", "tp2sp_ep2"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp, nproc: int, layouts: list[str]) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = [TORCHRUN, "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), WORKER, str(tmp), *layouts]
+    cmd = [TORCHRUN, "--nproc_per_node", str(nproc), "--standalone", WORKER, str(tmp), *layouts]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "ENGINE_PARALLEL DONE" in proc.stdout

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -41,12 +40,6 @@ def _check_vocab(r: dict, arch: str, tp: int) -> None:
         assert r["unmasked_logprob_diff"] > 1e-3, r
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     from megatron_sao.checkpoint.convert import convert_hf_to_megatron
@@ -60,8 +53,8 @@ def dirs(tmp_path_factory):
 
 def _launch(nproc: int, *args: str) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [os.path.join(REPO, ".venv", "bin", "torchrun"), "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(_free_port()), os.path.join(HERE, "workers", "models_equivalence.py"),
+    cmd = [os.path.join(REPO, ".venv", "bin", "torchrun"), "--nproc_per_node", str(nproc), "--standalone",
+           os.path.join(HERE, "workers", "models_equivalence.py"),
            *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=REPO)
     out = proc.stdout + proc.stderr

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 
 import pytest
@@ -21,16 +20,10 @@ TORCHRUN = os.path.join(ROOT, ".venv", "bin", "torchrun")
 PG_TIMEOUT_S, PHASE_S = 2.0, 7.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_other_ranks_outwait_a_rank0_phase_longer_than_the_collective_timeout(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(_free_port()), WORKER, str(tmp_path), str(PG_TIMEOUT_S),
+    cmd = [TORCHRUN, "--nproc_per_node", "2", "--standalone", WORKER, str(tmp_path), str(PG_TIMEOUT_S),
            str(PHASE_S)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -1,7 +1,7 @@
 """Long trajectories are trained on: an episode that takes longer than 10 trainer steps reaches a
 batch with the default config (keep and let DIS mask) and, under `drop`, after `max_stale_drops`.
 
-Real parts: RolloutDriver (admission control, requeue), TrajectoryBuffer built as the trainer builds
+Real parts: RolloutDriver (admission control, requeue; rollout/episodes.py), TrajectoryBuffer built as the trainer builds
 it, the agent loop, chat formatting and the toy calculator environment. At the boundary: a scripted
 engine and an environment wrapper that holds one prompt's episode until the "trainer" (this test's
 loop of take -> version + 1 -> step_finished) has finished 11 steps since the episode started.
@@ -15,9 +15,10 @@ from megatron_sao.envs import make_env
 from megatron_sao.envs.toy_tool import ToyToolTasks
 from megatron_sao.rollout.agent_loop import AgentLoopConfig
 from megatron_sao.rollout.chat import ChatFormatter
-from megatron_sao.rollout.engine import GenerationResult, SamplingParams
+from megatron_sao.rollout.protocol import GenerationResult, SamplingParams
 from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
-from megatron_sao.trainer.rollout_driver import PromptStream, RolloutDriver
+from megatron_sao.rollout.episodes import RolloutDriver
+from megatron_sao.rollout.prompts import PromptStream
 
 SLOW_POS, SLOW_STEPS = 0, 11
 

@@ -84,6 +84,12 @@ def colocated(st) -> dict:
     records = colo.probe.take()
     colo.shard.sleep(2)  # give the GPU back to the next section
     colo.close()
+    if not torch.distributed.is_initialized():  # vLLM's shutdown destroyed the world the next section needs
+        from megatron_sao.megatron.parallel import destroy_parallel, init_parallel
+        from megatron_sao.models.parallel_sizes import ParallelSizes
+
+        destroy_parallel()
+        st["ctx"] = init_parallel(ParallelSizes())
 
     mem_key = "device_used_bytes" if cuda else "rss_bytes"
     phases = [{k: r.get(k) for k in ("call", "phase", "s", mem_key, "torch_allocated_bytes", "bytes")} for r in records]

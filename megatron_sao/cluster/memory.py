@@ -219,3 +219,51 @@ def kv_cache_bytes_per_token(spec: ModelSpec, tp: int = 1, dtype_bytes: int = BF
     """
     heads_per_rank = max(1, spec.num_kv_heads // tp)
     return 2 * spec.num_layers * heads_per_rank * spec.head_dim * dtype_bytes
+
+
+# ------------------------------------------------------------------------------- colocated phases
+
+# What a vLLM engine keeps on its GPU while asleep: allocations made outside its sleep-mode (CuMem)
+# pool (sampler buffers, the CUDA context's share), an assumption like the planner's overhead.
+ENGINE_ASLEEP_GIB = 1.0
+
+
+@dataclass(frozen=True)
+class ColocatedPhases:
+    """Per-GPU bytes of each phase of a colocated step (rollout/colocate/cycle.py has the order).
+
+    rollout   the engine awake: vLLM's gpu_memory_utilization share (weights, KV cache, its
+              activations), the trainer offloaded to host memory
+    train     the trainer's peak (weights, grads, optimizer of both models, activations), the engine
+              asleep (weights and KV cache released)
+    update    the in-process weight load: the actor's parameters (its optimizer and the critic are
+              offloaded), the engine's weights, two export buckets and the largest gathered tensor
+    """
+
+    rollout: float
+    train: float
+    update: float
+    host_per_gpu: float  # trainer state parked in host memory while the engine is awake
+
+    def worst(self) -> tuple[str, float]:
+        return max((("rollout", self.rollout), ("train", self.train), ("update", self.update)), key=lambda x: x[1])
+
+
+def colocated_phases(*, overhead: float, engine_awake: float, trainer_peak: float, trainer_static: float,
+                     actor_param_bytes: float, engine_weights: float, bucket_bytes: float,
+                     largest_tensor: float, engine_asleep: float = ENGINE_ASLEEP_GIB * GIB) -> ColocatedPhases:
+    """The phases above from their parts; `trainer_peak` and `trainer_static` include `overhead`."""
+    return ColocatedPhases(
+        rollout=overhead + engine_awake,
+        train=trainer_peak + engine_asleep,
+        update=overhead + engine_asleep + actor_param_bytes + engine_weights + 2 * bucket_bytes + largest_tensor,
+        host_per_gpu=trainer_static - overhead,
+    )
+
+
+def largest_gathered_tensor(spec: ModelSpec, ep: int, param_bytes: int = BF16) -> float:
+    """The biggest full tensor the weight export holds at once: the (untied) embedding / LM head, or one
+    expert weight all-gathered over the expert-parallel group (ep copies of the fused gate+up matrix)."""
+    vocab = spec.vocab_size * spec.hidden_size
+    experts = ep * 2 * spec.moe_ffn_hidden_size * spec.hidden_size if spec.is_moe else 0
+    return param_bytes * max(vocab, experts)

@@ -16,8 +16,15 @@ local spec: unfused, s x s scores counted), and activation recompute (`parallel.
 config that fits only with full recompute but does not set `parallel.recompute: full` is refused
 with that key, instead of running out of memory on the first long batch.
 
-Assumptions (stated so a reader can disagree with a number): actor and critic stay resident on
-the same trainer GPUs for the whole step (no CPU offload); Megatron's distributed optimizer with
+Colocated placement (`cluster.placement: colocated`): trainer and vLLM take turns on each GPU, so the
+plan has three phases (`memory.colocated_phases`): rollout (vLLM awake at its
+`rollout.gpu_memory_utilization` share, the trainer offloaded to host memory), train (the trainer's
+peak beside a sleeping engine) and the in-process weight update (the actor's parameters, the engine's
+weights and two export buckets); a layout any phase overflows is refused with the key to change, and
+the host memory the offloaded trainer takes per node is reported.
+
+Assumptions (stated so a reader can disagree with a number): in the other placements actor and
+critic stay resident on the same trainer GPUs for the whole step; Megatron's distributed optimizer with
 fp32 gradient accumulation; 1F1B pipeline schedule; balanced expert routing; TransformerEngine
 installed on the nodes (`--no-te` plans the local-spec fallback); a fixed per-GPU overhead for the
 CUDA context, NCCL buffers and allocator fragmentation (`--overhead-gib`, empirical, not from a
@@ -103,6 +110,7 @@ class Plan:
     full_sequences_per_server: int
     options: PlanOptions
     problems: list[LayoutIssue] = field(default_factory=list)
+    colocated: mem.ColocatedPhases | None = None  # per-phase bytes of a colocated step
 
     @property
     def fits(self) -> bool:
@@ -212,13 +220,10 @@ def plan(cfg: SAOConfig, hf_config: str | Mapping[str, Any] | ModelSpec | None =
     weights = counts.total * mem.BF16 / rtp
     usable = r.gpu_memory_utilization * budget
     kv_budget = usable - weights - overhead / 2  # vLLM's own activations/graphs: half the trainer overhead
+    phases = None
     if c.placement == "colocated":
-        # vLLM wakes up on GPUs that still hold the trainer's weights and optimizer states.
-        free_when_awake = budget - static
-        if usable > free_when_awake:
-            problems.append(LayoutIssue("rollout.gpu_memory_utilization", (
-                f"colocated vLLM asks for {usable / mem.GIB:.1f} GiB but only {free_when_awake / mem.GIB:.1f} GiB "
-                "are free next to the trainer's resident state; lower it or add trainer nodes")))
+        phases = _colocated_phases(cfg, spec, layout, opts, actor, static, peak, usable, weights)
+        problems += _colocated_problems(phases, budget, opts)
     per_token = mem.kv_cache_bytes_per_token(spec, rtp)
     full = int(max(kv_budget, 0) // (per_token * r.max_total_tokens))
     if c.placement != "embedded" and full < 1:
@@ -233,7 +238,35 @@ def plan(cfg: SAOConfig, hf_config: str | Mapping[str, Any] | ModelSpec | None =
                 attention=attention_kernel(cfg.model.dtype, opts.transformer_engine), recompute=recompute,
                 padded_vocab=padded_vocab_size(spec.vocab_size, layout.tp), rollout_weights=weights,
                 rollout_kv_budget=kv_budget, kv_bytes_per_token=per_token, full_sequences_per_server=full,
-                options=opts, problems=problems)
+                options=opts, problems=problems, colocated=phases)
+
+
+def _colocated_phases(cfg: SAOConfig, spec: ModelSpec, layout: Layout, opts: PlanOptions, actor: RoleMemory,
+                      static: float, peak: float, engine_awake: float, engine_weights: float) -> mem.ColocatedPhases:
+    nbytes = dtype_bytes(cfg.model.dtype)
+    return mem.colocated_phases(
+        overhead=opts.overhead_gib * mem.GIB, engine_awake=engine_awake, trainer_peak=peak, trainer_static=static,
+        actor_param_bytes=(actor.trainable_params + actor.frozen_params) * nbytes, engine_weights=engine_weights,
+        bucket_bytes=cfg.rollout.weight_sync_bucket_mb * 2**20,
+        largest_tensor=mem.largest_gathered_tensor(spec, layout.ep, nbytes))
+
+
+def _colocated_problems(ph: mem.ColocatedPhases, budget: float, opts: PlanOptions) -> list[LayoutIssue]:
+    g = lambda x: f"{x / mem.GIB:.1f} GiB"  # noqa: E731
+    out = []
+    if ph.rollout > budget:
+        out.append(LayoutIssue("rollout.gpu_memory_utilization", (
+            f"the awake colocated engine takes {g(ph.rollout - opts.overhead_gib * mem.GIB)} plus {opts.overhead_gib:g} "
+            f"GiB overhead, over the {opts.gpu_mem_gib:g} GiB GPU: lower it")))
+    if ph.train > budget:
+        out.append(LayoutIssue("cluster.trainer_nodes", (
+            f"the train phase needs {g(ph.train)} per GPU (trainer peak + {mem.ENGINE_ASLEEP_GIB:g} GiB a sleeping "
+            f"engine keeps), over the {opts.gpu_mem_gib:g} GiB GPU: add trainer nodes or raise parallel.ep")))
+    if ph.update > budget:
+        out.append(LayoutIssue("rollout.weight_sync_bucket_mb", (
+            f"the weight update needs {g(ph.update)} per GPU (actor params + engine weights + two buckets), over "
+            f"the {opts.gpu_mem_gib:g} GiB GPU: lower it or raise cluster.rollout_tp")))
+    return out
 
 
 def render(p: Plan, cfg: SAOConfig) -> str:
@@ -266,6 +299,10 @@ def render(p: Plan, cfg: SAOConfig) -> str:
         f"{p.kv_bytes_per_token / 1024:.0f} KiB/token/GPU, {p.full_sequences_per_server} full "
         f"{cfg.rollout.max_total_tokens}-token sequences per server",
     ]
+    if p.colocated is not None:
+        ph = p.colocated
+        lines.append(f"colocated  per GPU: rollout {g(ph.rollout)} | train {g(ph.train)} | update {g(ph.update)}; "
+                     f"host memory for the offloaded trainer {g(ph.host_per_gpu * cfg.cluster.gpus_per_node)} per node")
     lines += [f"warning    {w}" for w in L.warnings]
     lines += [f"REFUSED    {i}" for i in p.problems]
     lines.append("verdict    " + ("fits" if p.fits else "does not fit"))

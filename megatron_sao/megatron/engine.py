@@ -190,6 +190,9 @@ class MegatronEngine:
         from megatron_sao.checkpoint.names import canonical_name
 
         self._param_names = {id(p): canonical_name(n) for n, p in self.module.named_parameters()}
+        from megatron_sao.megatron.offload import TrainerOffload
+
+        self._offload = TrainerOffload(self.ddp, self.optimizer, c.device)
         logger.info("%s engine ready: %s", role, c.describe())
 
     # ------------------------------------------------------------------ helpers
@@ -197,6 +200,12 @@ class MegatronEngine:
         from megatron_sao.checkpoint.sharding import RankLayout
 
         return RankLayout.from_parallel_state()
+
+    def _require(self, *parts: str) -> None:
+        """Refuse a call that would read offloaded state (a released storage segfaults on CPU)."""
+        if not self._offload.resident(*parts):
+            raise RuntimeError(f"{self.role}: {'/'.join(self._offload.offloaded())} offloaded to host "
+                               f"(colocated placement); onload({list(parts)}) before this call")
 
     def _local(self, batch: Batch, required: tuple[str, ...] = ()):
         c = self.ctx
@@ -209,6 +218,7 @@ class MegatronEngine:
         if self.role != role:
             raise RuntimeError(f"this engine is a {self.role}; {'logprobs' if role == 'actor' else 'values'}() "
                                f"needs a {role} engine")
+        self._require("params")
         micro, b, t, cols = self._local(batch)
         self.ddp.eval()
         outs = fwd.forward_outputs(role, self.chunks, micro, cols, vocab_size=self.spec.vocab_size)
@@ -238,6 +248,7 @@ class MegatronEngine:
         A non-finite loss or grad norm skips the update (grads zeroed, params and Adam state
         untouched) and returns skipped=True.
         """
+        self._require()
         micro, _, _, cols = self._local(batch, required=("action_mask",))
         denominator = batch["action_mask"].float().sum().clamp(min=1.0).to(self.ctx.device)
         self.ddp.train()
@@ -280,16 +291,43 @@ class MegatronEngine:
         """Full weights under HF names in buckets of <= bucket_bytes, yielded on global rank 0."""
         from megatron_sao.megatron.export import export_hf_weights
 
+        self._require("params")
         return export_hf_weights(self.module, self.spec, self.ctx, bucket_bytes=bucket_bytes)
+
+    def export_hf_weights_every_rank(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The same buckets yielded on *every* rank (pp=1): what an in-process engine shard loads."""
+        from megatron_sao.megatron.export import export_hf_weights
+
+        self._require("params")
+        return export_hf_weights(self.module, self.spec, self.ctx, bucket_bytes=bucket_bytes, every_rank=True)
+
+    # ------------------------------------------------------------------ colocated placement
+    def offload(self, parts=("params", "grads", "optimizer")):
+        """Release `parts` of this engine's GPU state to host memory (megatron/offload.py)."""
+        return self._offload.offload(parts)
+
+    def onload(self, parts=("params", "grads", "optimizer")):
+        """Bring `parts` back (bit-exact: params and optimizer state; grads as zeros)."""
+        return self._offload.onload(parts)
+
+    def resident(self, *parts: str) -> bool:
+        """Whether `parts` (default: all) are on the device."""
+        return self._offload.resident(*parts)
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes of params / grads / optimizer state on the device now."""
+        return self._offload.device_bytes()
 
     def save(self, path: str) -> None:
         """Model + optimizer + scheduler state of every rank into `path` (atomic)."""
         from megatron_sao.megatron.state_io import save_engine_state
 
+        self._require()
         save_engine_state(self, path)
 
     def load(self, path: str) -> None:
         """Restore what `save` wrote (same layout); resumes bit-exactly."""
         from megatron_sao.megatron.state_io import load_engine_state
 
+        self._require()
         load_engine_state(self, path)

@@ -12,6 +12,11 @@ at a time, so no rank ever holds more than one full tensor plus rank 0's current
 Rank 0 converts each full tensor to HF names (`converters.get_converter(spec).mcore_to_hf`) and
 yields a bucket whenever the next tensor would overflow `bucket_bytes`. Every rank must iterate
 the generator to the end (non-zero ranks yield nothing): the collectives pair up across ranks.
+
+`every_rank=True` (colocated placement: each rank loads the buckets into its own vLLM shard, which
+slices its tensor-parallel part itself) yields the same buckets on every rank. It needs pp=1: steps
+1 and 2 already leave every full tensor on every rank of the stage, so no extra communication is
+made; a pipeline-parallel model would need stage-to-stage broadcasts of every tensor.
 Every collective runs under the process-group timeout set by `init_parallel`.
 """
 
@@ -104,13 +109,25 @@ class _Bucketer:
 
 
 @torch.no_grad()
-def export_hf_weights(module: torch.nn.Module, spec, ctx, *, bucket_bytes: int = 512 << 20) -> Iterator[Bucket]:
+def export_hf_weights(module: torch.nn.Module, spec, ctx, *, bucket_bytes: int = 512 << 20,
+                      every_rank: bool = False) -> Iterator[Bucket]:
     """Yield lists of (hf_name, full tensor) of at most `bucket_bytes` (one oversized tensor may
     fill a bucket alone) on global rank 0; other ranks run the matching collectives, yield nothing.
+    With `every_rank` (pp=1 only) every rank yields the same buckets.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     layout = RankLayout.from_parallel_state()
+    if every_rank:
+        if ctx.pp != 1:
+            raise ValueError(f"an every-rank weight export needs parallel.pp=1 (got pp={ctx.pp}): the colocated "
+                             "engines load full tensors on every rank, which pipeline stages do not hold")
+        bucketer = _Bucketer(spec, bucket_bytes)
+        for name, full in _stage_tensors(module, spec, layout):
+            yield from bucketer.add(name, full)
+        if bucketer.items:
+            yield bucketer.flush()
+        return
     on_root_pipeline = ctx.tp_rank == 0 and ctx.dp_rank == 0  # the pipeline group holding rank 0
     bucketer = _Bucketer(spec, bucket_bytes) if ctx.rank == 0 else None
     for stage in range(ctx.pp):

@@ -148,6 +148,11 @@ class RolloutSide:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, tasks: list, env_factory: Callable, loop_cfg: AgentLoopConfig) -> list[Trajectory]:
         """Run ``tasks`` (one episode each, in task order) over the live servers, on the driver's loop."""
+        return self.driver.call(self.evaluation(tasks, env_factory, loop_cfg))
+
+    def evaluation(self, tasks: list, env_factory: Callable, loop_cfg: AgentLoopConfig):
+        """The coroutine ``evaluate`` runs, for a caller that submits it and serves the engines meanwhile
+        (the colocated placement: the engines generate only while every rank serves them)."""
         async def go() -> list[Trajectory]:
             sem = asyncio.Semaphore(loop_cfg.max_concurrency)
 
@@ -162,7 +167,7 @@ class RolloutSide:
                     finally:
                         self.pool.unpin(slot, finished=False)
             return list(await asyncio.gather(*(one(t) for t in tasks)))
-        return self.driver.call(go())
+        return go()
 
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float = 30.0) -> None:

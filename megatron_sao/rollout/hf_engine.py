@@ -24,6 +24,12 @@ decoding steps: an update is applied all or nothing, and a bad bucket leaves the
 A model that is not a transformers model (e.g. a wrapped Megatron module) can be used with
 ``use_kv_cache=False``: it is called as ``model(input_ids[1, T])`` and must return logits [1, T, V]
 (or an object with ``.logits``); each step recomputes the whole sequence.
+
+Device: every tensor the engine feeds the model (ids, masks, positions, score indices) is made on
+``self.device`` (``EngineConfig.device``; default: where the model's parameters are), so the engine
+generates on a GPU as on the CPU. Sampling keeps its per-request generator on the host and moves one
+uniform draw per token to the logits' device (``rollout/sampling.py``): the same seed samples the same
+ids whatever the device.
 """
 
 from __future__ import annotations
@@ -64,6 +70,11 @@ class _Request:
         return len(self.prompt_ids) + len(self.token_ids)
 
 
+def _model_device(model: nn.Module) -> torch.device:
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
 def _logits_of(out: object) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits  # type: ignore[attr-defined]
 
@@ -82,10 +93,12 @@ class HFEngine(StreamedUpdate):
         use_kv_cache: bool | None = None,
         seed: int = 0,
         name: str = "hf",
+        device: str | torch.device | None = None,
     ) -> None:
         if inflight_policy not in ("keep", "abort"):
             raise ValueError(f"HFEngine inflight_policy must be 'keep' or 'abort', got {inflight_policy!r}")
         self.model = model.eval()
+        self.device = torch.device(device) if device is not None else _model_device(model)
         self.name = name
         self.version = 0
         self.max_model_len = max_model_len
@@ -128,6 +141,7 @@ class HFEngine(StreamedUpdate):
             eos_token_ids=eos_ids,
             seed=cfg.seed,
             name=f"hf:{cfg.model_path}",
+            device=cfg.device,
         )
 
     # ------------------------------------------------------------------ async API (event loop side)
@@ -209,9 +223,9 @@ class HFEngine(StreamedUpdate):
 
         def _score() -> list[float]:
             with torch.no_grad():
-                logits = _logits_of(self.model(torch.tensor([token_ids])))[0].float()
+                logits = _logits_of(self.model(self._ids([token_ids])))[0].float()
             lp = torch.log_softmax(logits[start - 1 : -1], dim=-1)
-            return lp.gather(-1, torch.tensor(token_ids[start:])[:, None])[:, 0].tolist()
+            return lp.gather(-1, self._ids(token_ids[start:])[:, None])[:, 0].tolist()
 
         return await self._command(_score)
 
@@ -291,9 +305,13 @@ class HFEngine(StreamedUpdate):
                     self._resolve(req, exc=RuntimeError(f"{self.name}: generation failed: {e!r}"))
                 self._active = []
 
+    def _ids(self, data) -> torch.Tensor:
+        """Token ids / positions (nested lists of ints) on the engine's device."""
+        return torch.tensor(data, dtype=torch.long, device=self.device)
+
     @torch.no_grad()
     def _prefill(self, req: _Request) -> None:
-        ids = torch.tensor([req.prompt_ids])
+        ids = self._ids([req.prompt_ids])
         if self.use_kv_cache:
             out = self.model(input_ids=ids, use_cache=True)
             req.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
@@ -322,7 +340,7 @@ class HFEngine(StreamedUpdate):
                 self._decode_batched(running)
             else:
                 for req in running:
-                    req.next_logits = _logits_of(self.model(torch.tensor([req.prompt_ids + req.token_ids])))[0, -1]
+                    req.next_logits = _logits_of(self.model(self._ids([req.prompt_ids + req.token_ids])))[0, -1]
                     req.logits_version = self.version
         return running
 
@@ -342,13 +360,11 @@ class HFEngine(StreamedUpdate):
                 ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)) if pad else k)
                 vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)) if pad else v)
             layers.append((torch.cat(ks), torch.cat(vs)))
-        mask = torch.zeros(len(reqs), width + 1, dtype=torch.long)
-        for b, n in enumerate(lens):
-            mask[b, width - n :] = 1
+        mask = self._ids([[0] * (width - n) + [1] * (n + 1) for n in lens])
         out = self.model(
-            input_ids=torch.tensor([[r.token_ids[-1]] for r in reqs]),
+            input_ids=self._ids([[r.token_ids[-1]] for r in reqs]),
             attention_mask=mask,
-            position_ids=torch.tensor([[n] for n in lens]),
+            position_ids=self._ids([[n] for n in lens]),
             past_key_values=DynamicCache(layers),
             use_cache=True,
         )

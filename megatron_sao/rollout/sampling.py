@@ -37,9 +37,17 @@ def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.
 
 
 def sample_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """Sample one id from 1-D ``logits``; return (id, log-prob under the processed distribution)."""
+    """Sample one id from 1-D ``logits``; return (id, log-prob under the processed distribution).
+
+    Inverse-CDF sampling: ``generator`` draws one uniform number where it lives (a host generator for
+    logits on a GPU: ``torch.multinomial`` would refuse the pair), which moves to the logits' device.
+    Filtered tokens have probability 0, so the first CDF entry above the draw is always a kept token.
+    """
     if logits.dim() != 1:
         raise ValueError(f"sample_token expects 1-D logits [V], got shape {tuple(logits.shape)}")
     logp = processed_logprobs(logits, sampling)
-    token = int(torch.multinomial(logp.exp(), 1, generator=generator).item())
+    cdf = torch.cumsum(logp.double().exp(), dim=-1)
+    u = torch.rand((1,), generator=generator, dtype=torch.float64, device=generator.device)
+    target = u.to(cdf.device) * cdf[-1]
+    token = int(torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.numel() - 1).item())
     return token, float(logp[token].item())

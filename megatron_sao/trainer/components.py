@@ -197,12 +197,17 @@ def engine_config(cfg: SAOConfig, model_dir: Path):
     return EngineConfig(
         backend=r.backend, model_path=str(model_dir), dtype=cfg.model.dtype,
         max_model_len=min(cfg.model.max_seq_len, r.max_total_tokens), inflight_policy=r.inflight_policy,
-        seed=cfg.run.seed, max_batch_size=r.max_num_seqs or r.concurrency,
+        seed=cfg.run.seed, max_batch_size=r.max_num_seqs or r.concurrency, device=rollout_device(),
         gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=r.colocate,
         tensor_parallel_size=cfg.cluster.rollout_tp if r.backend == "vllm_server" else 1,
         weight_transport=r.weight_transport, server_urls=tuple(r.server_urls), request_timeout_s=r.timeout_s,
         weight_transfer_master_address=r.weight_transfer_master_address,
         weight_transfer_ports=tuple(r.weight_transfer_ports))
+
+
+def rollout_device() -> str:
+    """Where an in-process HF engine runs: this rank's GPU ("cuda" is the device init_parallel set), else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def build_rollout_engine(cfg: SAOConfig, model_dir: Path):
@@ -222,23 +227,31 @@ def max_num_seqs(cfg: SAOConfig) -> int | None:
 
 
 def build_rollout_side(cfg: SAOConfig, model_dir: Path, on_done, *, group_size: int, state: dict | None,
-                       in_buffer: set, step_offset: int):
-    """Every rollout engine, the episode driver and weight sync, as one ``RolloutSide`` (not started)."""
+                       in_buffer: set, step_offset: int, colocated=None):
+    """Every rollout engine, the episode driver and weight sync, as one ``RolloutSide`` (not started).
+
+    `colocated` (rank 0 of a colocated run): its engines stand in for servers; each takes an even share
+    of rollout.concurrency, the number its vLLM scheduler runs at once (trainer/colocated.py)."""
     from megatron_sao.rollout.chat import ChatFormatter
     from megatron_sao.rollout.driver import RolloutSide, RolloutSideConfig
     from megatron_sao.rollout.factory import make_engines
     from megatron_sao.rollout.prompts import PromptStream
+    from megatron_sao.trainer.colocated import engine_max_num_seqs
 
     r = cfg.rollout
     drv = (state or {}).get("driver", {})
     requeue = [tuple(u) for u in drv.get("queued", []) + drv.get("in_flight", []) if tuple(u) not in in_buffer]
     side_cfg = RolloutSideConfig(
         batch_size=cfg.buffer.batch_size, ahead=0 if cfg.trainer.mode == "sync" else cfg.buffer.max_staleness,
-        concurrency=r.concurrency, group_size=group_size, max_num_seqs=max_num_seqs(cfg), sync_timeout_s=r.timeout_s,
+        concurrency=r.concurrency, group_size=group_size, sync_timeout_s=r.timeout_s,
+        max_num_seqs=max_num_seqs(cfg) if colocated is None else engine_max_num_seqs(cfg, colocated.layout.world),
         check_weights=r.weight_sync_check, check_atol=r.weight_sync_check_atol,
         health_interval_s=r.health_check_interval_s)
-    engines = make_engines(engine_config(cfg, model_dir))
-    labels = list(r.server_urls) if r.backend == "vllm_server" else None
+    if colocated is not None:
+        engines, labels = list(colocated.engines), [e.name for e in colocated.engines]
+    else:
+        engines = make_engines(engine_config(cfg, model_dir))
+        labels = list(r.server_urls) if r.backend == "vllm_server" else None
     return RolloutSide(engines, env_factory(cfg), PromptStream(train_tasks(cfg), cfg.run.seed),
                        ChatFormatter(load_tokenizer(cfg, model_dir)), agent_loop_config(cfg), on_done, side_cfg,
                        labels=labels, next_pos=drv.get("next_pos", 0), requeue=requeue, skip=in_buffer,

@@ -12,6 +12,8 @@ rollout side (every server, episodes, weight sync) is one object, `rollout/drive
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import signal
 import threading
@@ -27,6 +29,7 @@ from megatron_sao.buffer import TrajectoryBuffer
 from megatron_sao.config import SAOConfig, dump_config
 from megatron_sao.errors import UserError
 from megatron_sao.trainer import checkpoints as ckpts
+from megatron_sao.trainer import colocated as colo
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.losses import critic_loss_fn, lag0_mismatch, policy_loss_fn
@@ -50,6 +53,7 @@ class TrainingInterrupted(RuntimeError):
 class SAOTrainer:
     def __init__(self, cfg: SAOConfig, resume: bool = False, overwrite: bool = False):
         self.cfg, a = cfg, cfg.algorithm
+        colo.check_colocated(cfg)  # before anything loads: a colocated job that cannot run says why now
         self.ctx, self.run_dir = C.start_stage(cfg)
         self.rank0 = self.ctx.rank == 0
         if self.rank0:
@@ -72,13 +76,13 @@ class SAOTrainer:
         self.console = Console(cfg.run.console if self.rank0 else "none", total=self.total)
         self.wait_s = self.busy_s = 0.0
         self._lagged: deque = deque()  # trainer.policy_lag: (version, weights) not yet pushed
-        self.buffer = self.driver = self.rollout = None
+        self.buffer = self.driver = self.rollout = self.colocated = None
         if self.rank0:
             self.buffer = TrajectoryBuffer(cfg.buffer.batch_size, cfg.buffer.max_staleness, cfg.buffer.staleness_policy,
                                            directory=self.run_dir.buffer_dir, group_size=self.group,
                                            max_stale_drops=cfg.buffer.max_stale_drops)
         state = self._resume() if resume else None
-        if self.rank0:
+        if self.rank0 or colo.is_colocated(cfg):  # colocated: every rank hosts an engine shard
             self._start_rollouts(state)
         if state is not None and not cfg.trainer.replay:  # the engine starts from the base model
             self._barrier()  # rank 0 started the rollout engines alone: meet it outside the export's collectives
@@ -110,6 +114,7 @@ class SAOTrainer:
             while self.step < self.total:
                 # Sorted by length so each micro-batch only pays for its own longest trajectory.
                 trajs = sorted(self._next_batch(), key=lambda t: t.length)
+                self._before_train()
                 t0 = time.monotonic()
                 batch = collate_padded(trajs, pad_id=0)
                 fields = {k: v for k, v in batch.to_dict().items() if v.dim() == 2}
@@ -142,6 +147,7 @@ class SAOTrainer:
                     if not res.skipped:
                         self.version += 1
                         m["time/weight_sync_s"] = self._sync_weights()
+                m.update(self._after_train(time.monotonic() - t0))
 
                 self.busy_s += time.monotonic() - t0
                 self.step += 1
@@ -156,7 +162,8 @@ class SAOTrainer:
             self.save()
             from megatron_sao.trainer.hf_export import export_hf_model
 
-            export_hf_model(self.actor, self.model_dir, self.run_dir.path / "final_model")
+            with self._trainer_on_device():
+                export_hf_model(self.actor, self.model_dir, self.run_dir.path / "final_model")
         finally:
             self.close()
 
@@ -164,10 +171,14 @@ class SAOTrainer:
     def _next_batch(self):
         """Rank 0 waits for a batch and broadcasts it; a str instead says why there is none."""
         trajs = None
+        t0 = time.monotonic()
+        served = self._rollout_phase()
         if self.rank0:
-            t0 = time.monotonic()
-            trajs = self.buffer.take(self.step, self.version, timeout=self.cfg.rollout.timeout_s,
-                                     should_stop=lambda: self.driver.error is not None or self._stop_requested)
+            if self.colocated is not None:
+                trajs = served
+            else:
+                trajs = self.buffer.take(self.step, self.version, timeout=self.cfg.rollout.timeout_s,
+                                         should_stop=lambda: self.driver.error is not None or self._stop_requested)
             self.wait_s += time.monotonic() - t0
             if trajs is None:
                 if self._stop_requested:
@@ -201,8 +212,8 @@ class SAOTrainer:
     def _sync_weights(self) -> float:
         """Stream the actor's weights to every rollout server as `self.version` (all ranks: the export
         runs collectives). Rank 0 never holds more than two buckets (RolloutSide.push_weights)."""
-        if self.cfg.trainer.replay:
-            return 0.0  # no rollout engine to feed
+        if self.cfg.trainer.replay or self.colocated is not None:
+            return 0.0  # no rollout engine to feed / colocated: every rank loads its shard after the step
         t0 = time.monotonic()
         buckets = self.actor.export_hf_weights(self.cfg.rollout.weight_sync_bucket_mb << 20)
         version = self.version
@@ -265,16 +276,112 @@ class SAOTrainer:
                 self.buffer.restore()
             self.driver = ReplaySource(cfg.trainer.replay, self.buffer.put, fresh=state is None)
             return
+        if colo.is_colocated(cfg):
+            self._start_colocated()
+            if not self.rank0:
+                return
         in_buffer = {unit_of(t) for t in self.buffer.restore()} if state else set()
         self.rollout = C.build_rollout_side(cfg, self.model_dir, self.buffer.put, group_size=self.group, state=state,
-                                            in_buffer=in_buffer, step_offset=self.step)
+                                            in_buffer=in_buffer, step_offset=self.step, colocated=self.colocated)
         self.driver = self.rollout  # what the loop reads: error, finished, failed, in_flight, state()
         self.buffer.on_drop = self.rollout.requeue
         self.rollout.start()
         self.formatter = self.rollout.formatter
 
+    # ------------------------------------------------------------------ colocated placement
+    # Every rank hosts a vLLM engine shard; generation and training take turns on the GPUs
+    # (rollout/colocate/cycle.py has the order and why). These hooks are no-ops otherwise.
+    def _models(self) -> list:
+        return [m for m in (self.actor, self.critic) if m is not None]
+
+    def _start_colocated(self) -> None:
+        """Every rank: trainer offloaded, its engine shard built, then loaded with the actor's weights
+        (resumed or not). vLLM re-seeds the global RNG when it builds; the trainer's stream is kept."""
+        self.colocated = colo.build_colocated(self.cfg, self.model_dir, self.ctx)
+        rng = rng_state()
+        self.colocated.start(self.actor, self._models(), bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20,
+                             check_tokens=colo.check_tokens(self.cfg, self.actor.spec.vocab_size),
+                             atol=self.cfg.rollout.weight_sync_check_atol)
+        set_rng_state(rng)
+
+    def _rollout_phase(self):
+        """Colocated: every rank serves its engine shard until rank 0 holds the next batch (returned on
+        rank 0), the run must stop, or rollout.timeout_s passes. Elsewhere rollouts never stop: None."""
+        if self.colocated is None:
+            return None
+        self._wait_for_rank0("the rollout phase")
+        got: dict = {}
+        deadline = time.monotonic() + self.cfg.rollout.timeout_s
+
+        def until() -> bool:
+            if self.driver.error is not None or self._stop_requested or time.monotonic() > deadline:
+                return True
+            got["batch"] = self.buffer.take(self.step, self.version, timeout=0)
+            return got["batch"] is not None
+        try:
+            self.colocated.serve(until if self.rank0 else None)
+        except RuntimeError as e:
+            raise TrainingStopped(f"colocated rollout phase at step {self.step} failed: {e}; resume from the last "
+                                  "checkpoint") from e
+        return got.get("batch")
+
+    def _before_train(self) -> None:
+        if self.colocated is not None:
+            self.colocated.before_train(self._models())
+
+    def _after_train(self, train_s: float) -> dict:
+        """Colocated: trainer offloaded, the actor's weights loaded into every shard, KV cache back; an
+        evaluation when due runs as its own rollout phase. Returns the phase figures (rank 0)."""
+        if self.colocated is None:
+            return {}
+        models = self._models()
+        self.colocated.mark_train(train_s, models)
+        t0 = time.monotonic()
+        update = self.colocated.refresh(self.actor, models, version=self.version,
+                                        bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20,
+                                        check_tokens=colo.check_tokens(self.cfg, self.actor.spec.vocab_size),
+                                        atol=self.cfg.rollout.weight_sync_check_atol)
+        m = {"time/weight_sync_s": time.monotonic() - t0,
+             **{f"colocate/update_{k}": v for k, v in update.items() if isinstance(v, (int, float))}}
+        if self._eval_due(self.step + 1):
+            m["eval/accuracy"] = self._evaluate_colocated()
+        phases, records = self.colocated.take_records(self.step)
+        if self.rank0:
+            m.update(phases)
+            with open(self.run_dir.path / "colocate_trace.jsonl", "a") as f:
+                f.writelines(json.dumps(r, default=str) + "\n" for r in records)
+        return m
+
+    def _evaluate_colocated(self) -> float | None:
+        """Evaluation episodes need the engines: every rank serves until rank 0's evaluation finished."""
+        from megatron_sao.trainer.evaluate import eval_loop_config, summarize
+
+        fut = tasks = None
+        if self.rank0:
+            tasks = C.eval_tasks(self.cfg)
+            fut = self.rollout.driver.submit(self.rollout.evaluation(tasks, C.env_factory(self.cfg),
+                                                                     eval_loop_config(self.cfg)))
+        self._wait_for_rank0("the evaluation phase")
+        self.colocated.serve(fut.done if self.rank0 else None, evaluation=True)
+        if not self.rank0:
+            return None
+        out = self.run_dir.path / "eval" / f"step_{self.step + 1:06d}.jsonl"
+        return summarize(tasks, fut.result(), out)["accuracy"]
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.run.eval_every
+        return bool(every) and (step % every == 0 or step == self.total)
+
+    def _trainer_on_device(self):
+        """Checkpoints and the final export read the trainer state: colocated, the engine sleeps for them."""
+        if self.colocated is None or self.actor.resident():
+            return contextlib.nullcontext()
+        return self.colocated.trainer_resident(self._models())
+
     def _post_resume_sync(self) -> None:
         """The servers start from the base model: give them the resumed weights (all ranks)."""
+        if self.colocated is not None:
+            return  # the colocated start already loaded the resumed actor into every shard
         self._push(self.actor.export_hf_weights(self.cfg.rollout.weight_sync_bucket_mb << 20), self.version)
 
     # ------------------------------------------------------------------ checkpoints
@@ -291,7 +398,8 @@ class SAOTrainer:
             self.actor.save(str(d / "actor"))
             if self.critic is not None:
                 self.critic.save(str(d / "critic"))
-        previous = self.run_dir.save_checkpoint(self.step, parts, state, barrier=self._barrier)
+        with self._trainer_on_device():
+            previous = self.run_dir.save_checkpoint(self.step, parts, state, barrier=self._barrier)
         if self.rank0 and previous is not None:
             # Release only what the older kept checkpoint covers too: a fallback to it (the newest
             # one damaged) must still find the trajectories trained after it.
@@ -376,7 +484,7 @@ class SAOTrainer:
         if self.rollout is not None:
             m.update(self.rollout.metrics())  # per server: episodes, weight version, health, sync check
         due = self.cfg.run.eval_every and (self.step % self.cfg.run.eval_every == 0 or self.step == self.total)
-        if due and self.rollout is not None:
+        if due and self.rollout is not None and self.colocated is None:  # colocated: evaluated in _after_train
             m["eval/accuracy"] = self.evaluate()
         self.run_dir.log_metrics(m, tensorboard=self.cfg.run.tensorboard)
         self.run_dir.log_batch(m["step"], trajs)
@@ -419,6 +527,9 @@ class SAOTrainer:
             else:
                 self.driver.stop()
             self.driver = None
+        if self.colocated is not None:
+            self.colocated.close()
+            self.colocated = None
         if self.buffer is not None:
             self.buffer.close()
         self.console.close()

@@ -104,10 +104,27 @@ def test_out_of_memory_is_reported_with_numbers(qwen_long):
                 PlanOptions(gpu_mem_gib=141)).fits  # the H200 layout the recipe mentions
 
 
-def test_colocated_vllm_must_fit_beside_the_trainer(qwen_long):
-    cfg = load_config(RECIPES / "aime_colocated.yaml", ["rollout.gpu_memory_utilization=0.7"])
-    p = plan(cfg, qwen_long)
-    assert [i.field for i in p.problems] == ["rollout.gpu_memory_utilization"]
+def test_colocated_counts_each_phase_and_refuses_the_one_that_overflows(qwen_long):
+    """Colocated: the engine awake beside an offloaded trainer, the trainer's peak beside a sleeping engine,
+    the in-process update (actor params + engine weights + two buckets); each phase must fit."""
+    recipe = RECIPES / "aime_colocated.yaml"
+    p = plan(load_config(recipe), qwen_long)
+    assert p.fits, p.problems
+    ph, gib, over = p.colocated, mem.GIB, 4 * mem.GIB
+    assert ph.rollout == over + 0.85 * 80 * gib  # vLLM's whole share: the trainer is offloaded then
+    assert ph.train == p.trainer_peak + mem.ENGINE_ASLEEP_GIB * gib
+    actor_params = (p.actor.trainable_params + p.actor.frozen_params) * 2
+    assert ph.update == (over + mem.ENGINE_ASLEEP_GIB * gib + actor_params + p.rollout_weights + 2 * 1024 * 2**20
+                         + 151936 * 2048 * 2)  # the embedding is the largest gathered tensor here
+    assert ph.host_per_gpu == p.trainer_static - over
+    assert p.full_sequences_per_server >= 17  # the offload gives vLLM the GPU: as many as disaggregated
+    for override, field in (("rollout.gpu_memory_utilization=0.97", "rollout.gpu_memory_utilization"),
+                            ("rollout.weight_sync_bucket_mb=32768", "rollout.weight_sync_bucket_mb"),
+                            ("cluster.trainer_nodes=2", "cluster.trainer_nodes")):
+        refused = plan(load_config(recipe, [override, "parallel.ep=16"] if "nodes" in override else [override]),
+                       qwen_long)
+        assert field in [i.field for i in refused.problems], (override, refused.problems)
+    assert plan(load_config(AIME), qwen_long).colocated is None  # disaggregated: no phases
 
 
 def test_kv_cache_smaller_than_one_sequence_is_refused(qwen_long):

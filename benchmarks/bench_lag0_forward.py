@@ -5,7 +5,7 @@ Command (the figure in the report):
 
 The demo's model shape (tiny_qwen3_moe: 4 layers, 4 experts top-2, random init) and batch shape
 (64 trajectories of up to 160 tokens: prompt, then alternating actions and observations). One SAO
-trainer step's model work as `SAOTrainer.run` does it: critic values, K=2 critic train steps, then
+trainer step's model work as `trainer/step.py::sao_step` does it: critic values, K=2 critic train steps, then
 the actor section, either
   before: `actor.logprobs(batch)` (only for the lag-0 mismatch metric) + the DIS train step, or
   after:  the DIS train step, whose loss reports the mismatch from its own log-probs (lag0_mask).

@@ -1,5 +1,9 @@
 """Main comparison on the toy multi-turn tool task: SFT start, GRPO (n=4), GRPO+DIS, SAO.
 
+`grpo_rollout_ratio` (the PPO ratio against the rollout log-probs) is a control row: it is what the
+suite called `grpo` before vanilla GRPO replaced it, so comparing it with the earlier results
+separates that renaming from the other changes made since.
+
 Equal trajectory budget, every method asynchronous with the same staleness bound, eval accuracy
 (Pass@1, temperature 1.0, the same held-out tasks for every run) against trajectories consumed and
 against wall time.
@@ -16,7 +20,7 @@ from benchmarks.reproduce.report import band_plot, header, md_table, save_fig
 from benchmarks.reproduce.starts import toy_start
 from benchmarks.reproduce.summary import binomial_se, paired_delta, stat
 
-METHOD_LABELS = ("grpo", "grpo_dis", "sao")
+METHOD_LABELS = ("grpo", "grpo_rollout_ratio", "grpo_dis", "sao")
 
 
 def eval_table(groups, budget) -> tuple[list[list[str]], dict]:

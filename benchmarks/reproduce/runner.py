@@ -1,7 +1,9 @@
 """Run `sao` stages as subprocesses, cached by what they compute, a few at a time.
 
 A `Run` is one `sao train` (or sft / value-pretrain) invocation: a config file plus dotted overrides.
-Its directory name carries a hash of the config file's text, the overrides and the stage, so two
+Its directory name carries a hash of the config file's text, the overrides, the stage and the trainer's
+`ALGORITHM_VERSION` (megatron_sao/trainer/step.py: a code change that alters what the same config
+computes bumps it, so such a change never reuses old runs), so two
 experiments that need the same run (the SAO reference of the main comparison and of the ablations)
 share it, and re-running an experiment only runs what is missing. A run counts as done when its
 stage wrote its final artefact (`final_model/` for train); a half-finished directory is deleted and
@@ -41,7 +43,8 @@ class Run:
 
     def key(self) -> str:
         text = (ROOT / self.config).read_text() if not Path(self.config).is_absolute() else Path(self.config).read_text()
-        h = hashlib.sha256(json.dumps([self.stage, text, sorted(self.overrides), self.seed]).encode())
+        h = hashlib.sha256(json.dumps([self.stage, text, sorted(self.overrides), self.seed,
+                                         _algorithm_version()]).encode())
         return h.hexdigest()[:10]
 
     def directory(self, work: Path) -> Path:
@@ -66,6 +69,12 @@ class RunResult:
     def metrics(self) -> list[dict]:
         p = self.dir / "metrics.jsonl"
         return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+
+
+def _algorithm_version() -> int:
+    from megatron_sao.trainer.step import ALGORITHM_VERSION  # on use: the trainer's imports are heavy
+
+    return ALGORITHM_VERSION
 
 
 def _info_path(run: Run, d: Path) -> Path:
@@ -100,7 +109,8 @@ def execute(run: Run, work: Path, threads: int = 1, fresh: bool = False, log=pri
     if run.stage == "train":  # optimizer state is not needed afterwards: keep metrics and final_model only
         shutil.rmtree(d / "checkpoints", ignore_errors=True)
     _info_path(run, d).write_text(json.dumps({"command": cmd, "t_start": t0, "wall_s": wall, "label": run.label,
-                                              "seed": run.seed, "threads": threads}, indent=1))
+                                              "seed": run.seed, "threads": threads,
+                                              "algorithm_version": _algorithm_version()}, indent=1))
     log(f"  done  {run.stage:14s} {d.name} in {wall:.0f} s")
     return RunResult(run, d, True, wall, cached=False)
 

@@ -1,13 +1,25 @@
-"""The SAO training loop. `SAOTrainer.run` is the whole algorithm; everything else is plumbing.
+"""The SAO trainer's lifecycle around the algorithm. One step of the algorithm is
+`trainer/step.py::sao_step` (critic values -> GAE targets -> K critic steps -> one DIS actor step);
+`SAOTrainer.run` repeats it:
 
-Per step (DESIGN.md data flow):
-  1. take the `batch_size` oldest finished trajectories (single rollout: one per prompt)
-  2. critic values of every state -> skip-observation GAE: returns (critic lambda) and advantages
-     (length-adaptive policy lambda)
-  3. K critic steps on the fixed returns
-  4. after the critic warm-up: one actor step with the DIS loss, then push weights (version + 1)
-Rollouts never wait for the trainer except through admission control (rollout/episodes.py); the
-rollout side (every server, episodes, weight sync) is one object, `rollout/driver.py::RolloutSide`.
+    while steps remain:
+        batch   = _next_batch()      rank 0 takes the `batch_size` oldest finished trajectories from
+                                     the buffer and broadcasts them (all ranks train on the same one)
+        outcome = sao_step(batch)    the algorithm, collective on every rank
+        if the actor stepped:  version + 1, _sync_weights() -> _push() to every rollout server
+        _end_step()                  logs (_log, rank 0), agrees on a stop (Ctrl-C / SIGTERM) and saves
+
+Around the loop: build the models and the buffer, _resume() from the newest intact checkpoint,
+_start_rollouts() (rank 0: `rollout/driver.py::RolloutSide`, every server and the episode driver),
+and at the end save(), the HF export and close(). Rollouts never wait for the trainer except through
+admission control (rollout/episodes.py). Every collective that may follow a phase only rank 0 runs
+goes through the rank-0 gate (the distributed helpers at the bottom).
+
+Colocated placement (`cluster.placement: colocated`, `trainer/colocated.py`): every rank hosts a vLLM
+engine shard, `_next_batch` first serves the engines on every rank until rank 0 holds a batch, and
+`_before_train` / `_after_train` bracket the step with the memory dance of rollout/colocate/cycle.py
+(engine asleep, trainer onloaded; trainer offloaded, new weights loaded in-process, engine awake).
+Elsewhere those hooks do nothing.
 """
 
 from __future__ import annotations
@@ -32,11 +44,11 @@ from megatron_sao.trainer import checkpoints as ckpts
 from megatron_sao.trainer import colocated as colo
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
-from megatron_sao.trainer.losses import critic_loss_fn, lag0_mismatch, policy_loss_fn
+from megatron_sao.trainer.losses import critic_loss_fn, policy_loss_fn
 from megatron_sao.rollout.prompts import unit_of
 from megatron_sao.rollout.replay import ReplaySource
 from megatron_sao.trainer.run_dir import rng_state, set_rng_state
-from megatron_sao.trainer.targets import compute_targets
+from megatron_sao.trainer.step import sao_step
 from megatron_sao.trajectory import collate_padded
 
 logger = logging.getLogger(__name__)
@@ -51,6 +63,8 @@ class TrainingInterrupted(RuntimeError):
 
 
 class SAOTrainer:
+    """Holds the run: actor, critic, buffer, rollout side, step and policy version (module docstring)."""
+
     def __init__(self, cfg: SAOConfig, resume: bool = False, overwrite: bool = False):
         self.cfg, a = cfg, cfg.algorithm
         colo.check_colocated(cfg)  # before anything loads: a colocated job that cannot run says why now
@@ -88,7 +102,14 @@ class SAOTrainer:
             self._barrier()  # rank 0 started the rollout engines alone: meet it outside the export's collectives
             self._post_resume_sync()
 
-    # ------------------------------------------------------------------ the algorithm
+    # ------------------------------------------------------------------ signals
+    def _install_signal_handlers(self) -> None:
+        self._stop_requested = False
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM too: SLURM sends it before preempting or cancelling a job.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._on_signal)
+
     def _on_signal(self, signum, frame) -> None:
         if self._stop_requested:  # a second Ctrl-C: leave now, without a checkpoint
             raise KeyboardInterrupt
@@ -104,12 +125,9 @@ class SAOTrainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    # ------------------------------------------------------------------ the loop
     def run(self) -> None:
-        self._stop_requested = False
-        if threading.current_thread() is threading.main_thread():
-            # SIGTERM too: SLURM sends it before preempting or cancelling a job.
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, self._on_signal)
+        self._install_signal_handlers()
         try:
             while self.step < self.total:
                 # Sorted by length so each micro-batch only pays for its own longest trajectory.
@@ -117,48 +135,16 @@ class SAOTrainer:
                 self._before_train()
                 t0 = time.monotonic()
                 batch = collate_padded(trajs, pad_id=0)
-                fields = {k: v for k, v in batch.to_dict().items() if v.dim() == 2}
-                fields["attention_mask"] = batch.attention_mask
-                m: dict = {"step": self.step, "version": self.version}
-
-                tv = time.monotonic()
-                values = self.critic.values(fields) if self.critic is not None else None
-                m["time/critic_forward_s"] = time.monotonic() - tv
-                targets = compute_targets(batch, values, self.cfg.algorithm, self.baseline)
-                m.update(targets.metrics)
-                fields["advantages"] = targets.advantages
-                if self.critic is not None:
-                    fields["returns"] = targets.returns
-                    for _ in range(self.cfg.algorithm.critic_steps):
-                        res = self.critic.train_step(fields, self.critic_loss)
-                        self._check_finite(res, "critic")
-                    m.update({f"critic/{k}": v for k, v in res.metrics.items()},
-                             **{"critic/grad_norm": res.grad_norm})
-
-                if self.step >= self.warmup:  # critic warm-up: the actor waits, rollouts go on
-                    # Tokens sampled by the weights about to be trained: the loss measures their
-                    # train/rollout log-prob mismatch from the step's own forward (trainer/losses.py).
-                    fields["lag0_mask"] = batch.action_mask & (batch.versions == self.version)
-                    res = self.actor.train_step(fields, self.policy_loss)
-                    self._check_finite(res, "actor")
-                    if (mismatch := lag0_mismatch(res.metrics)) is not None:
-                        m["logprob_mismatch_lag0"] = mismatch
-                    m.update({f"actor/{k}": v for k, v in res.metrics.items()}, **{"actor/grad_norm": res.grad_norm})
-                    if not res.skipped:
-                        self.version += 1
-                        m["time/weight_sync_s"] = self._sync_weights()
-                m.update(self._after_train(time.monotonic() - t0))
-
-                self.busy_s += time.monotonic() - t0
-                self.step += 1
-                if self.rank0:
-                    self.driver.step_finished()
-                self._log(m, trajs, batch, time.monotonic() - t0)
-                if self._stop_agreed():
-                    self.save()
-                    raise TrainingInterrupted(f"stopped by a signal after step {self.step}; checkpoint written")
-                if self.cfg.run.save_every and self.step % self.cfg.run.save_every == 0:
-                    self.save()
+                outcome = sao_step(batch, self.actor, self.critic, self.cfg.algorithm,
+                                   policy_loss=self.policy_loss, critic_loss=self.critic_loss, version=self.version,
+                                   train_actor=self.step >= self.warmup,  # critic warm-up: the actor waits
+                                   baseline=self.baseline, check=self._check_finite)
+                m = {"step": self.step, "version": self.version, **outcome.metrics}
+                if outcome.actor_updated:
+                    self.version += 1
+                    m["time/weight_sync_s"] = self._sync_weights()
+                m.update(self._after_train(time.monotonic() - t0))  # colocated: offload, reload, wake
+                self._end_step(m, trajs, batch, t0)
             self.save()
             from megatron_sao.trainer.hf_export import export_hf_model
 
@@ -166,6 +152,20 @@ class SAOTrainer:
                 export_hf_model(self.actor, self.model_dir, self.run_dir.path / "final_model")
         finally:
             self.close()
+
+    def _end_step(self, m: dict, trajs, batch, t0: float) -> None:
+        """After a step: count it, log it, stop on an agreed signal or save when due (checkpoints
+        hold whole steps only)."""
+        self.busy_s += time.monotonic() - t0
+        self.step += 1
+        if self.rank0:
+            self.driver.step_finished()
+        self._log(m, trajs, batch, time.monotonic() - t0)
+        if self._stop_agreed():
+            self.save()
+            raise TrainingInterrupted(f"stopped by a signal after step {self.step}; checkpoint written")
+        if self.cfg.run.save_every and self.step % self.cfg.run.save_every == 0:
+            self.save()
 
     # ------------------------------------------------------------------ batches
     def _next_batch(self):

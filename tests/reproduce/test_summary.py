@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +47,17 @@ def test_run_key_changes_with_what_the_run_computes():
     assert a.key() != Run("sao", 2, "examples/tiny_cpu.yaml", ("algorithm.critic_steps=1",)).key()
     assert a.key() != Run("sao", 1, "examples/tiny_cpu.yaml", ("algorithm.critic_steps=2",)).key()
     assert a.key() != Run("sao", 1, "examples/tiny_cpu.yaml", ("algorithm.critic_steps=1",), stage="sft").key()
+
+
+def test_run_key_changes_with_the_algorithm_version(monkeypatch):
+    # A code change that makes the same config train differently must not reuse the old runs.
+    from megatron_sao.trainer import step
+
+    a = Run("sao", 1, "examples/tiny_cpu.yaml", ("algorithm.critic_steps=1",))
+    before = a.key()
+    monkeypatch.setattr(step, "ALGORITHM_VERSION", step.ALGORITHM_VERSION + 1)
+    assert a.key() != before
+    assert a.directory(Path("w")) != Path("w") / "runs" / f"sao-s1-{before}"
 
 
 def test_recovery_waits_for_batches_started_after_the_switch():

@@ -99,12 +99,13 @@ class SAOTrainer:
         try:
             while self.step < self.total:
                 # Sorted by length so each micro-batch only pays for its own longest trajectory.
+                tw = time.monotonic()
                 trajs = sorted(self._next_batch(), key=lambda t: t.length)
                 t0 = time.monotonic()
                 batch = collate_padded(trajs, pad_id=0)
                 fields = {k: v for k, v in batch.to_dict().items() if v.dim() == 2}
                 fields["attention_mask"] = batch.attention_mask
-                m: dict = {"step": self.step, "version": self.version}
+                m: dict = {"step": self.step, "version": self.version, "time/wait_batch_s": t0 - tw}
 
                 tv = time.monotonic()
                 values = self.critic.values(fields) if self.critic is not None else None
@@ -114,9 +115,11 @@ class SAOTrainer:
                 fields["advantages"] = targets.advantages
                 if self.critic is not None:
                     fields["returns"] = targets.returns
+                    tv = time.monotonic()
                     for _ in range(self.cfg.algorithm.critic_steps):
                         res = self.critic.train_step(fields, self.critic_loss)
                         self._check_finite(res, "critic")
+                    m["time/critic_train_s"] = time.monotonic() - tv
                     m.update({f"critic/{k}": v for k, v in res.metrics.items()},
                              **{"critic/grad_norm": res.grad_norm})
 
@@ -127,7 +130,9 @@ class SAOTrainer:
                     lag0 = batch.action_mask & (batch.versions == self.version)
                     if lag0.any():
                         m["logprob_mismatch_lag0"] = float(logprob_mismatch(lp, batch.rollout_logprobs, lag0))
+                    tv = time.monotonic()
                     res = self.actor.train_step(fields, self.policy_loss)
+                    m["time/actor_train_s"] = time.monotonic() - tv
                     self._check_finite(res, "actor")
                     m.update({f"actor/{k}": v for k, v in res.metrics.items()}, **{"actor/grad_norm": res.grad_norm})
                     if not res.skipped:
@@ -291,7 +296,9 @@ class SAOTrainer:
             m["rollout/policy_step_min"], m["rollout/policy_step_max"] = min(started), max(started)
         due = self.cfg.run.eval_every and (self.step % self.cfg.run.eval_every == 0 or self.step == self.total)
         if due and self.rollout is not None:
+            te = time.monotonic()
             m["eval/accuracy"] = self.evaluate()
+            m["time/eval_s"] = time.monotonic() - te
         self.run_dir.log_metrics(m, tensorboard=self.cfg.run.tensorboard)
         self.run_dir.log_batch(m["step"], trajs)
         self.console.update(m)

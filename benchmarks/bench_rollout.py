@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "rollout"))  # engine_fixtures: the tiny test models
 
-from megatron_sao.rollout.engine import EngineConfig, SamplingParams, make_engine  # noqa: E402
+from megatron_sao.rollout.factory import make_engine  # noqa: E402
+from megatron_sao.rollout.protocol import EngineConfig, SamplingParams  # noqa: E402
 from megatron_sao.rollout.weight_sync import WeightSync  # noqa: E402
 
 

@@ -1,23 +1,30 @@
 """TrajectoryBuffer: finished trajectories wait here, oldest first, until the trainer takes a batch.
 
 Single rollout: a trajectory enters the moment it finishes, with no grouping by prompt (GRPO, the
-baseline, asks for `group_size` trajectories of one prompt and then takes whole groups).
+baseline, asks for `group_size` trajectories of one prompt and then takes whole groups). A group is
+complete when all `group_size` members have finished: a failed member (recorded, never trained on)
+counts as finished, so the group trains on its other members (`groups_with_failures` counts them)
+instead of waiting forever for a member that will not come.
 
 Staleness. The lag of an action token is `current_version - version that sampled it`; a trajectory's
 lag is the largest over its action tokens (pause-keep rollouts can span several versions). At
 `take`, a trajectory whose lag exceeds `max_staleness` is handled by `staleness_policy`:
+- "keep" (default): trained on anyway; the DIS mask removes tokens whose ratio left the trust band.
+  The paper sends every finished trajectory to training; admission control (rollout/episodes.py)
+  still bounds how far rollouts start ahead, so only episodes longer than that bound arrive stale.
 - "drop": removed and counted (`dropped_stale`), and its prompt is handed back through
-  `on_drop` so the rollout driver runs it again *first* (a long trajectory is retried at the head
-  of the queue instead of being starved behind short ones);
-- "keep": trained on anyway; the DIS mask removes tokens whose ratio left the trust band.
-The driver's admission control (see trainer/rollout_driver.py) bounds how far rollouts run ahead,
-so drops are rare by construction; the bound here is the guarantee.
+  `on_drop` so the rollout driver runs it again *first*. An episode longer than the bound is stale
+  on every try, so one prompt (prompt id + sample) is dropped at most `max_stale_drops` times; its
+  next trajectory is trained on however stale (`kept_after_drops`). The counts live in memory: a
+  resumed run starts them again.
 
 Persistence. Every trajectory is written to `<dir>/<seq>-<traj_id>.safetensors` when it enters
-(atomic write), so a crash loses nothing that finished. A consumed trajectory's file is deleted only
-after a checkpoint that covers its step is committed (`release_consumed(step)`); on resume the
-files still present are exactly the trajectories the checkpointed model has not trained on, and
-they re-enter in their original finish order.
+(atomic write), so a crash loses nothing that finished. A consumed trajectory's file is kept until
+the *older* of the two kept checkpoints covers its step (`release_consumed`, called by the trainer
+after a commit), so a fallback to that checkpoint still finds it. Each checkpoint records which
+consumed files it covers (`covered()`); resume (`restore(covered)`) treats those as consumed
+whatever state they are in, and only the other files re-enter, in their original finish order.
+A kill between the commit and the release therefore never trains a trajectory twice.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .faults import fault_point
 from .trajectory import Trajectory, load_trajectories, save_trajectories
 
 
@@ -37,6 +45,8 @@ class BufferStats:
     received: int = 0
     failed: int = 0  # failed trajectories: recorded on disk, never trained on
     dropped_stale: int = 0
+    kept_after_drops: int = 0  # stale trajectories trained on because their prompt hit max_stale_drops
+    groups_with_failures: int = 0  # groups trained without their failed members
     taken: int = 0
     last_lag_histogram: dict[int, int] = field(default_factory=dict)
 
@@ -44,30 +54,40 @@ class BufferStats:
 @dataclass
 class _Entry:
     seq: int
-    traj: Trajectory
+    traj: Trajectory | None  # None: a consumed file restored on resume (never read again)
     path: Path | None
+    traj_id: str = ""
 
 
 class TrajectoryBuffer:
-    def __init__(self, batch_size: int, max_staleness: int, staleness_policy: str = "drop",
+    def __init__(self, batch_size: int, max_staleness: int, staleness_policy: str = "keep",
                  directory: str | os.PathLike | None = None, group_size: int = 1,
-                 on_drop: Callable[[Trajectory], None] | None = None):
+                 on_drop: Callable[[Trajectory], None] | None = None, max_stale_drops: int = 2):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if staleness_policy not in ("drop", "keep"):
             raise ValueError(f"staleness_policy must be 'drop' or 'keep', got {staleness_policy!r}")
         if batch_size % group_size:
             raise ValueError(f"batch_size {batch_size} is not a multiple of group_size {group_size}")
+        if max_stale_drops < 0:
+            raise ValueError(f"max_stale_drops must be >= 0, got {max_stale_drops}")
         self.batch_size, self.max_staleness = batch_size, max_staleness
         self.policy, self.group_size, self.on_drop = staleness_policy, group_size, on_drop
+        self.max_stale_drops = max_stale_drops
+        self._drops: dict[str, int] = {}  # prompt id + sample -> times dropped as stale
+        self._failed_members: dict[str, int] = {}  # grouped: prompt id -> failed members so far
         self.dir = Path(directory) if directory is not None else None
         self.failed_dir = self.dir / "failed" if self.dir is not None else None
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.failed_dir.mkdir(exist_ok=True)
+            for d in (self.dir, self.failed_dir):  # half-written by a process that died mid-write
+                for tmp in d.glob("*.tmp-*"):
+                    tmp.unlink(missing_ok=True)
         self._ready: OrderedDict[str, _Entry] = OrderedDict()  # traj_id -> entry, finish order
         self._consumed: list[tuple[int, _Entry]] = []  # (step, entry), files kept until a checkpoint
         self._seq = 0
+        self._restored: list[Trajectory] | None = None
         self._cond = threading.Condition()
         self._closed = False
         self.stats = BufferStats()
@@ -83,13 +103,15 @@ class TrajectoryBuffer:
                 self.stats.failed += 1
                 if self.failed_dir is not None:
                     save_trajectories(self.failed_dir / f"{seq:09d}-{traj.traj_id}.safetensors", [traj])
+                self._count_failed_member(traj)
                 self._cond.notify_all()
                 return
             path = None
             if self.dir is not None:
                 path = self.dir / f"{seq:09d}-{traj.traj_id}.safetensors"
                 save_trajectories(path, [traj])
-            self._ready[traj.traj_id] = _Entry(seq, traj, path)
+                fault_point("buffer_put")
+            self._ready[traj.traj_id] = _Entry(seq, traj, path, traj.traj_id)
             self._cond.notify_all()
 
     def __len__(self) -> int:
@@ -98,16 +120,34 @@ class TrajectoryBuffer:
 
     def pending_prompt_ids(self) -> list[str]:
         with self._cond:
-            return [e.traj.prompt_id for e in self._ready.values()] + [e.traj.prompt_id for _, e in self._consumed]
+            return ([e.traj.prompt_id for e in self._ready.values()]
+                    + [e.traj.prompt_id for _, e in self._consumed if e.traj is not None])
 
     # ------------------------------------------------------------------ consumer side
     def lag(self, traj: Trajectory, current_version: int) -> int:
         return current_version - traj.min_version()
 
+    @staticmethod
+    def _unit_key(traj: Trajectory) -> str:
+        return f"{traj.prompt_id}#{traj.info.get('sample', 0)}"
+
+    def _count_failed_member(self, traj: Trajectory) -> None:
+        if self.group_size == 1:
+            return
+        n = self._failed_members.get(traj.prompt_id, 0) + 1
+        if n >= self.group_size:  # every member failed: nothing of this group will ever be trained
+            self._failed_members.pop(traj.prompt_id, None)
+        else:
+            self._failed_members[traj.prompt_id] = n
+
     def _drop_stale(self, current_version: int) -> None:
         if self.policy != "drop":
             return
         for tid in [t for t, e in self._ready.items() if self.lag(e.traj, current_version) > self.max_staleness]:
+            key = self._unit_key(self._ready[tid].traj)
+            if self._drops.get(key, 0) >= self.max_stale_drops:
+                continue  # dropped often enough: trained on at this arrival (see the module docstring)
+            self._drops[key] = self._drops.get(key, 0) + 1
             entry = self._ready.pop(tid)
             self.stats.dropped_stale += 1
             if entry.path is not None and entry.path.exists():
@@ -122,8 +162,10 @@ class TrajectoryBuffer:
         groups: OrderedDict[str, list[str]] = OrderedDict()
         for tid in ids:  # groups complete in the order their last member finished
             groups.setdefault(self._ready[tid].traj.prompt_id, []).append(tid)
-        complete = [g[: self.group_size] for g in groups.values() if len(g) >= self.group_size]
-        if len(complete) * self.group_size < self.batch_size:
+        # A failed member has finished too: its group is complete without it.
+        complete = [g[: self.group_size - self._failed_members.get(pid, 0)] for pid, g in groups.items()
+                    if len(g) + self._failed_members.get(pid, 0) >= self.group_size]
+        if len(complete) < self.batch_size // self.group_size:
             return None
         return [tid for g in complete[: self.batch_size // self.group_size] for tid in g]
 
@@ -148,12 +190,25 @@ class TrajectoryBuffer:
                 batch.append(entry.traj)
                 lag = self.lag(entry.traj, current_version)
                 hist[lag] = hist.get(lag, 0) + 1
+                if self._drops.pop(self._unit_key(entry.traj), 0) and lag > self.max_staleness:
+                    self.stats.kept_after_drops += 1
+            for pid in dict.fromkeys(t.prompt_id for t in batch):
+                if self._failed_members.pop(pid, 0):
+                    self.stats.groups_with_failures += 1
             self.stats.taken += len(batch)
             self.stats.last_lag_histogram = dict(sorted(hist.items()))
+            fault_point("batch_taken")
             return batch
 
+    def covered(self) -> list[list]:
+        """[traj_id, step] of every consumed trajectory whose file is still kept: what a checkpoint
+        written now covers (trainer_state.json records it for `restore`)."""
+        with self._cond:
+            return [[e.traj_id, step] for step, e in self._consumed]
+
     def release_consumed(self, up_to_step: int) -> int:
-        """Delete the files of trajectories trained at steps <= up_to_step (a checkpoint covers them)."""
+        """Delete the files of trajectories trained at steps <= up_to_step (the checkpoints that
+        could be resumed from all cover them)."""
         with self._cond:
             keep, n = [], 0
             for step, entry in self._consumed:
@@ -172,19 +227,32 @@ class TrajectoryBuffer:
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ resume
-    def restore(self) -> list[Trajectory]:
-        """Reload every trajectory file left in the directory (finish order) into the ready queue."""
+    def restore(self, covered: dict[str, int] | None = None) -> list[Trajectory]:
+        """Resume: reload the trajectory files left in the directory into the ready queue (finish
+        order), except those the checkpoint covers (`covered`: traj_id -> step that trained it),
+        which are consumed whatever state their files are in and are only kept for release.
+        Idempotent: later calls return the first call's list."""
         if self.dir is None:
             return []
-        restored = []
+        covered = covered or {}
         with self._cond:
+            if self._restored is not None:
+                return list(self._restored)
+            restored = []
             for path in sorted(self.dir.glob("*.safetensors")):
-                seq = int(path.name.split("-", 1)[0])
-                (traj,) = load_trajectories(path)
-                self._ready[traj.traj_id] = _Entry(seq, traj, path)
+                seq_text, _, rest = path.name.partition("-")
+                seq, traj_id = int(seq_text), rest[: -len(".safetensors")]
                 self._seq = max(self._seq, seq + 1)
+                if traj_id in covered:
+                    self._consumed.append((covered[traj_id], _Entry(seq, None, path, traj_id)))
+                    continue
+                (traj,) = load_trajectories(path)
+                self._ready[traj.traj_id] = _Entry(seq, traj, path, traj.traj_id)
                 restored.append(traj)
             for path in self.failed_dir.glob("*.safetensors"):
                 self._seq = max(self._seq, int(path.name.split("-", 1)[0]) + 1)
+                if self.group_size > 1:  # a group waiting for members must know its failed ones
+                    self._count_failed_member(load_trajectories(path)[0])
+            self._restored = restored
             self._cond.notify_all()
-        return restored
+        return list(restored)

@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("megatron_sao.trainer.evaluate", "main", "Pass@1 at temperature 1.0, top-p 1.0"),
     "convert": ("megatron_sao.checkpoint.convert_cli", "cli_main", "HF <-> Megatron checkpoint conversion"),
     "plan": ("megatron_sao.cluster.planner", "main", "per-GPU memory and parallel layout checks"),
-    "serve-rollout": ("megatron_sao.rollout.server", "cli_main", "serve a rollout engine over HTTP"),
+    "serve-rollout": ("megatron_sao.trainer.serve_rollout", "main", "serve a rollout engine over HTTP"),
     "bench": ("megatron_sao.benchmarks_cli", "main", "run a benchmark from benchmarks/"),
 }
 
@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", default=None, help="per-item results (jsonl)")
         else:
             _add_config_args(p)
+            if name == "train":
+                p.add_argument("--overwrite", action="store_true",
+                               help="start over in a run directory that already holds a training run")
     return parser
 
 
@@ -110,6 +113,24 @@ def setup_logging() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from megatron_sao.config import ConfigError
+    from megatron_sao.errors import UserError
+
+    return ConfigError, UserError
+
+
+def _run(command: str, fn: Callable, arg) -> int:
+    """Run a command; a user error (bad config, missing or damaged input file, run directory clash)
+    is printed as one line and exits 2. Anything else is a bug and keeps its traceback."""
+    try:
+        return int(fn(arg) or 0)
+    except _user_errors() as e:
+        message = " ".join(str(e).split())  # one line, whatever the message held
+        print(f"sao {command}: error: {message}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
@@ -119,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except NotImplementedError as e:
             print(f"sao: {e}", file=sys.stderr)
             return 2
-        return int(fn(argv[1:]) or 0)
+        return _run(argv[0], fn, argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may come after flags (`sao train C --resume a.b=1`): argparse leaves those as extras.
@@ -135,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NotImplementedError as e:
         print(f"sao: {e}", file=sys.stderr)
         return 2
-    return int(fn(args) or 0)
+    return _run(args.command, fn, args)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ class RunConfig:
     total_steps: int = 100  # actor steps (critic warm-up steps count separately)
     save_every: int = 50
     eval_every: int = 25
-    log_every: int = 1
     tensorboard: bool = True
     console: Literal["rich", "plain", "none"] = "rich"
     max_consecutive_nonfinite: int = 3  # NaN/inf steps in a row before the run stops with a checkpoint
@@ -47,6 +46,10 @@ class ModelConfig:
     # "tiny_qwen3_moe" (random init, own char tokenizer; no download).
     path: str = "tiny_qwen3_moe"
     tokenizer: Optional[str] = None  # defaults to `path`
+    # The trainer's models are built in this dtype (models/precision.py). bfloat16: Megatron mixed
+    # precision (bf16 weights/activations, fp32 main params, grads and Adam state), what every GPU
+    # recipe uses and what TE's fused attention needs. float32 (the default): the CPU demo and CI,
+    # where bf16 matmuls are slow. float16 is refused (no loss scaling).
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_seq_len: int = 256
 
@@ -56,10 +59,13 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    etp: Optional[int] = None  # expert tensor parallel size (None = tp; Megatron needs 1 for TP=EP=2 on 2 ranks)
+    # Expert tensor parallel size. None = the one rule trainer, planner and converter share
+    # (models/parallel_sizes.default_expert_tp): 1 (experts whole on their EP rank) when ep >= tp, else tp.
+    etp: Optional[int] = None
     sequence_parallel: bool = False
     micro_batch_size: int = 8
-    recompute: Literal["none", "full"] = "none"  # full activation recompute (long contexts)
+    # Full activation recompute (long contexts); `sao plan` refuses a config that needs it and lacks it.
+    recompute: Literal["none", "full"] = "none"
 
 
 @dataclass
@@ -80,22 +86,30 @@ class ActorConfig:
     init: Optional[str] = None  # HF dir or megatron checkpoint dir; None = model.path
 
 
+# The paper's frozen-attention critic as group names (expanded per model in models/freeze.py).
+PAPER_CRITIC_FREEZE = ("attention", "embeddings", "router", "norms")
+
+
 @dataclass
 class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-6))
     init: Optional[str] = None  # a saved critic (megatron or HF) or None = the actor's HF weights
-    value_head_init: Literal["normal", "zero"] = "normal"
-    # Parameter-name patterns frozen during RL. "attention" = the frozen-attention preset
-    # (qkv, output projection, q/k norms); [] trains everything (the "no frozen attention" ablation).
-    freeze: list[str] = field(default_factory=lambda: ["attention"])
+    # What stays frozen during RL: group names (models/freeze.py CRITIC_FREEZE_GROUPS) or parameter-name
+    # patterns. The default is the paper's frozen-attention critic: attention, word embeddings, router
+    # and norms frozen, so only the expert (dense: MLP) projections and the value head train.
+    # [embeddings, router, norms] is the "attention trained" ablation; [] trains everything.
+    freeze: list[str] = field(default_factory=lambda: list(PAPER_CRITIC_FREEZE))
 
 
 @dataclass
 class AlgorithmConfig:
-    # sao: critic + skip-observation token GAE + DIS.  grpo: n rollouts per prompt, group baseline,
-    # PPO clip.  grpo_dis: grpo advantages with the DIS loss.  running_mean: DIS with a running-mean
-    # baseline instead of a critic.
-    name: Literal["sao", "grpo", "grpo_dis", "running_mean"] = "sao"
+    # sao: critic + skip-observation token GAE + DIS.
+    # grpo: the paper's vanilla GRPO baseline: n rollouts per prompt, group baseline, PPO clip with the
+    #   ratio against the learner's own log-probs before the update (no staleness correction).
+    # grpo_rollout_ratio: GRPO with the PPO clip ratio taken against the rollout log-probs (a partial
+    #   staleness correction; what `grpo` meant before).
+    # grpo_dis: grpo advantages with the DIS loss.  running_mean: DIS with a running-mean baseline.
+    name: Literal["sao", "grpo", "grpo_rollout_ratio", "grpo_dis", "running_mean"] = "sao"
     advantage: Literal["token", "step_avg", "step_last"] = "token"  # token-level GAE or step-level
     gamma: float = 1.0
     critic_lambda: float = 1.0
@@ -107,13 +121,26 @@ class AlgorithmConfig:
     ppo_clip_high: float = 0.28
     critic_steps: int = 2  # K critic optimizer steps per actor step
     critic_warmup_steps: int = 10  # critic-only steps before the actor moves
-    group_size: int = 8  # grpo: rollouts per prompt
+    group_size: int = 8  # grpo*: rollouts per prompt
     running_mean_window: int = 512  # running_mean: rewards kept in the baseline window
     whiten_advantages: bool = False
 
     @property
     def uses_critic(self) -> bool:
         return self.name == "sao"
+
+    @property
+    def uses_groups(self) -> bool:
+        """n rollouts per prompt, trained as whole groups."""
+        return self.name in GROUPED_ALGORITHMS
+
+    @property
+    def uses_rollout_logprobs(self) -> bool:
+        """The policy loss takes its ratio against the log-probs the sampler recorded."""
+        return self.name != "grpo"
+
+
+GROUPED_ALGORITHMS = ("grpo", "grpo_rollout_ratio", "grpo_dis")
 
 
 @dataclass
@@ -131,6 +158,19 @@ class RolloutConfig:
     timeout_s: float = 600.0  # every request and collective; a dead engine is reported after this
     gpu_memory_utilization: float = 0.5
     colocate: bool = False  # vLLM on the trainer GPUs with sleep/wake
+    # Generate requests in flight per server: what `vllm serve --max-num-seqs` is started with (the launch
+    # plan passes the same value to both). None: ceil(concurrency / servers) for vllm_server, else unbounded.
+    max_num_seqs: Optional[int] = None
+    # How weights reach the engines: reload (safetensors bytes), nccl (GPU), gloo (CPU vllm serve), auto.
+    weight_transport: Literal["auto", "reload", "nccl", "gloo"] = "auto"
+    # nccl / gloo: the trainer rank-0 host as the servers see it, and one port per server (set by the
+    # launch plan from cluster.weight_sync_port; no defaults, a wrong guess would hang a rendezvous).
+    weight_transfer_master_address: str = ""
+    weight_transfer_ports: list[int] = field(default_factory=list)
+    weight_sync_check: bool = False  # after every update, compare each server's log-probs with the trainer's
+    weight_sync_check_atol: float = 1e-3
+    health_check_interval_s: float = 10.0  # servers failing it stop getting episodes (theirs re-run elsewhere)
+    vllm_serve_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags of the launch plan
 
 
 @dataclass
@@ -144,14 +184,22 @@ class EnvConfig:
     eval_seed: Optional[int] = None
     kwargs: dict[str, Any] = field(default_factory=dict)  # environment constructor arguments
     task_kwargs: dict[str, Any] = field(default_factory=dict)  # task loader arguments (n, max_ops, data_dir...)
+    # Where user namespaces are unavailable (non-root), model code can only run as the trainer's own
+    # uid with seccomp, rlimits and audit hooks (envs/sandbox.py, process mode); refused unless true.
+    sandbox_allow_same_uid: bool = False
 
 
 @dataclass
 class BufferConfig:
     batch_size: int = 128  # trajectories per actor step (single rollout: = prompts per step)
+    # Admission control starts an episode at most max_staleness steps before the batch it is meant
+    # for, so this bounds how far rollouts run ahead. A trajectory that still arrives staler (a long
+    # episode) is handled by staleness_policy: keep trains on it and DIS masks the drifted tokens
+    # (the paper: every finished trajectory is trained on); drop deletes it and re-runs its prompt,
+    # at most max_stale_drops times, after which the prompt's next trajectory is trained on anyway.
     max_staleness: int = 4  # max policy-version lag of any action token
-    staleness_policy: Literal["drop", "keep"] = "drop"  # drop (and count) or keep for DIS to mask
-    max_pending: int = 1024  # admission control: finished trajectories held before the driver pauses
+    staleness_policy: Literal["drop", "keep"] = "keep"
+    max_stale_drops: int = 2
 
 
 @dataclass
@@ -160,10 +208,10 @@ class TrainerConfig:
     # Train on the trajectories of a saved file (megatron_sao.trajectory format) instead of live
     # rollouts, in file order: deterministic batches for debugging, regression and parity tests.
     replay: Optional[str] = None
-    global_batch_tokens: Optional[int] = None  # optional cap for micro-batching by tokens
-    # Staleness stress test: the rollout engine always holds the policy of `policy_lag` actor steps
-    # ago (the trainer keeps that many weight snapshots in host memory). With `mode: sync` every
-    # trajectory is then exactly `policy_lag` versions old, whatever the machine's speed.
+    # Staleness stress test (CPU only): the rollout engine always holds the policy of `policy_lag`
+    # actor steps ago. The trainer keeps policy_lag + 1 full CPU copies of the weights for it (model
+    # size x (lag + 1) of host memory), so it is refused for bf16/fp16 models and cluster placements.
+    # With `mode: sync` every trajectory is then exactly `policy_lag` versions old.
     policy_lag: int = 0
 
 
@@ -200,6 +248,7 @@ class ClusterConfig:
     rollout_tp: int = 1  # vLLM tensor parallel size of one server
     rollout_port: int = 8000
     master_port: int = 29500
+    weight_sync_port: int = 29600  # server i's weight-transfer group: port weight_sync_port + i on trainer rank 0
     gpu_memory_gib: float = 80.0  # per-GPU memory the planner budgets against
 
 
@@ -261,7 +310,7 @@ def validate(cfg: SAOConfig) -> SAOConfig:
     _check(a.critic_steps >= 1, "algorithm.critic_steps", f"must be >= 1, got {a.critic_steps}")
     _check(a.critic_warmup_steps >= 0, "algorithm.critic_warmup_steps", "must be >= 0")
     _check(a.group_size >= 1, "algorithm.group_size", "must be >= 1")
-    if a.name in ("grpo", "grpo_dis"):
+    if a.uses_groups:
         _check(a.group_size >= 2, "algorithm.group_size", f"{a.name} needs at least 2 rollouts per prompt")
         _check(b.batch_size % a.group_size == 0, "buffer.batch_size",
                f"must be a multiple of algorithm.group_size ({a.group_size}) for {a.name}")
@@ -269,6 +318,10 @@ def validate(cfg: SAOConfig) -> SAOConfig:
         _check(a.name == "sao", "algorithm.advantage", "step-level GAE needs the critic (algorithm.name: sao)")
     for k in ("tp", "pp", "ep", "micro_batch_size"):
         _check(getattr(p, k) >= 1, f"parallel.{k}", f"must be >= 1, got {getattr(p, k)}")
+    if p.etp is not None:
+        _check(p.etp >= 1, "parallel.etp", f"must be >= 1 (or unset), got {p.etp}")
+    _check(cfg.model.dtype != "float16", "model.dtype",
+           "float16 training needs loss scaling, which the trainer does not implement; use bfloat16")
     _check(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel", "needs parallel.tp > 1")
     _check(r.concurrency >= 1, "rollout.concurrency", "must be >= 1")
     _check(r.max_turns >= 1, "rollout.max_turns", "must be >= 1")
@@ -276,19 +329,52 @@ def validate(cfg: SAOConfig) -> SAOConfig:
     _check(r.max_total_tokens >= 2, "rollout.max_total_tokens", f"must be >= 2, got {r.max_total_tokens}")
     _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    if a.uses_rollout_logprobs:
+        # The learner's log-probs come from the raw logits; the sampler's would describe the
+        # tempered / truncated distribution, and the importance ratio would mask tokens at lag 0.
+        # (Evaluation samples with its own fixed settings and trains nothing.)
+        for key, value, neutral in (("temperature", r.temperature, 1.0), ("top_p", r.top_p, 1.0)):
+            _check(value == neutral, f"rollout.{key}",
+                   f"must be {neutral} for algorithm.name={a.name}: its loss compares the learner's log-probs "
+                   f"(raw logits) with the rollout log-probs, which {key}={value} would change; only "
+                   f"algorithm.name=grpo (ratio against its own log-probs) samples with other settings")
     _check(r.timeout_s > 0, "rollout.timeout_s", "must be > 0")
     if r.backend == "vllm_server":
         _check(bool(r.server_urls), "rollout.server_urls", "backend vllm_server needs at least one url")
+        _check(len(set(r.server_urls)) == len(r.server_urls), "rollout.server_urls", f"has duplicates: {r.server_urls}")
+    if r.max_num_seqs is not None:
+        _check(r.max_num_seqs >= 1, "rollout.max_num_seqs", f"must be >= 1, got {r.max_num_seqs}")
+    if r.weight_transfer_ports:
+        n = len(r.server_urls) if r.backend == "vllm_server" else 1
+        _check(len(r.weight_transfer_ports) == n, "rollout.weight_transfer_ports",
+               f"needs one port per server ({n}), got {r.weight_transfer_ports}")
+        _check(len(set(r.weight_transfer_ports)) == len(r.weight_transfer_ports), "rollout.weight_transfer_ports",
+               f"must be distinct (one transfer group per server), got {r.weight_transfer_ports}")
+        _check(all(0 < p < 65536 for p in r.weight_transfer_ports), "rollout.weight_transfer_ports",
+               f"must be TCP ports, got {r.weight_transfer_ports}")
+        _check(bool(r.weight_transfer_master_address), "rollout.weight_transfer_master_address",
+               "is required with rollout.weight_transfer_ports (the trainer rank-0 host)")
+    _check(r.weight_sync_check_atol > 0, "rollout.weight_sync_check_atol", "must be > 0")
+    _check(r.health_check_interval_s >= 0, "rollout.health_check_interval_s", "must be >= 0 (0 = off)")
     _check(b.batch_size >= 1, "buffer.batch_size", "must be >= 1")
     _check(b.max_staleness >= 0, "buffer.max_staleness", "must be >= 0")
-    _check(b.max_pending >= b.batch_size, "buffer.max_pending", "must be >= buffer.batch_size")
+    _check(b.max_stale_drops >= 0, "buffer.max_stale_drops", f"must be >= 0, got {b.max_stale_drops}")
     lag = cfg.trainer.policy_lag
     _check(lag >= 0, "trainer.policy_lag", f"must be >= 0, got {lag}")
+    if lag:
+        # The stress test keeps `lag` full copies of the weights in host memory (by design, see
+        # trainer.policy_lag): fine for the CPU demo's models, never for a GPU-sized one.
+        _check(cfg.model.dtype == "float32" and cfg.cluster.placement == "embedded", "trainer.policy_lag",
+               "is a CPU staleness test (it holds policy_lag full copies of the model in host memory); "
+               f"it needs model.dtype float32 and cluster.placement embedded, got {cfg.model.dtype} / "
+               f"{cfg.cluster.placement}")
+        _check(not cfg.rollout.weight_sync_check, "rollout.weight_sync_check",
+               "cannot check the lagged weights of trainer.policy_lag against the current actor")
     if lag and b.staleness_policy == "drop":
         _check(b.max_staleness >= lag, "buffer.max_staleness",
                f"must be >= trainer.policy_lag ({lag}) with staleness_policy drop, or every trajectory is dropped")
     _check(cfg.run.total_steps >= 0, "run.total_steps", "must be >= 0")
-    for k in ("save_every", "eval_every", "log_every"):
+    for k in ("save_every", "eval_every"):
         _check(getattr(cfg.run, k) >= 0, f"run.{k}", "must be >= 0")
     for role in ("actor", "critic"):
         o = getattr(cfg, role).optim
@@ -361,7 +447,35 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {tp}")
 
 
+class RemovedConfigKey(UserWarning):
+    """A key the schema no longer has was given; it is ignored (the message names it)."""
+
+
+# Keys that were validated but never read; old configs and run snapshots still carry them.
+REMOVED_KEYS: dict[str, str] = {
+    "run.log_every": "metrics are logged every step",
+    "critic.value_head_init": "a critic without a saved value head starts from N(0, init_std); for a zero "
+                              "head convert with `sao convert hf-to-megatron --role critic --value-head-init zero`",
+    "buffer.max_pending": "admission control (buffer.max_staleness) bounds the finished trajectories held",
+    "trainer.global_batch_tokens": "micro-batches are parallel.micro_batch_size rows",
+}
+
+
+def _drop_removed_keys(data: dict, prefix: str) -> dict:
+    import warnings
+
+    out = dict(data)
+    for k in list(out):
+        key = f"{prefix}.{k}" if prefix else k
+        if key in REMOVED_KEYS:
+            del out[k]
+            warnings.warn(f"{key}: removed from the config schema and ignored ({REMOVED_KEYS[key]})",
+                          RemovedConfigKey, stacklevel=2)
+    return out
+
+
 def _from_dict(cls: type, data: dict, prefix: str = "") -> Any:
+    data = _drop_removed_keys(data, prefix)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)

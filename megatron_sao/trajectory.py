@@ -29,6 +29,8 @@ from typing import Any, Iterable, Literal, Sequence
 
 import torch
 
+from megatron_sao.errors import UserError
+
 Status = Literal["terminated", "truncated", "failed"]
 SpanKind = Literal["prompt", "action", "observation"]
 STATUSES: tuple[str, ...] = ("terminated", "truncated", "failed")
@@ -396,29 +398,78 @@ def save_trajectories(path: str | os.PathLike, trajs: Sequence[Trajectory]) -> N
             os.remove(tmp)
 
 
+class TrajectoryFileError(UserError, ValueError):
+    """A trajectory file that cannot be used; the message names the file and what is wrong."""
+
+
+_FILE_TENSORS = {"offsets": torch.int64, "tokens": torch.int64, "action_mask": torch.uint8,
+                 "rollout_logprobs": torch.float32, "versions": torch.int64}
+
+
 def load_trajectories(path: str | os.PathLike) -> list[Trajectory]:
-    from safetensors import safe_open
+    """Read a trajectory file, checking its structure before building anything: tensors present with
+    their dtypes, one offset per trajectory + 1, offsets rising from 0 to exactly the token count,
+    per-token tensors of one length, then every trajectory's own invariants."""
+    from megatron_sao.checkpoint.safetensors_check import SafetensorsFileError, open_safetensors
 
     path = os.fspath(path)
-    with safe_open(path, framework="pt") as f:
+
+    def bad(msg: str) -> TrajectoryFileError:
+        return TrajectoryFileError(f"{path}: {msg}")
+
+    try:
+        f = open_safetensors(path)
+    except SafetensorsFileError as e:
+        raise TrajectoryFileError(str(e)) from None
+    with f:
         metadata = f.metadata() or {}
         if metadata.get("format") != "megatron_sao.trajectories":
-            raise ValueError(f"{path}: not a megatron_sao trajectory file (format={metadata.get('format')!r})")
-        if int(metadata.get("format_version", -1)) > FORMAT_VERSION:
-            raise ValueError(f"{path}: format version {metadata['format_version']} is newer than this code "
-                             f"({FORMAT_VERSION})")
-        t = {k: f.get_tensor(k) for k in f.keys()}
-    metas = json.loads(metadata["meta"])
+            raise bad(f"not a megatron_sao trajectory file (format={metadata.get('format')!r})")
+        try:
+            version = int(metadata.get("format_version", -1))
+        except ValueError:
+            raise bad(f"format_version {metadata.get('format_version')!r} is not an integer") from None
+        if version > FORMAT_VERSION:
+            raise bad(f"format version {version} is newer than this code ({FORMAT_VERSION})")
+        missing = sorted(set(_FILE_TENSORS) - set(f.keys()))
+        if missing:
+            raise bad(f"missing tensor(s) {missing}")
+        t = {k: f.get_tensor(k) for k in _FILE_TENSORS}
+    for k, dtype in _FILE_TENSORS.items():
+        if t[k].dtype != dtype or t[k].dim() != 1:
+            raise bad(f"tensor {k!r} is {t[k].dtype} with shape {tuple(t[k].shape)}, expected 1-D {dtype}")
+    try:
+        metas = json.loads(metadata["meta"])
+    except (KeyError, ValueError) as e:
+        raise bad(f"the 'meta' header entry is missing or not JSON ({e})") from None
+    if not isinstance(metas, list):
+        raise bad("the 'meta' header entry is not a list")
+    n_tok = t["tokens"].numel()
+    for k in ("action_mask", "rollout_logprobs", "versions"):
+        if t[k].numel() != n_tok:
+            raise bad(f"length mismatch: {k} has {t[k].numel()} entries, tokens has {n_tok}")
     offsets = t["offsets"].tolist()
+    if len(offsets) != len(metas) + 1:
+        raise bad(f"{len(offsets)} offsets for {len(metas)} trajectories (expected {len(metas) + 1})")
+    if offsets[0] != 0 or offsets[-1] != n_tok:
+        raise bad(f"offsets run from {offsets[0]} to {offsets[-1]}, expected 0 to the token count {n_tok}")
+    for i in range(len(metas)):
+        if offsets[i + 1] <= offsets[i]:
+            raise bad(f"offsets of trajectory {i} are [{offsets[i]}, {offsets[i + 1]}): empty or decreasing")
     out = []
     for i, m in enumerate(metas):
         a, b = offsets[i], offsets[i + 1]
-        out.append(Trajectory(
-            tokens=t["tokens"][a:b], action_mask=t["action_mask"][a:b].bool(),
-            rollout_logprobs=t["rollout_logprobs"][a:b], versions=t["versions"][a:b],
-            spans=[Span(s, e, k) for s, e, k in m["spans"]], reward=m["reward"], status=m["status"],
-            bootstrap=m["bootstrap"], prompt_id=m["prompt_id"], env=m["env"], traj_id=m["traj_id"],
-            error=m["error"], timings=m["timings"], info=m["info"]))
+        try:
+            out.append(Trajectory(
+                tokens=t["tokens"][a:b], action_mask=t["action_mask"][a:b].bool(),
+                rollout_logprobs=t["rollout_logprobs"][a:b], versions=t["versions"][a:b],
+                spans=[Span(s, e, k) for s, e, k in m["spans"]], reward=m["reward"], status=m["status"],
+                bootstrap=m["bootstrap"], prompt_id=m["prompt_id"], env=m["env"], traj_id=m["traj_id"],
+                error=m["error"], timings=m["timings"], info=m["info"]))
+        except TrajectoryError as e:
+            raise bad(f"trajectory {i}: {e}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"trajectory {i}: malformed metadata ({type(e).__name__}: {e})") from None
     return out
 
 

@@ -26,6 +26,8 @@
 #   SAO_TORCHRUN, SAO_VLLM executables on the nodes (default torchrun, vllm)
 #   SAO_DRY_RUN=1 (or --dry-run) prints every node's commands and exits without srun
 #   NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_IB_*, NCCL_DEBUG: passed through; defaults set below
+#   GLOO_SOCKET_IFNAME    gloo's interface (exact names); default: NCCL_SOCKET_IFNAME's names, else
+#                         the interface that routes to the master, picked by each trainer process
 
 sao_log() { echo "[sao $(date '+%F %T') ${SAO_HOST:-$(hostname -s 2>/dev/null || echo ?)}] $*" >&2; }
 sao_die() { sao_log "error: $1"; exit "${2:-1}"; }  # sao_die MESSAGE [EXIT_CODE]
@@ -58,6 +60,11 @@ sao_defaults() {
 sao_nccl_env() {
     # Defaults only: anything already in the environment wins (site modules, the user).
     export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}"  # never bootstrap over loopback/docker
+    # megatron-core also creates gloo groups, and gloo takes exact interface names, not NCCL's
+    # ^-exclusions: the launch plan hands the trainers GLOO_SOCKET_IFNAME (this one, or
+    # NCCL_SOCKET_IFNAME's names), and without either each trainer picks the interface that routes
+    # to the master (megatron_sao/cluster/socket_ifname.py) instead of what its host name resolves to.
+    if [[ -n "${GLOO_SOCKET_IFNAME:-}" ]]; then export GLOO_SOCKET_IFNAME; fi
     export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"               # IB verbs retry timeout (4.096us * 2^22)
     export NCCL_IB_RETRY_CNT="${NCCL_IB_RETRY_CNT:-7}"
     export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"

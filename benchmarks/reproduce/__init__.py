@@ -2,7 +2,7 @@
 
     sao bench main          # SFT vs GRPO vs GRPO+DIS vs SAO at equal trajectory budget
     sao bench ablations     # K=1, attention trained, running mean, no value pretraining, step-level GAE
-    sao bench staleness     # imposed policy lag 1/4/16: PPO clip vs DIS vs SAO
+    sao bench staleness     # imposed policy lag 1/4/16: vanilla GRPO vs GRPO+DIS vs SAO
     sao bench online        # style shift: critic vs running-mean baseline, recovery after switches
     sao bench throughput    # async vs sync on heavy-tailed tool latency
     sao bench all           # all five, in that order

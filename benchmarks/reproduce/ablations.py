@@ -23,7 +23,8 @@ def variants(start) -> dict[str, tuple[str, tuple[str, ...]]]:
     return {
         "sao": ("sao", ()),
         "k1": ("sao", ("algorithm.critic_steps=1",)),
-        "attention_trained": ("sao", ("critic.freeze=[]",)),
+        # Only attention changes: the rest of the paper's frozen set (embeddings, router, norms) stays frozen.
+        "attention_trained": ("sao", ("critic.freeze=[embeddings,router,norms]",)),
         "running_mean": ("running_mean", ()),
         # The critic starts from the SFT policy's weights with a fresh value head.
         "no_value_pretrain": ("sao", (f"critic.init={start.sft_model}",)),

@@ -61,9 +61,13 @@ class Settings:
 
 
 # Method definitions: overrides on top of the starting point's config. GRPO uses n=4 rollouts per
-# prompt, so at equal trajectories it sees a quarter of the prompts.
+# prompt, so at equal trajectories it sees a quarter of the prompts. "grpo" is the paper's vanilla
+# GRPO (PPO ratio against the learner's own log-probs: no staleness correction); the suite compares
+# that one. "grpo_rollout_ratio" (ratio against the rollout log-probs) is the variant the suite ran
+# before, kept for comparison with the earlier results.
 METHODS: dict[str, tuple[str, ...]] = {
     "grpo": ("algorithm.name=grpo", "algorithm.group_size=4"),
+    "grpo_rollout_ratio": ("algorithm.name=grpo_rollout_ratio", "algorithm.group_size=4"),
     "grpo_dis": ("algorithm.name=grpo_dis", "algorithm.group_size=4"),
     "sao": ("algorithm.name=sao",),
     "running_mean": ("algorithm.name=running_mean",),

@@ -3,9 +3,10 @@
 The lag is imposed, not left to the machine's speed: `trainer.mode=sync` with `trainer.policy_lag=L`
 makes the rollout engine hold the weights of L actor steps ago, so (after the first L steps) every
 trajectory was sampled by the policy of exactly L updates before the one it trains. Compared:
-vanilla GRPO with the PPO clip (ratios against the rollout log-probs), GRPO advantages with the DIS
-mask, and SAO. Logged over time: the DIS kept fraction (PPO: the unclipped fraction) and the
-effective sample size of the importance ratios.
+vanilla GRPO (the PPO clip with the ratio against the learner's own log-probs before the update, so
+no staleness correction at all: the paper's baseline), GRPO advantages with the DIS mask, and SAO.
+Logged over time: the DIS kept fraction (PPO: the unclipped fraction, always 1 for vanilla GRPO,
+whose ratio is 1) and the effective sample size of the importance ratios.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from benchmarks.reproduce.report import band_plot, header, md_table, save_fig
 from benchmarks.reproduce.starts import toy_start
 from benchmarks.reproduce.summary import stat
 
-METHODS = {"grpo_ppo_clip": "grpo", "grpo_dis": "grpo_dis", "sao": "sao"}
+METHODS = {"grpo": "grpo", "grpo_dis": "grpo_dis", "sao": "sao"}
 FULL_LAGS = (1, 4, 16)
 QUICK_LAGS = (1,)
 
@@ -82,7 +83,7 @@ def run(s: Settings) -> int:
     ax.legend(fontsize=7)
     png2 = save_fig(fig, s.out / "staleness_final_eval.png")
 
-    md = header("Staleness stress: PPO clip vs DIS vs SAO under an imposed policy lag", s.command, s.seeds, s.elapsed_s,
+    md = header("Staleness stress: vanilla GRPO vs GRPO+DIS vs SAO under an imposed policy lag", s.command, s.seeds, s.elapsed_s,
                 f"- budget: {b.trajectories} trajectories per run ({b.steps} steps x {b.batch}), synchronous "
                 f"batches with `trainer.policy_lag=L` (every trajectory exactly L versions old once L steps "
                 f"have passed); lags {list(lags)}; SFT start accuracy {sft['accuracy']:.3f} on {b.eval_size} tasks")

@@ -86,6 +86,10 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
                            overwrite: bool = False, progress: bool = True) -> Path:
     """HF safetensors dir -> megatron-sao sharded checkpoint for the given layout.
 
+    `etp` None takes the trainer's default (`models.parallel_sizes.default_expert_tp`). Vocabulary
+    tensors are stored padded to `padded_vocab_size(V, tp)` rows, exactly as the rank's model holds
+    them; reading a full tensor back strips the padding.
+
     role="critic": the HF `score.weight` becomes the value head; an actor checkpoint (no
     score.weight) gets a fresh value head (`value_head_init`: "normal" N(0, 0.02) or "zero") and
     its lm_head is dropped.
@@ -95,7 +99,9 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
     check_output_dir(out_dir, overwrite)
     reader = HFCheckpointReader(hf_dir)
     spec = model_spec_from_hf(hf_dir)
-    sizes = ParallelSizes(tp=tp, pp=pp, ep=ep, etp=etp)
+    # Sequence parallelism does not change any weight: assume it where the trainer needs it (MoE, tp > 1)
+    # so that the trainer's layout rules (incl. the etp*ep >= tp refusal) apply to what is written.
+    sizes = ParallelSizes(tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1)
     sizes.validate_for(spec)
     converter = get_converter(spec)
     state: Mapping = reader
@@ -124,7 +130,7 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
                     full = converter.to_mcore(name, state, spec)
                     for t in range(etp_size):
                         layout = RankLayout(tp=etp_size, tp_rank=t, pp=sizes.pp, pp_rank=stage, ep=sizes.ep,
-                                            ep_rank=ep_rank)
+                                            ep_rank=ep_rank, etp=etp_size, etp_rank=t)
                         files[expert_file(stage, ep_rank, t)][name] = shard_tensor(name, full, layout, spec).contiguous()
                     bar.advance(task)
                 # Write this expert rank's files now: bounds memory to one expert rank at a time.

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from megatron_sao.checkpoint.convert import convert_hf_to_megatron, convert_megatron_to_hf
+from megatron_sao.errors import UserError
 
 
 def hf_to_megatron_main(argv=None) -> int:
@@ -18,7 +19,8 @@ def hf_to_megatron_main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: = tp)")
+    ap.add_argument("--etp", type=int, default=None,
+                    help="expert tensor parallel size (default: the trainer's rule: 1 when ep >= tp, else tp)")
     ap.add_argument("--role", choices=("actor", "critic"), default="actor")
     ap.add_argument("--value-head-init", choices=("normal", "zero"), default="normal")
     ap.add_argument("--overwrite", action="store_true")
@@ -29,7 +31,7 @@ def hf_to_megatron_main(argv=None) -> int:
         convert_hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                                role=args.role, value_head_init=args.value_head_init, overwrite=args.overwrite,
                                progress=not args.no_progress)
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+    except (UserError, ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -48,7 +50,7 @@ def megatron_to_hf_main(argv=None) -> int:
     try:
         convert_megatron_to_hf(args.megatron_dir, args.out_dir, overwrite=args.overwrite,
                                max_shard_bytes=int(args.max_shard_gb * 1024**3), progress=not args.no_progress)
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+    except (UserError, ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
-from safetensors import safe_open
+from megatron_sao.checkpoint.safetensors_check import open_safetensors
 from safetensors.torch import save_file
 
 SINGLE_FILE = "model.safetensors"
@@ -49,7 +49,7 @@ class HFCheckpointReader(Mapping):
                 raise ValueError(f"{index} has no 'weight_map' object")
             self._file_of = dict(weight_map)
         elif (self.dir / SINGLE_FILE).is_file():
-            with safe_open(self.dir / SINGLE_FILE, "pt") as f:
+            with open_safetensors(self.dir / SINGLE_FILE) as f:
                 self._file_of = {k: SINGLE_FILE for k in f.keys()}
         else:
             raise FileNotFoundError(f"{self.dir} has neither {SINGLE_FILE} nor {INDEX_FILE} "
@@ -61,7 +61,7 @@ class HFCheckpointReader(Mapping):
 
     def _handle(self, fname: str):
         if fname not in self._handles:
-            self._handles[fname] = safe_open(self.dir / fname, "pt")
+            self._handles[fname] = open_safetensors(self.dir / fname)
         return self._handles[fname]
 
     def __getitem__(self, name: str) -> torch.Tensor:

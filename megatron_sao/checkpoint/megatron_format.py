@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
+from megatron_sao.checkpoint.safetensors_check import open_safetensors
 from megatron_sao.checkpoint.sharding import RankLayout, unshard_tensor
 from megatron_sao.models.hf_config import ModelSpec
 
@@ -107,7 +107,7 @@ class MegatronCheckpointReader:
 
     def _read(self, fname: str, name: str) -> torch.Tensor:
         if fname not in self._handles:
-            self._handles[fname] = safe_open(self.dir / fname, "pt")
+            self._handles[fname] = open_safetensors(self.dir / fname)
         handle = self._handles[fname]
         if name not in handle.keys():
             raise KeyError(f"tensor {name} missing from shard {self.dir / fname}")

@@ -8,9 +8,11 @@ Rules (as Megatron-Core's layers partition their weights):
   * linear_qkv: dim 0. Megatron stores qkv interleaved per query group ([q_g; k_g; v_g] for each
     group g), so contiguous dim-0 chunks are whole query groups, which is what each rank holds.
   * GLU linear_fc1 ([gate; up]): rank r holds [gate_r; up_r], not a slice of [gate; up].
-  * embedding / output_layer: vocab rows (dim 0).
+  * embedding / output_layer: vocab rows (dim 0), after padding the rows to
+    `padded_vocab_size(V, TP)` with zeros (models/vocab.py); `unshard_tensor` strips the padding,
+    so full tensors always have the HF vocabulary's V rows, whatever the layout.
 - Expert weights are split over the *expert* tensor-parallel group (Megatron's
-  expert_tensor_parallel_size, default = TP). With EP one usually sets it to 1.
+  expert_tensor_parallel_size; unset, `models.parallel_sizes.default_expert_tp`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch
 
 from megatron_sao.checkpoint.names import canonical_name
 from megatron_sao.models.hf_config import ModelSpec
+from megatron_sao.models.parallel_sizes import default_expert_tp
+from megatron_sao.models.vocab import padded_vocab_size
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
@@ -38,7 +42,7 @@ class RankLayout:
     pp_rank: int = 0
     ep: int = 1
     ep_rank: int = 0
-    etp: int | None = None  # expert tensor parallel size; None = tp (Megatron's default)
+    etp: int | None = None  # expert tensor parallel size; None = default_expert_tp(tp, ep), the trainer's rule
     etp_rank: int | None = None  # None = tp_rank when etp == tp, else 0 (etp must then be 1)
 
     def __post_init__(self) -> None:
@@ -53,7 +57,7 @@ class RankLayout:
 
     @property
     def expert_tp(self) -> int:
-        return self.tp if self.etp is None else self.etp
+        return default_expert_tp(self.tp, self.ep) if self.etp is None else self.etp
 
     @property
     def expert_tp_rank(self) -> int:
@@ -146,12 +150,15 @@ class TPSplit:
     dim: int | None  # None = replicated
     glu: bool = False  # dim-0 split of [gate; up] as [gate_r; up_r]
     expert: bool = False  # split over the expert-TP group instead of TP
+    vocab: bool = False  # vocabulary rows: padded to padded_vocab_size(V, TP) before the split
 
 
 def tp_partition(global_name: str, spec: ModelSpec) -> TPSplit:
     name = canonical_name(global_name)
     expert = ".mlp.experts.local_experts." in name
-    if name.endswith(("linear_qkv.weight", "word_embeddings.weight")) or name == "output_layer.weight":
+    if name.endswith("word_embeddings.weight") or name == "output_layer.weight":
+        return TPSplit(0, vocab=True)
+    if name.endswith("linear_qkv.weight"):
         return TPSplit(0)
     if name.endswith("linear_fc1.weight"):
         return TPSplit(0, glu=True, expert=expert)
@@ -166,10 +173,25 @@ def _sizes(layout: RankLayout, split: TPSplit) -> tuple[int, int]:
     return (layout.expert_tp, layout.expert_tp_rank) if split.expert else (layout.tp, layout.tp_rank)
 
 
+def pad_vocab_rows(global_name: str, full: torch.Tensor, spec: ModelSpec, tp: int) -> torch.Tensor:
+    """`full` with zero rows appended up to `padded_vocab_size(V, tp)` (vocab tensors only)."""
+    if full.shape[0] != spec.vocab_size:
+        raise ValueError(f"tensor {global_name} has {full.shape[0]} vocabulary rows, the config's vocab_size is "
+                         f"{spec.vocab_size}")
+    extra = padded_vocab_size(spec.vocab_size, tp) - spec.vocab_size
+    return torch.cat([full, full.new_zeros((extra, *full.shape[1:]))]) if extra else full
+
+
 def shard_tensor(global_name: str, full: torch.Tensor, layout: RankLayout, spec: ModelSpec) -> torch.Tensor:
-    """This rank's TP shard of the full tensor `global_name` (a contiguous copy-free view if possible)."""
+    """This rank's TP shard of the full tensor `global_name` (a contiguous copy-free view if possible).
+
+    Vocabulary tensors (embedding, LM head) are padded to `padded_vocab_size(V, TP)` rows first,
+    even at TP 1, as the Megatron model is built with that many rows.
+    """
     split = tp_partition(global_name, spec)
     size, rank = _sizes(layout, split)
+    if split.vocab:
+        full = pad_vocab_rows(global_name, full, spec, size)
     if split.dim is None or size == 1:
         return full
     if split.glu:
@@ -186,10 +208,17 @@ def unshard_tensor(global_name: str, shards: Sequence[torch.Tensor], spec: Model
     """Inverse of `shard_tensor`: the full tensor from all shards in TP-rank order.
 
     Replicated tensors return shard 0 (the others are assumed equal; callers that care can check).
+    Vocabulary tensors lose their padding rows: the result has the config's vocab_size rows.
     """
     if not shards:
         raise ValueError(f"no shards given for tensor {global_name}")
     split = tp_partition(global_name, spec)
+    if split.vocab:
+        full = shards[0] if len(shards) == 1 else torch.cat(list(shards), dim=0)
+        if full.shape[0] < spec.vocab_size:
+            raise ValueError(f"tensor {global_name}: {len(shards)} shard(s) hold {full.shape[0]} vocabulary rows, "
+                             f"fewer than the config's vocab_size {spec.vocab_size}")
+        return full[: spec.vocab_size]
     if split.dim is None or len(shards) == 1:
         return shards[0]
     if split.glu:

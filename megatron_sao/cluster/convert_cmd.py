@@ -20,13 +20,15 @@ from megatron_sao.config import ConfigError, load_config
 def convert_argv(config: str, direction: str, *, hf_dir: str | None = None, megatron_dir: str | None = None,
                  out_dir: str | None = None, overrides: Sequence[str] = (), python: str = "python") -> list[str]:
     """argv of the converter for `direction` ("hf-to-megatron" | "megatron-to-hf")."""
+    from megatron_sao.models.parallel_sizes import ParallelSizes
+
     cfg = load_config(config, overrides)
-    p = cfg.parallel
+    p = ParallelSizes.from_config(cfg.parallel)  # etp: parallel.etp or the trainer's default rule
     if direction == "hf-to-megatron":
         if not hf_dir or not megatron_dir:
             raise ValueError("hf-to-megatron needs --hf-dir and --megatron-dir")
         return [python, "tools/convert_hf_to_megatron.py", "--hf-dir", hf_dir, "--out-dir", megatron_dir,
-                "--tp", str(p.tp), "--pp", str(p.pp), "--ep", str(p.ep)]
+                "--tp", str(p.tp), "--pp", str(p.pp), "--ep", str(p.ep), "--etp", str(p.expert_tp)]
     if direction == "megatron-to-hf":
         if not megatron_dir or not out_dir:
             raise ValueError("megatron-to-hf needs --megatron-dir and --out-dir")

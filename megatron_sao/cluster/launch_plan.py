@@ -15,6 +15,14 @@ gpus_per_node / rollout_tp `vllm serve` processes each, on consecutive ports fro
 cluster.rollout_port, and the trainer gets `rollout.backend=vllm_server` plus their URLs. The
 allocation is the truth for node counts: the plan passes the resulting cluster.* values to the
 trainer as overrides so that the trainer's config describes the job it is actually in.
+
+Every server is used (rollout/driver.py), so the plan also fixes what both sides must agree on:
+`--max-num-seqs` of each server = the trainer's per-server request cap (`rollout.max_num_seqs`, default
+an even share of rollout.concurrency), and server i's weight-transfer group meets on the first trainer
+host at port `cluster.weight_sync_port + i` (`rollout.weight_transfer_master_address` /
+`rollout.weight_transfer_ports`), with a world of 1 + rollout_tp. `vllm serve` runs with
+`--enable-scale-out` (the token-in/token-out route whose answers carry per-token weight versions)
+and the weight-transfer backend of `rollout.weight_transport` (`nccl`; `gloo` on CPU builds).
 """
 
 from __future__ import annotations
@@ -25,9 +33,10 @@ import os
 import shlex
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Literal, Sequence
+from typing import Literal, Mapping, Sequence
 
 from megatron_sao.cluster.hostlist import HostlistError, expand_hostlist
+from megatron_sao.cluster.socket_ifname import GLOO, gloo_ifname_from_env
 from megatron_sao.config import ConfigError, SAOConfig, load_config
 
 Role = Literal["trainer", "rollout"]
@@ -88,10 +97,23 @@ class LaunchPlan:
 
 @dataclass(frozen=True)
 class Executables:
-    """Commands used on the nodes (override for containers or non-PATH installs)."""
+    """Commands used on the nodes (override for containers or non-PATH installs). Each is split like a
+    shell word list, so `python -m torch.distributed.run` or `python -m vllm.entrypoints.openai.api_server`
+    (the CPU wheel, whose `vllm` script fails) work too. `rollout_server="sao"` runs rollout/server.py
+    (an HF engine over vLLM's routes, a fast-starting CPU stand-in) instead of vLLM."""
 
     torchrun: str = "torchrun"
     vllm: str = "vllm"
+    rollout_server: Literal["vllm", "sao"] = "vllm"
+    python: str = "python"  # for rollout_server="sao"
+
+    def vllm_argv(self, model: str) -> list[str]:
+        words = shlex.split(self.vllm)
+        # The API-server module takes the model as --model; the `vllm` script as `serve MODEL`.
+        return [*words, "--model", model] if words[-1].startswith("vllm.entrypoints") else [*words, "serve", model]
+
+
+GLOO_WORKER_EXTENSION = "megatron_sao.rollout.vllm_worker_ext.SAOWorkerExtension"
 
 
 def _pos_int(value: int, name: str) -> int:
@@ -103,7 +125,9 @@ def _pos_int(value: int, name: str) -> int:
 def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[str] = (),
                       run_dir: str, job_id: str = "local", gpus_per_node: int | None = None,
                       trainer_nodes: int | None = None, model_dir: str | None = None,
-                      restart_count: int = 0, exe: Executables = Executables()) -> LaunchPlan:
+                      restart_count: int = 0, exe: Executables = Executables(),
+                      environ: Mapping[str, str] | None = None,
+                      servers_per_node: int | None = None) -> LaunchPlan:
     """Assign roles to `hosts` and build every node's commands for `config` (+ `overrides`).
 
     Args:
@@ -113,6 +137,9 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
         gpus_per_node / trainer_nodes: allocation facts that win over cluster.* in the config.
         model_dir: HF checkpoint the vLLM servers load (default: model.path).
         restart_count: SLURM_RESTART_COUNT, so a requeued job does not see the last attempt's done file.
+        environ: the launcher's environment (default os.environ): GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME.
+        servers_per_node: rollout servers per rollout node (default gpus_per_node / rollout_tp); the
+            one-machine launcher uses it to run N servers beside a trainer of G ranks.
     """
     hosts = list(hosts)
     if not hosts:
@@ -139,27 +166,46 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
 
     trainer_hosts, rollout_hosts = hosts[:T], hosts[T:]
     logs = os.path.join(run_dir, "logs")
-    servers_per_node = G // c.rollout_tp if R else 0
+    if servers_per_node is None:
+        servers_per_node = G // c.rollout_tp if R else 0
+    elif R:
+        _pos_int(servers_per_node, "servers per rollout node")
     server_urls = [f"http://{h}:{c.rollout_port + i}" for h in rollout_hosts for i in range(servers_per_node)]
+    master = trainer_hosts[0]
     launch_overrides = [f"cluster.trainer_nodes={T}", f"cluster.rollout_nodes={R}", f"cluster.gpus_per_node={G}",
                         f"run.dir={run_dir}"]
     if R:
-        launch_overrides += ["rollout.backend=vllm_server", "rollout.server_urls=" + json.dumps(server_urls)]
+        r = base.rollout
+        if r.weight_transport == "reload" and exe.rollout_server == "vllm":
+            raise LaunchPlanError("rollout.weight_transport=reload works with rollout/server.py only; vllm serve "
+                                  "takes nccl (GPU) or gloo (CPU builds)")
+        max_seqs = r.max_num_seqs or -(-r.concurrency // len(server_urls))
+        sync_ports = [c.weight_sync_port + i for i in range(len(server_urls))]
+        if c.master_port in sync_ports:
+            raise LaunchPlanError(f"cluster.weight_sync_port={c.weight_sync_port}: ports {sync_ports[0]}.."
+                                  f"{sync_ports[-1]} (one per server) collide with cluster.master_port={c.master_port}")
+        launch_overrides += ["rollout.backend=vllm_server", "rollout.server_urls=" + json.dumps(server_urls),
+                             f"rollout.max_num_seqs={max_seqs}", f"rollout.weight_transfer_master_address={master}",
+                             "rollout.weight_transfer_ports=" + json.dumps(sync_ports)]
     # Re-validate with what the job really is (types, server_urls, ...) before anything starts.
     cfg = load_config(config, [*overrides, *launch_overrides])
-    master = trainer_hosts[0]
+    # gloo groups (megatron-core's) bind where GLOO_SOCKET_IFNAME says; without a name here the
+    # trainer picks the interface that routes to the master on its node (cluster/socket_ifname.py).
+    gloo = gloo_ifname_from_env(os.environ if environ is None else environ)
+    gloo_env = {GLOO: gloo} if gloo else {}
 
     nodes: list[NodePlan] = []
     for rank, host in enumerate(trainer_hosts):
-        argv = [exe.torchrun, f"--nnodes={T}", f"--nproc-per-node={G}", f"--node-rank={rank}",
+        argv = [*shlex.split(exe.torchrun), f"--nnodes={T}", f"--nproc-per-node={G}", f"--node-rank={rank}",
                 f"--master-addr={master}", f"--master-port={c.master_port}",
                 "-m", "megatron_sao.cli", "train", config, "--resume", *overrides, *launch_overrides]
         # --resume: a requeued job continues from the run dir's latest checkpoint (fresh if none).
-        env = {"SAO_NODE_RANK": str(rank), "SAO_WEIGHT_SYNC_PORT": str(c.master_port + 1)}
+        env = {"SAO_NODE_RANK": str(rank), **gloo_env}
         proc = ProcessSpec(f"trainer-{rank}", argv, env, os.path.join(logs, f"trainer-node{rank}-{host}.log"))
         nodes.append(NodePlan(rank, host, "trainer", [proc], wait_for=[u + "/health" for u in server_urls], health=[]))
     for j, host in enumerate(rollout_hosts):
-        procs = [_vllm_process(cfg, exe, model_dir, host, i, j, logs, len(server_urls)) for i in range(servers_per_node)]
+        make = _vllm_process if exe.rollout_server == "vllm" else _sao_server_process
+        procs = [make(cfg, exe, model_dir, host, i, j, logs, config, overrides) for i in range(servers_per_node)]
         urls = [f"http://{host}:{c.rollout_port + i}/health" for i in range(servers_per_node)]
         nodes.append(NodePlan(T + j, host, "rollout", procs, wait_for=[], health=urls))
     done = os.path.join(run_dir, f".trainer-done-{job_id}-{restart_count}")
@@ -169,26 +215,42 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
 
 
 def _vllm_process(cfg: SAOConfig, exe: Executables, model_dir: str | None, host: str, i: int, j: int,
-                  logs: str, num_servers: int) -> ProcessSpec:
+                  logs: str, config: str, overrides: Sequence[str]) -> ProcessSpec:
     """Server i of rollout node j: GPUs [i*tp, (i+1)*tp), port rollout_port + i."""
     c, r = cfg.cluster, cfg.rollout
     gpus = ",".join(str(g) for g in range(i * c.rollout_tp, (i + 1) * c.rollout_tp))
-    # Enough sequence slots for this server's share of the in-flight episodes.
-    max_seqs = max(1, -(-r.concurrency // num_servers))
-    argv = [exe.vllm, "serve", model_dir or cfg.model.path,
+    # The CPU build has no NCCL: its workers take the same rendezvous and routes over gloo, through
+    # a transfer engine our worker extension registers (rollout/vllm_gloo_engine.py).
+    gloo = r.weight_transport == "gloo"
+    transfer = {"backend": "sao_gloo" if gloo else "nccl"}
+    argv = [*exe.vllm_argv(model_dir or cfg.model.path),
             "--host", "0.0.0.0", "--port", str(c.rollout_port + i),
             "--tensor-parallel-size", str(c.rollout_tp),
-            "--dtype", "bfloat16" if cfg.model.dtype == "float32" else cfg.model.dtype,
+            "--dtype", cfg.model.dtype,  # sample from the precision the trainer scores in
             "--max-model-len", str(r.max_total_tokens),
-            "--max-num-seqs", str(max_seqs),
+            "--max-num-seqs", str(r.max_num_seqs),  # the trainer's per-server cap (rollout.max_num_seqs)
             "--gpu-memory-utilization", str(r.gpu_memory_utilization),
             "--seed", str(cfg.run.seed + 1000 * j + i),
             # Log-probs after temperature/top-p: the distribution the tokens were sampled from.
             "--logprobs-mode", "processed_logprobs",
-            "--weight-transfer-config", json.dumps({"backend": "nccl"}, separators=(",", ":"))]
+            # /inference/v1/generate: token ids in and out, with per-token weight_versions spans.
+            "--enable-scale-out",
+            "--weight-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    if gloo:
+        argv += ["--worker-extension-cls", GLOO_WORKER_EXTENSION]
+    argv += list(r.vllm_serve_args)
     # Dev mode exposes /pause, /resume and the weight-update routes the trainer drives.
     env = {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": gpus}
     return ProcessSpec(f"vllm-{i}", argv, env, os.path.join(logs, f"rollout-node{j}-{host}-{i}.log"))
+
+
+def _sao_server_process(cfg: SAOConfig, exe: Executables, model_dir: str | None, host: str, i: int, j: int,
+                        logs: str, config: str, overrides: Sequence[str]) -> ProcessSpec:
+    """rollout/server.py (an HF engine) in vllm serve's place: same port, routes and health check."""
+    c = cfg.cluster
+    argv = [*shlex.split(exe.python), "-m", "megatron_sao.cli", "serve-rollout", config, "--host", "0.0.0.0",
+            "--port", str(c.rollout_port + i), *overrides, f"run.dir={cfg.run.dir}"]
+    return ProcessSpec(f"rollout-{i}", argv, {}, os.path.join(logs, f"rollout-node{j}-{host}-{i}.log"))
 
 
 # ------------------------------------------------------------------------------------ rendering
@@ -244,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-dir", default=None, help="HF checkpoint for vllm serve (default model.path)")
     ap.add_argument("--torchrun", default=Executables.torchrun)
     ap.add_argument("--vllm", default=Executables.vllm)
+    ap.add_argument("--rollout-server", choices=("vllm", "sao"), default="vllm",
+                    help="what rollout nodes run: vllm serve, or rollout/server.py (HF engine, CPU)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     return ap
 
@@ -274,7 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = build_launch_plan(args.config, expand_hostlist(args.nodelist), overrides=args.overrides,
                                  run_dir=args.run_dir, job_id=args.job_id, gpus_per_node=args.gpus_per_node,
                                  trainer_nodes=args.trainer_nodes, model_dir=args.model_dir,
-                                 restart_count=args.restart_count, exe=Executables(args.torchrun, args.vllm))
+                                 restart_count=args.restart_count,
+                                 exe=Executables(args.torchrun, args.vllm, args.rollout_server))
         if args.format == "bash":
             if args.node_rank is None:
                 raise LaunchPlanError("--format bash needs --node-rank (SLURM_NODEID)")

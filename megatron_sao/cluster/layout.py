@@ -8,10 +8,12 @@ stopping at the first, so one `sao plan` run lists everything that needs fixing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_sao.config import SAOConfig
 from megatron_sao.models.hf_config import ModelSpec
+from megatron_sao.models.parallel_sizes import ParallelSizes
 
 
 @dataclass(frozen=True)
@@ -53,57 +55,42 @@ def _divides(issues: list[LayoutIssue], key: str, divisor: int, value: int, what
         issues.append(LayoutIssue(key, f"{key.split('.')[-1]}={divisor} must divide {what}={value}"))
 
 
-def check_layout(cfg: SAOConfig, spec: ModelSpec, *, etp: int = 1, world: int | None = None) -> Layout:
+def trainer_sizes(cfg: SAOConfig, etp: int | None = None) -> ParallelSizes:
+    """The trainer's ParallelSizes for `cfg` (what `sao train` builds); `etp` overrides parallel.etp."""
+    sizes = ParallelSizes.from_config(cfg.parallel)
+    return sizes if etp is None else dataclasses.replace(sizes, etp=etp)
+
+
+def check_layout(cfg: SAOConfig, spec: ModelSpec, *, etp: int | None = None, world: int | None = None) -> Layout:
     """Validate `cfg`'s parallel + cluster sections against `spec`; raise LayoutError listing every issue.
 
     `world` overrides trainer_nodes * gpus_per_node (e.g. an embedded CPU run with 2 ranks).
-    `etp` is Megatron's expert_tensor_parallel_size (1 = each expert whole on one EP rank).
+    `etp` overrides `parallel.etp`; unset, both fall back to the trainer's rule
+    (`models.parallel_sizes.default_expert_tp`). The TP/PP/EP/ETP rules are the trainer's own
+    (`ParallelSizes.problems`), so a layout the planner accepts is one `init_parallel` accepts.
     """
-    p, c, r = cfg.parallel, cfg.cluster, cfg.rollout
+    c, r = cfg.cluster, cfg.rollout
     issues: list[LayoutIssue] = []
     warnings: list[str] = []
     if c.trainer_nodes < 1:
         issues.append(LayoutIssue("cluster.trainer_nodes", f"must be >= 1, got {c.trainer_nodes}"))
     if c.gpus_per_node < 1:
         issues.append(LayoutIssue("cluster.gpus_per_node", f"must be >= 1, got {c.gpus_per_node}"))
-    if etp < 1:
+    if etp is not None and etp < 1:
         issues.append(LayoutIssue("parallel.etp", f"expert tensor parallel size must be >= 1, got {etp}"))
     if world is None:
         world = max(c.trainer_nodes, 0) * max(c.gpus_per_node, 0)
     if issues:
         raise LayoutError(issues)
-    tp, pp, ep = p.tp, p.pp, p.ep
-
-    # --- the model: how Megatron shards each tensor
-    _divides(issues, "parallel.tp", tp, spec.num_attention_heads, "num_attention_heads")
-    _divides(issues, "parallel.tp", tp, spec.num_kv_heads, "num_key_value_heads (qkv is split by query group)")
-    _divides(issues, "parallel.tp", tp, spec.vocab_size, "vocab_size (no vocab padding in the HF mapping)")
-    _divides(issues, "parallel.pp", pp, spec.num_layers, "num_hidden_layers")
-    if spec.is_moe:
-        _divides(issues, "parallel.ep", ep, spec.num_experts, "num_experts")
-        _divides(issues, "parallel.etp", etp, spec.moe_ffn_hidden_size, "moe_intermediate_size")
-        if tp > 1 and not p.sequence_parallel:
-            issues.append(LayoutIssue("parallel.sequence_parallel",
-                                      "MoE layers with tp > 1 need sequence_parallel: true (Megatron asserts it)"))
-    else:
-        if ep != 1:
-            issues.append(LayoutIssue("parallel.ep", f"ep={ep} needs an MoE model; {spec.arch} is dense"))
-        _divides(issues, "parallel.tp", tp, spec.ffn_hidden_size, "intermediate_size")
-
-    # --- the cluster: how Megatron lays the groups over the ranks
+    try:
+        sizes = trainer_sizes(cfg, etp)
+    except ValueError as exc:
+        raise LayoutError([LayoutIssue("parallel", str(exc))]) from None
+    tp, pp, ep = sizes.tp, sizes.pp, sizes.ep
+    issues += [LayoutIssue(x.field, x.reason) for x in sizes.problems(spec, world)]
     dp = edp = 0
-    if world % (tp * pp):
-        issues.append(LayoutIssue("parallel.tp", f"tp*pp={tp}*{pp} must divide the trainer world size {world} "
-                                                 f"(cluster.trainer_nodes*cluster.gpus_per_node)"))
-    else:
-        dp = world // (tp * pp)
-        # Megatron folds the expert grid (ep x etp) over the dp*tp ranks of one pipeline stage;
-        # what is left over is the expert-data-parallel group the expert optimizer shards over.
-        if (dp * tp) % (ep * etp):
-            issues.append(LayoutIssue("parallel.ep", f"ep*etp={ep}*{etp} must divide dp*tp={dp}*{tp} "
-                                                     f"(the ranks of one pipeline stage, expert data parallel)"))
-        else:
-            edp = dp * tp // (ep * etp)
+    if not issues:
+        dp, edp = sizes.data_parallel(world)
     if tp > c.gpus_per_node:
         warnings.append(f"parallel.tp={tp} spans nodes (gpus_per_node={c.gpus_per_node}): TP all-reduces "
                         "would cross the network")
@@ -123,7 +110,7 @@ def check_layout(cfg: SAOConfig, spec: ModelSpec, *, etp: int = 1, world: int | 
                         f"{r.max_total_tokens}: the longest trajectories cannot be trained on whole")
     if issues:
         raise LayoutError(issues)
-    return Layout(world=world, tp=tp, pp=pp, ep=ep, etp=etp, dp=dp, edp=edp, rollout_servers=servers,
+    return Layout(world=world, tp=tp, pp=pp, ep=ep, etp=sizes.expert_tp, dp=dp, edp=edp, rollout_servers=servers,
                   warnings=warnings)
 
 

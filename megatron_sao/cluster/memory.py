@@ -20,6 +20,11 @@ hand. Sources:
   distributed optimizer (2 param + 4 grad + 4 fp32 master + 4 Adam m + 4 Adam v) and 6 + 12/d
   with it, d = data-parallel size the optimizer state is sharded over.
 * KV cache: 2 (K and V) * layers * kv_heads * head_dim * bytes per token (vLLM's paged cache).
+
+Precision: every formula takes the training dtype's element size (`dtype_bytes`, 2 for bf16, the
+default, 4 for fp32). With fp32 params Megatron keeps no separate master copy: 4 (param) + 4 (grad)
++ 8/d (Adam m, v) bytes per param. Whether attention stores the s x s score matrix is the caller's
+`flash_attention` flag, which the planner takes from `models.precision.attention_kernel`.
 """
 
 from __future__ import annotations
@@ -90,15 +95,18 @@ def count_params(spec: ModelSpec) -> ParamCounts:
 # ------------------------------------------------------------------------------- optimizer bytes
 
 
-def trainable_bytes_per_param(dp: int, distributed_optimizer: bool = True) -> float:
-    """Bytes per trainable param: bf16 param (2) + fp32 grad (4) + fp32 master/m/v (12, sharded over dp)."""
+def trainable_bytes_per_param(dp: int, distributed_optimizer: bool = True, param_bytes: int = BF16) -> float:
+    """Bytes per trainable param: bf16 param (2) + fp32 grad (4) + fp32 master/m/v (12, sharded over dp).
+
+    fp32 params (`param_bytes`=4) are their own master copy: 4 + 4 + 8 (m, v; sharded over dp).
+    """
     if dp < 1:
         raise ValueError(f"data-parallel size must be >= 1, got {dp}")
-    optimizer = 3 * FP32
-    return BF16 + FP32 + (optimizer / dp if distributed_optimizer else optimizer)
+    optimizer = (2 if param_bytes == FP32 else 3) * FP32
+    return param_bytes + FP32 + (optimizer / dp if distributed_optimizer else optimizer)
 
 
-FROZEN_BYTES_PER_PARAM = BF16  # frozen params keep only their bf16 weights: no grad, no Adam state
+FROZEN_BYTES_PER_PARAM = BF16  # frozen params keep only their (bf16) weights: no grad, no Adam state
 
 
 # ------------------------------------------------------------------------------- activations
@@ -142,13 +150,19 @@ class LayerShape:
 
 
 def layer_activation_bytes(shape: LayerShape, s: int, b: int, tp: int = 1, sequence_parallel: bool = False,
-                           flash_attention: bool = True, etp: int | None = None) -> float:
-    """Activation bytes one layer keeps for backward on one rank (no recompute), bf16.
+                           flash_attention: bool = True, etp: int | None = None, dtype_bytes: int = BF16) -> float:
+    """Activation bytes one layer keeps for backward on one rank (no recompute).
 
-    Terms follow Korthikanti et al. 2022 section 4.1; each comment names the published term it
-    replaces. `etp` is the expert tensor-parallel size (None: dense layer, or experts sharded like
-    dense layers with etp = tp).
+    Terms follow Korthikanti et al. 2022 section 4.1 (bf16); each comment names the published term
+    it replaces. `etp` is the expert tensor-parallel size (None: dense layer, or experts sharded like
+    dense layers with etp = tp). `dtype_bytes` scales the activation terms (fp32: x2); the fp32
+    router probabilities and log-sum-exp stay 4 bytes.
     """
+    return _layer_activation_bf16(shape, s, b, tp, sequence_parallel, flash_attention, etp, dtype_bytes / BF16)
+
+
+def _layer_activation_bf16(shape: LayerShape, s: int, b: int, tp: int, sequence_parallel: bool,
+                           flash_attention: bool, etp: int | None, scale: float) -> float:
     h, sb = shape.hidden, s * b
     # Replicated across TP ranks unless sequence parallel splits them (the published "10 sbh").
     shared = 2 * sb * h * 2  # inputs of the two norms (4sbh)
@@ -156,6 +170,7 @@ def layer_activation_bytes(shape: LayerShape, s: int, b: int, tp: int = 1, seque
     shared += 2 * sb * h  # MLP / router input (2sbh)
     if shape.dropout:
         shared += 2 * sb * h  # attention and MLP dropout masks (sbh each)
+    shared *= scale
     if shape.num_experts:
         shared += FP32 * sb * shape.num_experts  # router probabilities, fp32 (not in the paper: MoE)
     # Split across TP ranks (the published "24 sbh / t" and "5 a s^2 b / t").
@@ -164,30 +179,33 @@ def layer_activation_bytes(shape: LayerShape, s: int, b: int, tp: int = 1, seque
     split += 2 * sb * shape.q_dim  # output projection input (2sbh in MHA)
     if shape.qk_norm:
         split += 2 * sb * (shape.q_dim + shape.kv_dim)  # q/k RMSNorm inputs (Qwen3)
+    if not flash_attention:
+        split += (5 if shape.dropout else 4) * shape.heads * s * sb  # softmax out (2) [+ mask (1) + dropout out (2)]
+    split *= scale
     if flash_attention:
         split += FP32 * shape.heads * sb  # softmax log-sum-exp; no s x s matrix is stored
-    else:
-        split += (5 if shape.dropout else 4) * shape.heads * s * sb  # softmax out (2) [+ mask (1) + dropout out (2)]
     split_bytes = split / tp
     if shape.num_experts:
         # Routed copies: with balanced routing a rank of the stage's expert grid holds s*b*k*etp/tp
         # token copies; each keeps its fc1 input (2h) and the SwiGLU input/output (2*2f + 2f)/etp.
         e = tp if etp is None else etp
         copies = sb * shape.mlp_copies * e / tp
-        split_bytes += copies * (2 * h + (2 * shape.mlp_act_in + 2 * shape.mlp_act_out) / e)
+        split_bytes += scale * copies * (2 * h + (2 * shape.mlp_act_in + 2 * shape.mlp_act_out) / e)
     else:
-        split_bytes += sb * (2 * shape.mlp_act_in + 2 * shape.mlp_act_out) / tp  # GeLU in/out (16sbh)
+        split_bytes += scale * sb * (2 * shape.mlp_act_in + 2 * shape.mlp_act_out) / tp  # GeLU in/out (16sbh)
     return (shared / tp if sequence_parallel else shared) + split_bytes
 
 
-def recompute_layer_bytes(hidden: int, s: int, b: int, tp: int = 1, sequence_parallel: bool = False) -> float:
+def recompute_layer_bytes(hidden: int, s: int, b: int, tp: int = 1, sequence_parallel: bool = False,
+                          dtype_bytes: int = BF16) -> float:
     """Full recompute keeps only each layer's input: 2sbh (divided by t under sequence parallel)."""
-    return 2 * s * b * hidden / (tp if sequence_parallel else 1)
+    return dtype_bytes * s * b * hidden / (tp if sequence_parallel else 1)
 
 
-def logits_bytes(vocab: int, s: int, b: int, tp: int = 1) -> float:
-    """Vocab-parallel logits of the LM head: bf16 output plus the fp32 copy log-softmax works on."""
-    return s * b * (vocab / tp) * (BF16 + FP32)
+def logits_bytes(vocab: int, s: int, b: int, tp: int = 1, dtype_bytes: int = BF16) -> float:
+    """Vocab-parallel logits of the LM head: the output (training dtype) plus the fp32 copy
+    log-softmax works on. `vocab` is the padded row count the model is built with (models/vocab.py)."""
+    return s * b * (vocab / tp) * (dtype_bytes + FP32)
 
 
 # ------------------------------------------------------------------------------- KV cache

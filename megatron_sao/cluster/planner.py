@@ -8,11 +8,20 @@ and the critic (weights, gradients, optimizer shards, activations with and witho
 recompute, logits) and of one vLLM server (weights, KV cache), then a verdict. Exit codes: 0 the
 layout fits, 2 it is impossible (the message names the config field), 1 unexpected errors.
 
+The planner reads the same settings the trainer builds from, through the same functions, so the
+two cannot disagree: the layout and expert-TP size (`ParallelSizes.from_config`, the one default
+etp rule), the training dtype (`model.dtype`: bf16 mixed precision or fp32, `models.precision`),
+the attention kernel that dtype allows on TransformerEngine (fused: no s x s matrix; fp32 or the
+local spec: unfused, s x s scores counted), and activation recompute (`parallel.recompute`). A
+config that fits only with full recompute but does not set `parallel.recompute: full` is refused
+with that key, instead of running out of memory on the first long batch.
+
 Assumptions (stated so a reader can disagree with a number): actor and critic stay resident on
 the same trainer GPUs for the whole step (no CPU offload); Megatron's distributed optimizer with
-bf16 params and fp32 gradient accumulation; 1F1B pipeline schedule; balanced expert routing;
-flash attention; a fixed per-GPU overhead for the CUDA context, NCCL buffers and allocator
-fragmentation (`--overhead-gib`, empirical, not from a formula).
+fp32 gradient accumulation; 1F1B pipeline schedule; balanced expert routing; TransformerEngine
+installed on the nodes (`--no-te` plans the local-spec fallback); a fixed per-GPU overhead for the
+CUDA context, NCCL buffers and allocator fragmentation (`--overhead-gib`, empirical, not from a
+formula).
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ from megatron_sao.cluster import memory as mem
 from megatron_sao.cluster.layout import Layout, LayoutError, LayoutIssue, check_layout
 from megatron_sao.config import ConfigError, SAOConfig, load_config
 from megatron_sao.models.hf_config import ModelSpec, model_spec_from_hf
+from megatron_sao.models.precision import FUSED, attention_kernel, dtype_bytes
+from megatron_sao.models.vocab import padded_vocab_size
 
 _BUILTIN_DIR = Path(__file__).resolve().parent.parent / "models" / "configs"
 # Checkpoints whose config differs from a shipped one only in RoPE/context (per the model cards):
@@ -45,10 +56,10 @@ class PlanOptions:
     """Planner inputs that the config does not (yet) carry."""
 
     gpu_mem_gib: float = 80.0  # memory of one GPU (H100/A100-80G: 80, H200: 141)
-    etp: int = 1  # expert tensor parallel size (1: each expert whole on its EP rank)
+    etp: int | None = None  # expert tensor parallel size; None = parallel.etp or the trainer's default rule
     world: int | None = None  # trainer ranks; None = cluster.trainer_nodes * cluster.gpus_per_node
     overhead_gib: float = 4.0  # CUDA context + NCCL + fragmentation, per GPU
-    flash_attention: bool = True
+    transformer_engine: bool = True  # the nodes build the TE layer spec (False: the local-spec fallback)
 
 
 @dataclass
@@ -80,8 +91,12 @@ class Plan:
     actor: RoleMemory
     critic: RoleMemory | None
     trainer_static: float  # weights + grads + optimizer of both models + overhead
-    trainer_peak: float  # with full recompute when needed
-    recompute_needed: bool
+    trainer_peak: float  # with the config's recompute setting
+    recompute_needed: bool  # the step does not fit without full recompute
+    dtype: str  # model.dtype the trainer builds in
+    attention: str  # "fused" (no s x s matrix) or "unfused": what the trainer's TransformerConfig selects
+    recompute: bool  # parallel.recompute == "full": what the trainer's TransformerConfig gets
+    padded_vocab: int  # rows of the embedding / LM head (models/vocab.py)
     rollout_weights: float  # per GPU of one vLLM server
     rollout_kv_budget: float
     kv_bytes_per_token: float
@@ -120,22 +135,26 @@ def _role_memory(spec: ModelSpec, layout: Layout, cfg: SAOConfig, opts: PlanOpti
     """Worst pipeline stage of `role` ("actor" or "critic") on one GPU."""
     counts = mem.count_params(spec)
     tp, pp, ep, etp = layout.tp, layout.pp, layout.ep, layout.etp
+    nbytes_el = dtype_bytes(cfg.model.dtype)
+    flash = attention_kernel(cfg.model.dtype, opts.transformer_engine) == FUSED
+    vocab_rows = padded_vocab_size(spec.vocab_size, tp) * spec.hidden_size  # embedding / LM head rows as built
     layers = spec.num_layers // pp
     frozen_attention = role == "critic" and "attention" in cfg.critic.freeze
     # Per layer on one rank: TP-sharded attention, replicated norms/router, EP x ETP-sharded experts.
     attn = counts.attention / tp + counts.qk_norm
     dense = counts.layer_norms + counts.router + counts.dense_mlp / tp
     experts = counts.experts / (ep * etp)
-    head = counts.output / tp if role == "actor" else spec.hidden_size  # LM head vs value head [1, H]
+    output = 0 if spec.tie_word_embeddings and pp == 1 else vocab_rows  # a tied head at pp > 1 is a copy
+    head = output / tp if role == "actor" else spec.hidden_size  # LM head vs value head [1, H]
     stages = []
     for stage in range(pp):
-        extra = (counts.embedding / tp if stage == 0 else 0) + (head + counts.final_norm if stage == pp - 1 else 0)
+        extra = (vocab_rows / tp if stage == 0 else 0) + (head + counts.final_norm if stage == pp - 1 else 0)
         frozen = layers * attn if frozen_attention else 0.0
         trainable_dense = layers * (dense + (0 if frozen_attention else attn)) + extra
         trainable_experts = layers * experts
-        nbytes = (trainable_dense * mem.trainable_bytes_per_param(layout.dp)
-                  + trainable_experts * mem.trainable_bytes_per_param(layout.edp)
-                  + frozen * mem.FROZEN_BYTES_PER_PARAM)
+        nbytes = (trainable_dense * mem.trainable_bytes_per_param(layout.dp, param_bytes=nbytes_el)
+                  + trainable_experts * mem.trainable_bytes_per_param(layout.edp, param_bytes=nbytes_el)
+                  + frozen * nbytes_el)
         stages.append((nbytes, int(trainable_dense + trainable_experts), int(frozen)))
     nbytes, trainable, frozen = max(stages)
     s, b = cfg.model.max_seq_len, cfg.parallel.micro_batch_size
@@ -145,11 +164,11 @@ def _role_memory(spec: ModelSpec, layout: Layout, cfg: SAOConfig, opts: PlanOpti
     n_micro = max(1, cfg.buffer.batch_size // max(1, layout.dp * b))
     held = layers * min(pp, n_micro)
     shape = mem.LayerShape.from_spec(spec)
-    per_layer = mem.layer_activation_bytes(shape, s, b, tp, sp, opts.flash_attention, etp if spec.is_moe else None)
+    per_layer = mem.layer_activation_bytes(shape, s, b, tp, sp, flash, etp if spec.is_moe else None, nbytes_el)
     act = held * per_layer
     # Full recompute keeps each layer's input and rebuilds one layer's activations in backward.
-    act_rc = held * mem.recompute_layer_bytes(spec.hidden_size, s, b, tp, sp) + per_layer
-    logits = mem.logits_bytes(spec.vocab_size, s, b, tp) if role == "actor" else 0.0
+    act_rc = held * mem.recompute_layer_bytes(spec.hidden_size, s, b, tp, sp, nbytes_el) + per_layer
+    logits = mem.logits_bytes(padded_vocab_size(spec.vocab_size, tp), s, b, tp, nbytes_el) if role == "actor" else 0.0
     return RoleMemory(trainable, frozen, nbytes, act, act_rc, logits)
 
 
@@ -172,14 +191,20 @@ def plan(cfg: SAOConfig, hf_config: str | Mapping[str, Any] | ModelSpec | None =
     # Actor and critic train one after the other: only one model's activations are live at a time.
     budget = opts.gpu_mem_gib * mem.GIB
     peak_plain = static + max(m.activations + m.logits for m in models)
+    peak_recompute = static + max(m.activations_recompute + m.logits for m in models)
+    recompute = cfg.parallel.recompute == "full"
     recompute_needed = peak_plain > budget
-    peak = static + max(m.activations_recompute + m.logits for m in models) if recompute_needed else peak_plain
+    peak = peak_recompute if recompute else peak_plain
 
     problems: list[LayoutIssue] = []
-    if peak > budget:
+    if peak_recompute > budget:
         problems.append(LayoutIssue("cluster.trainer_nodes", (
-            f"trainer needs {peak / mem.GIB:.1f} GiB per GPU even with full recompute, over the "
+            f"trainer needs {peak_recompute / mem.GIB:.1f} GiB per GPU even with full recompute, over the "
             f"{opts.gpu_mem_gib:g} GiB budget: add trainer nodes, raise parallel.ep/pp, or shorten model.max_seq_len")))
+    elif peak > budget:
+        problems.append(LayoutIssue("parallel.recompute", (
+            f"without activation recompute the trainer needs {peak / mem.GIB:.1f} GiB per GPU, over the "
+            f"{opts.gpu_mem_gib:g} GiB budget; with it {peak_recompute / mem.GIB:.1f} GiB: set parallel.recompute: full")))
 
     # vLLM: bf16 weights split over the server's TP ranks (experts too: vLLM shards them with TP).
     r, c = cfg.rollout, cfg.cluster
@@ -204,7 +229,9 @@ def plan(cfg: SAOConfig, hf_config: str | Mapping[str, Any] | ModelSpec | None =
             "cluster.rollout_tp")))
     return Plan(spec=spec, layout=layout, total_params=counts.total, active_params=counts.active,
                 seq_len=cfg.model.max_seq_len, micro_batch=cfg.parallel.micro_batch_size, actor=actor, critic=critic,
-                trainer_static=static, trainer_peak=peak, recompute_needed=recompute_needed, rollout_weights=weights,
+                trainer_static=static, trainer_peak=peak, recompute_needed=recompute_needed, dtype=cfg.model.dtype,
+                attention=attention_kernel(cfg.model.dtype, opts.transformer_engine), recompute=recompute,
+                padded_vocab=padded_vocab_size(spec.vocab_size, layout.tp), rollout_weights=weights,
                 rollout_kv_budget=kv_budget, kv_bytes_per_token=per_token, full_sequences_per_server=full,
                 options=opts, problems=problems)
 
@@ -217,6 +244,8 @@ def render(p: Plan, cfg: SAOConfig) -> str:
         f"model      {p.spec.arch}: {p.total_params / 1e9:.2f}B params total, {p.active_params / 1e9:.2f}B active",
         f"trainer    world={L.world} tp={L.tp} pp={L.pp} ep={L.ep} etp={L.etp} dp={L.dp} edp={L.edp} "
         f"seq={p.seq_len} micro_batch={p.micro_batch} sp={cfg.parallel.sequence_parallel}",
+        f"precision  {p.dtype}, {p.attention} attention, recompute={'full' if p.recompute else 'none'}, "
+        f"vocab {p.spec.vocab_size} padded to {p.padded_vocab}",
         f"placement  {cfg.cluster.placement}: {L.rollout_servers} rollout server(s), tp={cfg.cluster.rollout_tp}",
         "per GPU (heaviest pipeline stage)",
     ]
@@ -249,7 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     ap.add_argument("--hf-config", default=None, help="HF config.json or checkpoint dir (default: model.path)")
     ap.add_argument("--gpu-mem-gib", type=float, default=None, help="default: cluster.gpu_memory_gib")
-    ap.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: parallel.etp or 1)")
+    ap.add_argument("--etp", type=int, default=None,
+                    help="expert tensor parallel size (default: parallel.etp, else the trainer's rule)")
+    ap.add_argument("--no-te", action="store_true",
+                    help="plan the local (non-TransformerEngine) layer spec: unfused attention")
     ap.add_argument("--world", type=int, default=None, help="trainer ranks (default nodes*gpus_per_node)")
     ap.add_argument("--overhead-gib", type=float, default=PlanOptions.overhead_gib)
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -262,8 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         gpu_mem = args.gpu_mem_gib if args.gpu_mem_gib is not None else cfg.cluster.gpu_memory_gib
-        etp = args.etp if args.etp is not None else (cfg.parallel.etp or 1)
-        opts = PlanOptions(gpu_mem_gib=gpu_mem, etp=etp, world=args.world, overhead_gib=args.overhead_gib)
+        opts = PlanOptions(gpu_mem_gib=gpu_mem, etp=args.etp, world=args.world, overhead_gib=args.overhead_gib,
+                           transformer_engine=not args.no_te)
         p = plan(cfg, args.hf_config, opts)
     except LayoutError as e:
         for issue in e.issues:
@@ -280,3 +312,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def trainer_memory_check(cfg: SAOConfig, model_dir: str | Path, gpu_mem_gib: float, world: int,
+                         transformer_engine: bool = True) -> None:
+    """The planner's trainer verdict, run by the trainer itself on GPUs before it builds a model.
+
+    The sbatch scripts run `sao plan` first, but a job started with SAO_SKIP_PLAN=1 or by a
+    hand-written torchrun would skip it and run out of memory in its first step. Raises ConfigError
+    naming the field (parallel.recompute, cluster.trainer_nodes) when the trainer does not fit;
+    rollout-side problems are the launch plan's business, not the trainer's.
+    """
+    config_json = Path(model_dir) / "config.json"
+    opts = PlanOptions(gpu_mem_gib=gpu_mem_gib, world=world, transformer_engine=transformer_engine)
+    p = plan(cfg, str(config_json) if config_json.exists() else None, opts)
+    trainer = [i for i in p.problems if i.field in ("parallel.recompute", "cluster.trainer_nodes")]
+    if trainer:
+        raise ConfigError("; ".join(map(str, trainer)) + f" (planned for {gpu_mem_gib:.0f} GiB GPUs, {world} ranks; "
+                          "`sao plan` shows the figures; SAO_SKIP_PLAN=1 skips this check)")

@@ -13,9 +13,9 @@ Conventions shared by every environment in this package:
 * An action that contains neither a tool call nor a final answer ends the episode with reward 0
   and ``info["reason"] == "no_tool_call_or_answer"``: the policy gave up the turn, and treating
   it as "keep talking" would let a broken policy loop until the turn limit.
-* A turn limit reached by an environment ends the episode with ``info["truncated"] = True``: the
-  trajectory was cut, not finished, so the trainer should bootstrap from the critic instead of
-  reading the 0 reward as an outcome.
+* A turn limit reached by an environment ends the episode with ``info["truncated"] = True``. The
+  environment accepts no further action, so the agent loop keeps its reward and treats the end as
+  terminal for the return (bootstrap 0; rollout/agent_loop.py).
 * ``info["tool_calls"]`` counts the tool calls executed so far (environments with tools).
 """
 

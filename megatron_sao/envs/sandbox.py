@@ -1,130 +1,71 @@
-"""A sandbox for model-written Python: one fresh, limited, isolated subprocess per call.
+"""A sandbox for model-written Python: one fresh, isolated, bounded process tree per call.
 
-``await run_python(code, limits)`` writes ``code`` to ``main.py`` in a new private temporary
-directory and runs it with ``python -I -B [-S]`` through ``sandbox_bootstrap.py`` (which sets up
-isolation before the untrusted code starts). What bounds a call:
+``await run_python(code, limits)`` runs ``code`` as ``main.py`` through ``sandbox_bootstrap.py``,
+which sets up isolation before the untrusted code starts. Two modes, chosen per host:
 
-=====================  ===========================================================================
-wall clock             asyncio timeout, then SIGKILL to the whole process session
-CPU time               RLIMIT_CPU (SIGXCPU at the limit, SIGKILL one second later)
-memory                 RLIMIT_AS (allocation fails with MemoryError)
-processes              RLIMIT_NPROC; as root the child runs under an unprivileged uid so it applies
-output                 at most ``max_output_bytes`` per stream are kept; exceeding it kills the run
-file writes            RLIMIT_FSIZE; writes outside the working directory are denied
-network                new network namespace (root) and an audit hook on IPv4/IPv6 sockets
-environment            only PATH, LANG, HOME=workdir; stdin is /dev/null; fds are closed
-=====================  ===========================================================================
+**namespaces** (root; or any user where unprivileged user namespaces work, the usual cluster case):
+a new user (non-root), mount, PID, network, IPC, UTS and cgroup namespace per call. The call sees
+its own root filesystem (sandbox_child/rootfs.py): the system directories and the interpreter's
+standard library read-only, a private tmpfs of ``max_disk_mb`` for /tmp and its working directory,
+and a /proc of its own processes only -- no home directories, datasets, answers, run directory, or
+other processes (the trainer's environment included). It has no network interface. Its first process
+is PID 1 of the namespace: when the program ends, everything it started is killed by the kernel,
+however it daemonized. As root the code runs under a private uid from ``[uid_base, uid_base + 1024)``
+and the whole tree is in a cgroup (memory and process count of the call as a whole, OOM reported);
+as non-root it has no capabilities and RLIMIT_NPROC counts only its own user namespace.
 
-Running as root (our trainer nodes and this machine) each concurrent call gets its *own* uid
-from ``[uid_base, uid_base + 1024)``. A shared uid such as ``nobody`` would share one
-RLIMIT_NPROC count across all sandboxes (one fork bomb would starve every concurrent call and
-every other ``nobody`` process on the host); a private uid also lets us kill every process the
-call left behind, even ones that escaped its session, with one ``kill -9 -1`` run as that uid.
-As non-root there are no namespaces and no uid change: the audit hooks are then the barrier for
-network and file writes, so spawning programs and ctypes are denied as well (they bypass hooks).
-``SandboxResult.isolation`` says which layers were active for a call.
+**process** (no namespaces: root in a container without CAP_SYS_ADMIN, or a non-root user without
+user namespaces): the call's own process group under a child subreaper, a private uid as root,
+seccomp (no signals outside the group, no leaving it, no IPv4/IPv6 sockets, no ptrace), Landlock
+where the kernel has it (files below the standard library and the working directory only; TCP,
+signals and abstract sockets scoped on newer kernels), rlimits and audit hooks (the same file
+limits, no spawning, no ctypes). Running untrusted code as the trainer's *own* uid this way is refused unless
+``SandboxPool(allow_same_uid=True)`` (config: ``env.sandbox_allow_same_uid``): the trainer then
+makes itself non-dumpable so the code cannot read its /proc entries (environment, memory).
+
+Both modes: rlimits per process (CPU time, address space, file size, open files), a seccomp filter
+(sandbox_child/syscall_filter.py), stdin /dev/null, an environment of PATH, LANG, HOME only, the wall
+clock and an output cap enforced here. A call returns when its program ends; processes it left
+behind are killed and counted (``leftover_processes``), not charged the full wall clock.
+``SandboxResult.isolation`` lists the layers that were active for the call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import marshal
 import os
 import shutil
-import signal
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_sao.envs.sandbox_bootstrap import STATUS_PREFIX
+from megatron_sao.envs.sandbox_call import StatusReader, collect, kill_all_of_uid, planned_isolation
+from megatron_sao.envs.sandbox_cgroup import CallCgroup, CgroupFactory
+from megatron_sao.envs.sandbox_types import SandboxError, SandboxLimits, SandboxResult
 
-_BOOTSTRAP_SOURCE = Path(__file__).with_name("sandbox_bootstrap.py").read_text(encoding="utf-8")
-_MASK_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
-_KILL_BIN = shutil.which("kill")
-_READ_CHUNK = 4096
+__all__ = ["SandboxError", "SandboxLimits", "SandboxPool", "SandboxResult", "configure_default_pool",
+           "default_pool", "run_python"]
 
-
-class SandboxError(RuntimeError):
-    """The sandbox itself failed (a host problem, not something the policy did)."""
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    """Resource limits of one sandbox call."""
-
-    wall_time_s: float = 10.0
-    cpu_time_s: int = 10
-    memory_mb: int = 1024
-    max_processes: int = 16
-    max_output_bytes: int = 16_384
-    max_file_mb: int = 16
-    max_open_files: int = 64
-    allow_site_packages: bool = False  # False: stdlib only (python -S)
-
-    def __post_init__(self) -> None:
-        for name in ("wall_time_s", "cpu_time_s", "memory_mb", "max_processes",
-                     "max_output_bytes", "max_file_mb", "max_open_files"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise ValueError(f"SandboxLimits.{name} must be a positive number, got {v!r}")
-        if not isinstance(self.cpu_time_s, int):
-            raise ValueError(f"SandboxLimits.cpu_time_s must be an int (seconds), got {self.cpu_time_s!r}")
-
-
-@dataclass
-class SandboxResult:
-    """What one call produced. ``exit_code`` is negative for a signal, None if never started."""
-
-    stdout: str
-    stderr: str
-    exit_code: int | None
-    timed_out: bool = False
-    killed_reason: str | None = None
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-    wall_time_s: float = 0.0
-    isolation: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and self.killed_reason is None
-
-    def as_observation(self, max_chars: int = 4000) -> str:
-        """Text shown to the policy: output, then bracketed notes on errors and limits."""
-        parts: list[str] = []
-        if self.stdout:
-            parts.append(_clip(self.stdout, max_chars))
-        if self.stderr:
-            parts.append("[stderr]\n" + _clip(self.stderr, max_chars))
-        if self.stdout_truncated or self.stderr_truncated:
-            parts.append("[output truncated: the output size limit was reached]")
-        if self.killed_reason is not None:
-            parts.append(f"[killed: {self.killed_reason}]")
-        elif self.exit_code not in (0, None):
-            parts.append(f"[exit status {self.exit_code}]")
-        if not parts:
-            parts.append("[no output]")
-        return "\n".join(parts)
-
-
-def _clip(text: str, max_chars: int) -> str:
-    text = text.rstrip("\n")
-    if len(text) <= max_chars:
-        return text
-    half = max_chars // 2
-    return f"{text[:half]}\n...[{len(text) - max_chars} chars omitted]...\n{text[-half:]}"
+_CHILD_PATH = str(Path(__file__).with_name("sandbox_child"))
+# The child imports the bootstrap and its helpers as top-level modules from these directories. They
+# are imported here once as well, which writes their bytecode caches (when the package directory is
+# writable): the child runs with -B and would otherwise compile them on every call.
+_BOOTSTRAP_STUB = (f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {_CHILD_PATH!r}]; "
+                   "import sandbox_bootstrap; sandbox_bootstrap.main()")
+from megatron_sao.envs import sandbox_bootstrap  # noqa: E402,F401
+from megatron_sao.envs.sandbox_child import landlock, process, rootfs, syscall_filter  # noqa: E402,F401
 
 
 class _UidSlots:
     """Process-wide allocator of private sandbox uids (thread-safe: pools may live in several loops).
 
-    Round-robin rather than lowest-free: killed sandbox processes linger as zombies until init
-    reaps them, and zombies still count against RLIMIT_NPROC of their uid, so a uid is reused
-    only after all the others have been used once.
+    Round-robin rather than lowest-free: a uid is reused only after all the others have been used
+    once, so nothing of an earlier call (a zombie counted against RLIMIT_NPROC) can meet a new one.
     """
 
     SIZE = 1024
@@ -150,18 +91,57 @@ class _UidSlots:
 
 
 _UIDS = _UidSlots()
+_NAMESPACES_WORK: dict[bool, bool] = {}  # userns? -> whether namespaced calls work on this host
+_CGROUPS: dict[str, CgroupFactory | None] = {}
+
+
+def _readonly_paths(allow_site_packages: bool) -> list[str]:
+    """What the call may read besides the system directories: the interpreter's install tree
+    (standard library, lib-dynload, libpython), and the environment's site-packages only when asked."""
+    paths = {os.path.realpath(sys.base_prefix), os.path.dirname(os.path.realpath(os.__file__))}
+    if allow_site_packages:
+        for key in ("purelib", "platlib"):
+            paths.add(os.path.realpath(sysconfig.get_paths()[key]))
+    return sorted(p for p in paths if p != "/")
+
+
+def _check_readable_by_others(path: str) -> None:
+    """Process mode as root runs the code under a private uid, in the host's filesystem: it must be
+    able to read the standard library (a Python under root's 0700 home cannot)."""
+    parts = path.rstrip("/").split("/")
+    for i in range(2, len(parts) + 1):
+        d = "/".join(parts[:i])
+        if not os.stat(d).st_mode & 0o001:
+            raise SandboxError(f"sandbox: process mode runs model code under a private uid, which cannot reach the "
+                               f"standard library at {path} ({d} is not searchable by other users); install "
+                               "Python where other users can read it, or allow namespaces (CAP_SYS_ADMIN)")
+
+
+def _make_undumpable() -> None:
+    """The trainer itself: /proc/<trainer>/{environ,mem,fd} become unreadable to same-uid processes."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise SandboxError(f"prctl(PR_SET_DUMPABLE, 0) failed: errno {ctypes.get_errno()}")
 
 
 class SandboxPool:
-    """Runs sandbox calls with at most ``max_concurrency`` in flight per event loop."""
+    """Runs sandbox calls with at most ``max_concurrency`` in flight per event loop.
 
-    def __init__(self, max_concurrency: int = 8, uid_base: int = 200_000) -> None:
+    ``isolation``: "auto" (namespaces where the host allows them, else process mode), or
+    "namespaces" / "process" to insist on one. ``allow_same_uid``: let process mode run the code as
+    the trainer's own uid (non-root without user namespaces); refused otherwise."""
+
+    def __init__(self, max_concurrency: int = 8, uid_base: int = 200_000, allow_same_uid: bool = False,
+                 isolation: str = "auto", cgroups: bool = True) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if not 1000 <= uid_base <= 2**31 - _UidSlots.SIZE:
             raise ValueError(f"uid_base must be an unprivileged uid range start, got {uid_base}")
-        self.max_concurrency = max_concurrency
-        self.uid_base = uid_base
+        if isolation not in ("auto", "namespaces", "process"):
+            raise ValueError(f"isolation must be auto, namespaces or process, got {isolation!r}")
+        self.max_concurrency, self.uid_base = max_concurrency, uid_base
+        self.allow_same_uid, self.isolation, self.cgroups = allow_same_uid, isolation, cgroups
         self.privileged = os.geteuid() == 0
         # asyncio primitives bind to one loop; keep one semaphore per loop.
         self._sems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -173,127 +153,108 @@ class SandboxPool:
             sem = self._sems[loop] = asyncio.Semaphore(self.max_concurrency)
         return sem
 
+    def _cgroup_factory(self) -> CgroupFactory | None:
+        if not (self.cgroups and self.privileged):
+            return None
+        if "auto" not in _CGROUPS:
+            _CGROUPS["auto"] = CgroupFactory.detect()
+        return _CGROUPS["auto"]
+
+    async def _mode(self) -> str:
+        """namespaces or process, for this host; the first call probes namespaces once per process."""
+        if self.isolation != "process":
+            userns = not self.privileged
+            if userns not in _NAMESPACES_WORK:
+                try:
+                    probe = await self._call("pass", SandboxLimits(wall_time_s=30), "namespaces")
+                    _NAMESPACES_WORK[userns] = probe.exit_code == 0 and "pidns" in probe.isolation
+                except SandboxError:
+                    _NAMESPACES_WORK[userns] = False
+            if _NAMESPACES_WORK[userns]:
+                return "namespaces"
+            if self.isolation == "namespaces":
+                raise SandboxError("sandbox: namespaces are not available on this host "
+                                   f"({'mount/PID/network namespaces' if self.privileged else 'user namespaces'})")
+        if not self.privileged and not self.allow_same_uid:
+            raise SandboxError(
+                "sandbox: user namespaces are not available here (sysctl user.max_user_namespaces, "
+                "kernel.unprivileged_userns_clone or an AppArmor/SELinux policy), so model code would run as "
+                "the trainer's own uid with seccomp, rlimits and audit hooks only; set "
+                "env.sandbox_allow_same_uid: true (SandboxPool(allow_same_uid=True)) to accept that")
+        if not self.privileged:
+            _make_undumpable()
+        else:
+            _check_readable_by_others(os.path.dirname(os.path.realpath(os.__file__)))
+        return "process"
+
     async def run(self, code: str, limits: SandboxLimits | None = None) -> SandboxResult:
         if not isinstance(code, str):
             raise TypeError(f"code must be str, got {type(code).__name__}")
         limits = limits or SandboxLimits()
         async with self._semaphore():
-            uid = _UIDS.acquire(self.uid_base) if self.privileged else None
-            workdir = Path(tempfile.mkdtemp(prefix="sao-sandbox-"))
-            try:
-                return await self._run_in(workdir, uid, code, limits)
-            finally:
-                if uid is not None:
-                    await _kill_all_of_uid(uid)
-                shutil.rmtree(workdir, ignore_errors=True)
-                if uid is not None:
-                    _UIDS.release(uid)
+            return await self._call(code, limits, await self._mode())
 
-    async def _run_in(self, workdir: Path, uid: int | None, code: str, limits: SandboxLimits) -> SandboxResult:
+    async def _call(self, code: str, limits: SandboxLimits, mode: str) -> SandboxResult:
+        uid = _UIDS.acquire(self.uid_base) if self.privileged else None
+        workdir = Path(tempfile.mkdtemp(prefix="sao-sandbox-"))
+        cg = None
+        try:
+            factory = self._cgroup_factory()
+            if factory is not None:
+                cg = factory.create(limits.memory_mb << 20, limits.max_processes + 2)  # + bootstrap A, B
+            return await self._run_in(workdir, uid, code, limits, mode, cg, factory)
+        finally:
+            if cg is not None:
+                cg.close()
+            if uid is not None and mode == "process":
+                await kill_all_of_uid(uid)
+            shutil.rmtree(workdir, ignore_errors=True)
+            if uid is not None:
+                _UIDS.release(uid)
+
+    async def _run_in(self, workdir: Path, uid: int | None, code: str, limits: SandboxLimits, mode: str,
+                      cg: CallCgroup | None, factory: CgroupFactory | None) -> SandboxResult:
         code_file = workdir / "main.py"
         code_file.write_text(code, encoding="utf-8")
-        if uid is not None:
+        if uid is not None and mode == "process":
             os.chown(workdir, uid, uid)
             os.chown(code_file, uid, uid)
+        isolation = planned_isolation(mode, uid, limits, cg, factory)
+        readonly = _readonly_paths(limits.allow_site_packages)
+        status_r, status_w = os.pipe()
         cfg = {
-            "workdir": str(workdir), "code_file": str(code_file), "uid": uid, "gid": uid,
-            "mask_dirs": list(_MASK_DIRS),
-            "limits": {"cpu_s": limits.cpu_time_s, "memory_mb": limits.memory_mb,
-                       "fsize_mb": limits.max_file_mb, "nofile": limits.max_open_files,
+            "mode": mode, "userns": mode == "namespaces" and uid is None, "uid": uid,
+            "workdir": str(workdir), "code_file": str(code_file), "status_fd": status_w,
+            "child_path": _CHILD_PATH, "readonly": readonly, "read_roots": readonly,
+            "cgroup_procs": cg.procs_files if cg is not None else [], "isolation": isolation,
+            "interpreter": os.path.realpath(sys.executable),
+            "limits": {"cpu_s": limits.cpu_time_s, "memory_mb": limits.memory_mb, "fsize_mb": limits.max_file_mb,
+                       "disk_mb": limits.max_disk_mb, "nofile": limits.max_open_files,
                        "nproc": limits.max_processes},
         }
         flags = ["-I", "-B"] + ([] if limits.allow_site_packages else ["-S"])
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(workdir)}
         t0 = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, *flags, "-c", _BOOTSTRAP_SOURCE, json.dumps(cfg),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, cwd=str(workdir), env=env,
-            close_fds=True, start_new_session=True)
-        return await _collect(proc, limits, t0)
-
-
-async def _collect(proc: asyncio.subprocess.Process, limits: SandboxLimits, t0: float) -> SandboxResult:
-    """Read both streams under the output cap and the wall clock; kill the session on either."""
-    cap = limits.max_output_bytes
-    over = asyncio.Event()
-    # stderr may start with the bootstrap's status line, which must not count against the cap.
-    bufs = {"out": bytearray(), "err": bytearray()}
-    truncated = {"out": False, "err": False}
-
-    async def pump(stream: asyncio.StreamReader, key: str, allowance: int) -> None:
-        buf = bufs[key]
-        while chunk := await stream.read(_READ_CHUNK):
-            room = cap + allowance - len(buf)
-            buf += chunk[:max(room, 0)]
-            if len(chunk) > room:
-                truncated[key] = True
-                over.set()
-        # Past the cap the pump keeps reading (and discarding) until EOF: a pipe nobody reads
-        # pauses its transport, its EOF is never seen, and on Python 3.11 Process.wait() only
-        # returns once every pipe is closed, so the call would hang after the kill.
-
-    pumps = [asyncio.ensure_future(pump(proc.stdout, "out", 0)),
-             asyncio.ensure_future(pump(proc.stderr, "err", 256))]
-    finished = asyncio.ensure_future(asyncio.gather(*pumps, proc.wait()))
-    overflow = asyncio.ensure_future(over.wait())
-    done, _ = await asyncio.wait({finished, overflow}, timeout=limits.wall_time_s,
-                                 return_when=asyncio.FIRST_COMPLETED)
-    reason = None
-    if finished not in done:
-        reason = "output_limit" if overflow in done else "wall_timeout"
-        _kill_session(proc.pid)
-        await proc.wait()
-        for p in pumps:
-            p.cancel()
-        await asyncio.gather(finished, return_exceptions=True)
-    overflow.cancel()
-    wall = time.monotonic() - t0
-
-    err = bytes(bufs["err"]).decode("utf-8", errors="replace")
-    isolation: tuple[str, ...] = ()
-    if err.startswith(STATUS_PREFIX):
-        status, _, err = err.partition("\n")
-        isolation = tuple(status[len(STATUS_PREFIX):].strip().split(","))
-    elif reason is None:
-        raise SandboxError(f"sandbox failed to start (exit {proc.returncode}): {err[-2000:]}")
-    rc = proc.returncode
-    if reason == "wall_timeout":
-        reason = f"wall-clock limit of {limits.wall_time_s:g} s exceeded"
-    elif reason == "output_limit":
-        reason = f"output limit of {cap} bytes exceeded"
-    elif rc == -signal.SIGXCPU:
-        reason = f"CPU time limit of {limits.cpu_time_s} s exceeded"
-    elif rc is not None and rc < 0:
-        reason = f"terminated by signal {signal.Signals(-rc).name}"
-    return SandboxResult(
-        stdout=bytes(bufs["out"]).decode("utf-8", errors="replace"), stderr=err, exit_code=rc,
-        timed_out=reason is not None and reason.startswith("wall-clock"), killed_reason=reason,
-        stdout_truncated=truncated["out"], stderr_truncated=truncated["err"],
-        wall_time_s=wall, isolation=isolation)
-
-
-def _kill_session(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)  # start_new_session=True: pgid == pid
-    except ProcessLookupError:
-        pass
-
-
-async def _kill_all_of_uid(uid: int) -> None:
-    """Kill every process of a private sandbox uid (catches daemons that left the session)."""
-    if _KILL_BIN is not None:
-        argv = [_KILL_BIN, "-9", "-1"]
-    else:
-        argv = [sys.executable, "-I", "-S", "-c", "import os; os.kill(-1, 9)"]
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL, user=uid, group=uid, extra_groups=[], env={},
-        close_fds=True)
-    await proc.wait()  # exit status 1 just means there was nothing left to kill
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, *flags, "-c", _BOOTSTRAP_STUB, marshal.dumps(cfg).hex(),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, cwd=str(workdir), env=env,
+                close_fds=True, pass_fds=(status_w,), start_new_session=True)
+        finally:
+            os.close(status_w)
+        status = StatusReader(status_r)
+        return await collect(proc, status, limits, t0, cg)
 
 
 _DEFAULT_POOLS: dict[int, SandboxPool] = {}
+_DEFAULT_OPTIONS: dict = {}
+
+
+def configure_default_pool(allow_same_uid: bool = False) -> None:
+    """Settings of the pool `run_python` uses (the trainer calls this from the config's env section)."""
+    _DEFAULT_OPTIONS["allow_same_uid"] = allow_same_uid
+    _DEFAULT_POOLS.clear()
 
 
 def default_pool() -> SandboxPool:
@@ -301,7 +262,7 @@ def default_pool() -> SandboxPool:
     pool = _DEFAULT_POOLS.get(0)
     if pool is None:
         n = int(os.environ.get("SAO_SANDBOX_CONCURRENCY", "8"))
-        pool = _DEFAULT_POOLS[0] = SandboxPool(max_concurrency=n)
+        pool = _DEFAULT_POOLS[0] = SandboxPool(max_concurrency=n, **_DEFAULT_OPTIONS)
     return pool
 
 

@@ -1,171 +1,264 @@
-"""Child-side bootstrap of the Python sandbox (runs *inside* the sandbox process).
+"""Child-side bootstrap of the Python sandbox: sets up isolation, then runs the untrusted main.py.
 
-``sandbox.py`` starts ``python -I -B [-S] -c <this file's source> <config json>`` in a fresh
-session with a clean environment, inside a private temporary directory. This code is trusted: it
-sets up isolation, prints one status line on stderr, and only then runs the untrusted
-``main.py``. Standard library only; it must not import the package (with ``-S`` it cannot).
+``sandbox.py`` starts ``python -I -B [-S] -c <stub> <config>`` in a fresh session; the stub puts
+``envs/`` and ``envs/sandbox_child/`` on sys.path and calls ``main()`` here, which imports the
+helpers as top-level modules (the package itself is never imported in the child). This code is trusted and standard-library only.
+It reports on a status pipe (fd ``status_fd``, one Python literal per line, never seen by the
+untrusted code):
+``{"child": pid}``, ``{"ready": [isolation layers]}``, ``{"exit": code, "signal": n, "leftovers": n}``
+or ``{"error": message}``.
 
-Order matters:
-1. namespaces (need root): a new network namespace (no interfaces up, so no network at all) and
-   a new mount namespace in which the world-writable directories (/tmp, /var/tmp, /dev/shm,
-   /run/lock) are covered by small private tmpfs mounts, so nothing written there reaches the
-   host; the working directory is bind-mounted back at its own path;
-2. resource limits (lowering hard limits is always allowed and survives the uid drop);
-3. drop to an unprivileged uid/gid (root only): RLIMIT_NPROC is then enforced, the 0700 working
-   directory is the only place that uid owns, and it cannot signal or ptrace the trainer;
-4. audit hooks (always): deny IPv4/IPv6 sockets and writes outside the working directory with a
-   clear PermissionError. Without both namespaces they are the only barrier for network and
-   file writes, so process spawning and ctypes (which bypass the hooks) are denied too.
-   Audit hooks are a best-effort layer; the namespaces and the uid are the security boundary.
+Namespaced mode (root, or any user where user namespaces work; chosen by sandbox.py) -- three processes:
+  A  the process the parent started: joins the call's cgroup (root), enters a user namespace
+     (non-root) and new mount/PID/network/IPC/UTS/cgroup namespaces, forks B, waits, exits.
+  B  PID 1 of the new PID namespace: builds the private root filesystem (sandbox_child/rootfs.py),
+     drops its capabilities (user namespace) and becomes non-dumpable, forks C, reaps everything,
+     and when C ends reports how many processes C left behind and exits -- the kernel then kills
+     every process left in the namespace, however it daemonized (fork + setsid included).
+  C  the untrusted code's process: rlimits, a private uid (root) or no capabilities (user
+     namespace), no_new_privs, the seccomp filter, audit hooks for clear network errors.
+Process mode (no namespaces possible: root in a container without CAP_SYS_ADMIN, or a non-root
+user without user namespaces whose config allowed running as its own uid) -- two processes:
+  A  a non-dumpable child subreaper that forks C, and when C ends kills C's process group and
+     reaps it.
+  C  its own process group (seccomp then forbids leaving it, signalling anything outside it, and
+     IPv4/IPv6 sockets), a private uid as root, rlimits (as the trainer's own uid RLIMIT_NPROC is
+     "the uid's tasks now + the call's budget"), Landlock where the kernel has it (file access
+     below the standard library and the working directory only; TCP, signals and abstract unix
+     sockets scoped on newer kernels), audit hooks that deny the same reads and writes, process
+     spawning and ctypes. This mode is weaker than namespaces and says so in `isolation`.
 """
 
-import json
+import marshal
 import os
-import resource
 import sys
 
-STATUS_PREFIX = "SAO-SANDBOX-READY"
-CLONE_NEWNS = 0x00020000
-CLONE_NEWNET = 0x40000000
-MS_BIND = 4096
-MS_REC = 16384
-MS_PRIVATE = 1 << 18
-_ALLOWED_WRITE_PATHS = ("/dev/null",)
+# Imports cost most of a call's startup: only os, sys, marshal (built in), ctypes, resource, struct and
+# errno are loaded before the user's code; the config travels marshalled (same interpreter on both
+# sides), status lines are Python literals (no json, re, enum), signal numbers are Linux's.
+SIGKILL = 9
+AF_INET, AF_INET6 = 2, 10
+
+INSIDE_ID = 1000  # the call's uid/gid inside its user namespace
+_ALLOWED_DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 _PATH_EVENTS = {"os.mkdir", "os.remove", "os.rmdir", "os.symlink", "os.link", "os.rename",
                 "os.chmod", "os.chown", "os.truncate", "os.utime", "shutil.rmtree",
                 "shutil.copyfile", "shutil.move"}
+_READ_EVENTS = {"os.listdir", "os.scandir", "glob.glob", "os.chdir"}
 _SPAWN_EVENTS = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
                  "pty.spawn", "ctypes.dlopen", "ctypes.cdata", "os.forkpty"}
 
 
-def _libc():
-    import ctypes  # imported lazily: only the root path needs it
+class _Status:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
 
-    return ctypes, ctypes.CDLL(None, use_errno=True)
-
-
-def _enter_namespaces(workdir: str, mask_dirs: list, tmpfs_mb: int) -> list:
-    """Try the network and mount namespaces; return the names of those that are active."""
-    active = []
-    ctypes, libc = _libc()
-    if libc.unshare(CLONE_NEWNET) == 0:
-        active.append("netns")
-    if libc.unshare(CLONE_NEWNS) != 0:
-        return active
-    if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-        return active  # mounts would propagate to the host: do not touch anything
-    fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
-    for d in mask_dirs:
-        if not os.path.isdir(d) or os.path.islink(d):
-            continue
-        opts = f"size={tmpfs_mb}m,mode=1777".encode()
-        if libc.mount(b"tmpfs", d.encode(), b"tmpfs", 0, opts) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"sandbox: cannot mount a private tmpfs on {d}")
-        if workdir == d or workdir.startswith(d.rstrip("/") + "/"):
-            os.makedirs(workdir, exist_ok=True)
-            src = f"/proc/self/fd/{fd}".encode()
-            if libc.mount(src, workdir.encode(), None, MS_BIND, None) != 0:
-                raise OSError(ctypes.get_errno(), f"sandbox: cannot bind the workdir into {d}")
-    os.close(fd)
-    os.chdir(workdir)  # re-enter through the bind mount so getcwd() matches the path
-    _expose_interpreter(libc, ctypes)
-    active.append("mountns")
-    return active
+    def send(self, **msg) -> None:
+        os.write(self.fd, (repr(msg) + "\n").encode())
 
 
-def _expose_interpreter(libc, ctypes) -> None:
-    """Make the interpreter's install tree reachable for the unprivileged uid.
+# ---------------------------------------------------------------------- namespaced mode
+def _run_namespaced(cfg: dict, status: _Status) -> str:
+    import process  # sandbox_child/process.py (see the stub)
 
-    A Python installed under a private home (e.g. pyenv in 0700 /root) cannot import its own
-    standard library once we drop root. Inside the mount namespace, cover the first
-    non-traversable ancestor with a tmpfs and bind only the install tree back into it; this also
-    hides everything else in that directory (e.g. root's credentials) from the sandbox.
-    """
-    target = os.path.realpath(sys.base_prefix)
-    parts = target.strip("/").split("/")
-    for i in range(1, len(parts)):
-        anc = "/" + "/".join(parts[:i])
-        if os.stat(anc).st_mode & 0o001:
-            continue
-        fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
-        if libc.mount(b"tmpfs", anc.encode(), b"tmpfs", 0, b"size=1m,mode=0755") != 0:
-            raise OSError(ctypes.get_errno(), f"sandbox: cannot mask {anc}")
-        os.makedirs(target, mode=0o755, exist_ok=True)
-        if libc.mount(f"/proc/self/fd/{fd}".encode(), target.encode(), None, MS_BIND | MS_REC, None) != 0:
-            raise OSError(ctypes.get_errno(), f"sandbox: cannot expose {target}")
-        os.close(fd)
-        return
-
-
-def _set_limits(lim: dict) -> None:
-    def cap(res, soft, hard=None):
-        resource.setrlimit(res, (soft, soft if hard is None else hard))
-
-    cap(resource.RLIMIT_CPU, lim["cpu_s"], lim["cpu_s"] + 1)  # SIGXCPU first, SIGKILL 1 s later
-    cap(resource.RLIMIT_AS, lim["memory_mb"] << 20)
-    cap(resource.RLIMIT_FSIZE, lim["fsize_mb"] << 20)
-    cap(resource.RLIMIT_NOFILE, lim["nofile"])
-    cap(resource.RLIMIT_NPROC, lim["nproc"])
-    cap(resource.RLIMIT_CORE, 0)  # SIGXCPU would otherwise dump core into the workdir
+    process.die_with_parent()
+    _join_cgroup(cfg)
+    with open(cfg["code_file"], encoding="utf-8") as f:
+        code = f.read()
+    if cfg["userns"]:
+        process.enter_user_namespace(INSIDE_ID)
+    flags = 0
+    for flag in process.NAMESPACES.values():
+        flags |= flag
+    try:
+        process.unshare(flags)
+    except OSError:  # kernels without cgroup namespaces
+        process.unshare(flags & ~process.CLONE_NEWCGROUP)
+    init = os.fork()
+    if init == 0:
+        return _init(cfg, code, status)  # its parent is outside its PID namespace: getppid() is 0 there
+    os.waitpid(init, 0)
+    os._exit(0)
 
 
-def _drop_privileges(uid: int, gid: int) -> None:
-    os.setgroups([])
-    os.setgid(gid)
-    os.setuid(uid)
-    if os.getuid() != uid or os.geteuid() != uid:
-        raise OSError("sandbox: failed to drop privileges")
+def _init(cfg: dict, code: str, status: _Status) -> str:
+    """B: PID 1 of the call's namespace. Returns only in C (the working directory)."""
+    try:
+        import process
+        import rootfs
+        import syscall_filter  # noqa: F401  (its file is not visible once the root is switched)
+
+        process.die_with_parent(0)
+        uid = cfg["uid"] if cfg["uid"] is not None else INSIDE_ID
+        rootfs.build(cfg["workdir"], cfg["readonly"], cfg["limits"]["disk_mb"], uid, uid, code)
+        process.prctl(process.PR_SET_DUMPABLE, 0)
+        if cfg["userns"]:
+            process.drop_capabilities()
+        child = os.fork()
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, then out
+        status.send(error=f"{type(e).__name__}: {e}")
+        os._exit(125)
+    if child == 0:
+        return _user_process(cfg, status, workdir=rootfs.WORKDIR, pgid=None, parent=1)
+    while True:  # PID 1 reaps every orphan of the namespace
+        pid, st = os.waitpid(-1, 0)
+        if pid == child:
+            break
+    left = process.live_processes(exclude=os.getpid())
+    status.send(**_exit_of(st), leftovers=len(left))
+    os._exit(0)  # the kernel now SIGKILLs whatever is left in the namespace
 
 
-def _install_audit_hook(workdir: str, deny_spawn: bool) -> None:
-    import socket
+# ---------------------------------------------------------------------- process mode
+def _run_process_mode(cfg: dict, status: _Status) -> str:
+    import landlock  # noqa: F401  (loaded before the user's process needs it)
+    import process
+    import syscall_filter  # noqa: F401
 
+    process.die_with_parent()
+    _join_cgroup(cfg)
+    process.prctl(process.PR_SET_CHILD_SUBREAPER, 1)
+    me = os.getpid()
+    process.prctl(process.PR_SET_DUMPABLE, 0)
+    child = os.fork()
+    if child == 0:
+        os.setpgid(0, 0)
+        return _user_process(cfg, status, workdir=cfg["workdir"], pgid=os.getpid(), parent=me)
+    status.send(child=child)
+    _, st = os.waitpid(child, 0)
+    left = process.processes_in_group(child, exclude=os.getpid())
+    try:
+        os.killpg(child, SIGKILL)
+    except ProcessLookupError:
+        pass
+    while True:  # orphans come to this subreaper
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+    status.send(**_exit_of(st), leftovers=len(left))
+    os._exit(0)
+
+
+# ---------------------------------------------------------------------- the untrusted code's process
+def _user_process(cfg: dict, status: _Status, workdir: str, pgid: int | None, parent: int) -> str:
+    """C: isolation of the untrusted code's process; returns the working directory (errors: exit)."""
+    import process
+
+    try:
+        lim = cfg["limits"]
+        process.die_with_parent(parent)
+        process_mode = pgid is not None
+        same_uid = process_mode and cfg["uid"] is None
+        nproc = process.tasks_of_uid(os.getuid()) + lim["nproc"] if same_uid else lim["nproc"]
+        process.set_limits(lim, nproc)
+        active = list(cfg["isolation"])
+        if cfg["uid"] is not None:
+            process.drop_to(cfg["uid"], cfg["uid"])
+        os.umask(0o077)
+        os.chdir(workdir)
+        os.environ.update(HOME=workdir, TMPDIR=workdir if process_mode else "/tmp")
+        if process_mode:  # no private root filesystem: let the kernel limit file access where it can
+            import landlock
+
+            process.prctl(process.PR_SET_NO_NEW_PRIVS, 1)
+            try:
+                active.append(landlock.restrict(workdir, cfg["read_roots"]))
+            except OSError as e:
+                active.append(f"no-landlock({e})")
+        try:
+            import syscall_filter
+
+            syscall_filter.install(syscall_filter.build(same_uid=process_mode, pgid=pgid or 0))
+            active.append("seccomp")
+        except OSError as e:
+            if same_uid:  # the only barrier against signalling the trainer: no seccomp, no run
+                raise
+            active.append(f"no-seccomp({e.strerror})")
+        _install_audit_hook(workdir, process_mode, cfg["read_roots"])
+        active.append("audit=" + ("fs+net+nospawn" if process_mode else "net"))
+        if cfg.get("interpreter") and os.path.exists(cfg["interpreter"]):
+            sys.executable = cfg["interpreter"]
+        status.send(ready=active)
+    except BaseException as e:  # noqa: BLE001
+        status.send(error=f"{type(e).__name__}: {e}")
+        os._exit(125)
+    os.closerange(3, 1 << 16)  # the status pipe and anything else inherited
+    for name in ("process", "rootfs", "syscall_filter", "landlock", "sandbox_bootstrap"):
+        sys.modules.pop(name, None)
+    sys.path[:] = [p for p in sys.path if p not in (cfg["child_path"], os.path.dirname(cfg["child_path"]))]
+    return workdir
+
+
+def _join_cgroup(cfg: dict) -> None:
+    for procs in cfg["cgroup_procs"]:  # root: the whole tree is accounted from here on
+        with open(procs, "w") as f:
+            f.write("0")
+
+
+def _exit_of(st: int) -> dict:
+    if os.WIFSIGNALED(st):
+        return {"exit": None, "signal": os.WTERMSIG(st)}
+    return {"exit": os.WEXITSTATUS(st), "signal": None}
+
+
+def _install_audit_hook(workdir: str, restrict_fs: bool, read_roots: list) -> None:
+    """Network: deny IPv4/IPv6 with a clear message (in a network namespace they would fail anyway,
+    less clearly). Same-uid mode also denies reads and writes outside the working directory
+    (reads: also outside `read_roots`, the standard library), spawning and ctypes."""
     root = os.path.realpath(workdir)
-    inet = {socket.AF_INET, socket.AF_INET6}
+    readable = tuple(os.path.realpath(p) for p in read_roots) + (root,)
+    inet = {AF_INET, AF_INET6}
     realpath, fsdecode = os.path.realpath, os.fsdecode
 
-    def inside(path) -> bool:
+    def under(path, roots) -> bool:
         if isinstance(path, int):
             return True  # an already-open descriptor was checked when it was opened
         p = fsdecode(path)
-        if p in _ALLOWED_WRITE_PATHS:
+        if p in _ALLOWED_DEVICES:
             return True
         rp = realpath(p)
-        return rp == root or rp.startswith(root + "/")
+        return any(rp == r or rp.startswith(r.rstrip("/") + "/") for r in roots)
 
     def hook(event, args):
-        if event == "open":
-            path, mode, flags = args
-            # builtin open() and os.open() both pass the OS-level flags; a mode string is a fallback
-            writing = (flags & _WRITE_FLAGS) if isinstance(flags, int) else (
-                isinstance(mode, str) and any(c in mode for c in "wax+"))
-            if writing and path is not None and not inside(path):
-                raise PermissionError(f"sandbox: writing outside the working directory is not allowed: {path!r}")
-        elif event == "socket.__new__":
+        if event in ("socket.__new__",):
             if len(args) > 1 and args[1] in inet:
                 raise PermissionError("sandbox: network access is disabled")
         elif event in ("socket.connect", "socket.bind", "socket.sendto"):
-            raise PermissionError("sandbox: network access is disabled")
+            if not isinstance(args[1], (str, bytes)):  # AF_UNIX paths fail on their own
+                raise PermissionError("sandbox: network access is disabled")
+        elif not restrict_fs:
+            return
+        elif event == "open":
+            path, mode, flags = args
+            if path is None:
+                return
+            writing = (flags & _WRITE_FLAGS) if isinstance(flags, int) else (
+                isinstance(mode, str) and any(c in mode for c in "wax+"))
+            if writing and not under(path, (root,)):
+                raise PermissionError(f"sandbox: writing outside the working directory is not allowed: {path!r}")
+            if not writing and not under(path, readable):
+                raise PermissionError(f"sandbox: reading outside the working directory is not allowed: {path!r}")
+        elif event in _READ_EVENTS:
+            if args and args[0] is not None and not under(args[0], readable):
+                raise PermissionError(f"sandbox: {event} outside the working directory is not allowed: {args[0]!r}")
         elif event in _PATH_EVENTS:
             paths = args[:2] if event in ("os.rename", "os.symlink", "os.link", "shutil.move") else args[:1]
             for p in paths:
-                if p is not None and not inside(p):
+                if p is not None and not under(p, (root,)):
                     raise PermissionError(f"sandbox: {event} outside the working directory is not allowed: {p!r}")
-        elif deny_spawn and event in _SPAWN_EVENTS:
+        elif event in _SPAWN_EVENTS:
             raise PermissionError(f"sandbox: {event} is not allowed in this sandbox")
 
     sys.addaudithook(hook)
 
 
 def _run_user_code(path: str, memory_mb: int) -> int:
-    import traceback
-
     with open(path, encoding="utf-8") as f:
         source = f.read()
     sys.argv = [path]
-    sys.path.insert(0, os.getcwd())
+    sys.path.insert(0, os.path.dirname(path))
     glb = {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__}
     try:
         exec(compile(source, path, "exec"), glb)
@@ -179,36 +272,24 @@ def _run_user_code(path: str, memory_mb: int) -> int:
         print(f"MemoryError: the sandbox memory limit ({memory_mb} MiB) was exceeded", file=sys.stderr)
         return 1
     except BaseException as e:  # report like the interpreter would, minus this bootstrap's frame
+        import traceback  # only now: it costs more than the rest of the bootstrap
+
         tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
         traceback.print_exception(type(e), e, tb)
         return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
     return 0
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
-    workdir = cfg["workdir"]
-    os.chdir(workdir)
-    active = []
-    if cfg["uid"] is not None:
-        os.umask(0o022)  # mount points created in the private tmpfs must be traversable
-        active += _enter_namespaces(workdir, cfg["mask_dirs"], cfg["limits"]["fsize_mb"])
-    os.umask(0o077)
-    _set_limits(cfg["limits"])
-    import socket, traceback  # noqa: F401  (loaded while the stdlib is surely readable)
-    if cfg["uid"] is not None:
-        _drop_privileges(cfg["uid"], cfg["gid"])
-        active.append(f"uid={cfg['uid']}")
-    deny_spawn = not ("netns" in active and "mountns" in active)
-    _install_audit_hook(workdir, deny_spawn)
-    active.append("audit" + ("+nospawn" if deny_spawn else ""))
-    sys.stderr.write(f"{STATUS_PREFIX} {','.join(active)}\n")
-    sys.stderr.flush()
-    rc = _run_user_code(cfg["code_file"], cfg["limits"]["memory_mb"])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    sys.exit(rc)
-
-
-if __name__ == "__main__":
-    main()
+    cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
+    status = _Status(cfg["status_fd"])
+    try:  # only the untrusted code's process (C) returns from these
+        workdir = _run_namespaced(cfg, status) if cfg["mode"] == "namespaces" else _run_process_mode(cfg, status)
+    except BaseException as e:  # noqa: BLE001
+        status.send(error=f"{type(e).__name__}: {e}")
+        os._exit(125)
+    # Outside every handler above: the program's sys.exit, atexit and threads behave as usual.
+    sys.exit(_run_user_code(os.path.join(workdir, "main.py"), cfg["limits"]["memory_mb"]))

@@ -15,6 +15,13 @@ shared/reference/feasibility/megatron_cpu for the failures they fix):
 5. moe_utils.te_general_gemm = None: 0.16.1 leaves the name undefined without TransformerEngine, so
    every MoE router forward raises NameError.
 6. token_dispatcher.maybe_move_tensor_to_cpu: CPU split sizes must become numpy for all_to_all.
+7. tensor_parallel.random._get/_set_cuda_rng_state -> the CPU generator: activation recompute
+   (parallel.recompute: full, CheckpointFunction) saves and restores the CUDA RNG state around
+   every recomputed layer, which raises "Torch not compiled with CUDA enabled" on a CPU build.
+8. fused_softmax.get_default_causal_mask -> cpu: the local spec's unfused softmax builds its causal
+   mask (AttnMaskType.causal, attention_mask=None) on device="cuda". The TorchFunctionMode of
+   patch 2 covers the forward pass, but not a forward replayed by activation recompute inside
+   autograd's backward (the mode is not active there).
 """
 
 from __future__ import annotations
@@ -152,6 +159,17 @@ def _patch_megatron() -> None:
 
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     _APPLIED.append("token_dispatcher.maybe_move_tensor_to_cpu: CPU tensors stay on CPU")
+
+    import megatron.core.tensor_parallel.random as mp_random
+
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda new_state, *a, **k: torch.set_rng_state(new_state)
+    _APPLIED.append("tensor_parallel.random cuda rng state -> CPU generator (activation recompute)")
+
+    import megatron.core.fusions.fused_softmax as fused_softmax
+
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+    _APPLIED.append("fused_softmax.get_default_causal_mask -> cpu")
 
 
 def ensure_cpu_compat() -> bool:

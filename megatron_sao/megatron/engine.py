@@ -11,6 +11,7 @@ call an engine on the thread that called `ensure_cpu_compat()` / `init_parallel(
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -127,18 +128,16 @@ class MegatronEngine:
         c = self.ctx
         if (c.tp, c.pp, c.ep, c.sequence_parallel) != (sizes.tp, sizes.pp, sizes.ep, sizes.sequence_parallel):
             raise ValueError(f"ParallelSizes {sizes} do not match the live parallel state ({c.describe()})")
+        if c.etp != sizes.expert_tp:
+            raise ValueError(f"ParallelSizes {sizes} (expert tp {sizes.expert_tp}) do not match the live parallel "
+                             f"state (etp={c.etp})")
+        # Every layout rule (incl. the refusal of MoE with etp*ep < tp, which trains with wrong
+        # gradients on megatron-core 0.16.1) lives in ParallelSizes.problems, shared with `sao plan`.
         sizes.validate_for(spec, c.world_size)
-        if spec.is_moe and c.tp > 1 and c.etp * c.ep < c.tp:
-            # Measured on megatron-core 0.16.1 (tests/megatron/workers/engine_parallel.py): TP=2+SP
-            # with etp=1, ep=1 gives correct log-probs but gradients that differ from TP=1
-            # (post-step log-probs off by 0.24). etp=tp or etp*ep=tp train correctly.
-            raise ValueError(f"MoE with tp={c.tp}, ep={c.ep}, etp={c.etp}: etp*ep < tp trains with wrong "
-                             "gradients on megatron-core 0.16.1; use etp=tp (ParallelSizes.etp=None) or ep*etp >= tp")
         self.spec, self.sizes, self.optim_config, self.role = spec, sizes, optim, role
         self.micro_batch_size = micro_batch_size
         self.state_version = 0
         self.grad_norm_groups = {k: list(v) for k, v in (grad_norm_groups or {}).items()}
-        self._masks: dict[int, torch.Tensor] = {}
 
         overrides = dict(config_overrides or {})
         overrides["calculate_per_token_loss"] = True  # see forward.py: exact global token-mean
@@ -199,13 +198,6 @@ class MegatronEngine:
 
         return RankLayout.from_parallel_state()
 
-    def _causal_mask(self, seq_len: int) -> torch.Tensor:
-        from megatron_sao.models.gpt import causal_attention_mask
-
-        if seq_len not in self._masks:
-            self._masks[seq_len] = causal_attention_mask(seq_len, device=self.ctx.device)
-        return self._masks[seq_len]
-
     def _local(self, batch: Batch, required: tuple[str, ...] = ()):
         c = self.ctx
         batch = {k: v.to(c.device) for k, v in batch.items()} if isinstance(batch, dict) else batch
@@ -219,11 +211,14 @@ class MegatronEngine:
                                f"needs a {role} engine")
         micro, b, t, cols = self._local(batch)
         self.ddp.eval()
-        outs = fwd.forward_outputs(role, self.chunks, micro, cols, self._causal_mask(cols))
+        outs = fwd.forward_outputs(role, self.chunks, micro, cols, vocab_size=self.spec.vocab_size)
         local = torch.cat(outs, dim=0) if self.ctx.is_last_stage else None
         rows = len(micro) * self.micro_batch_size * self.ctx.dp
         full = fwd.gather_to_all(local, (rows, cols), self.ctx)[:b, :t]
-        return full * batch["attention_mask"].to(full.device).to(full.dtype)
+        mask = batch["attention_mask"]
+        # Back where the caller's batch lives (the trainer's batches are host tensors: GAE and the
+        # log-prob checks mix these outputs with them; on a GPU `full` is on the GPU).
+        return (full * mask.to(full.device).to(full.dtype)).to(mask.device)
 
     # ------------------------------------------------------------------ public API
     def logprobs(self, batch: Batch) -> torch.Tensor:
@@ -249,11 +244,12 @@ class MegatronEngine:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         t0 = time.perf_counter()
-        store = fwd.run_schedule(self.chunks, micro, cols, fwd.make_train_loss_func(self.role, loss_fn, denominator),
-                                 self._causal_mask(cols), forward_only=False)
+        store = fwd.run_schedule(self.chunks, micro, cols,
+                                 fwd.make_train_loss_func(self.role, loss_fn, denominator, vocab_size=self.spec.vocab_size),
+                                 forward_only=False)
         t1 = time.perf_counter()
         metrics = fwd.reduce_step_metrics(store, self.ctx)
-        bad = torch.tensor([0.0 if torch.isfinite(torch.tensor(metrics["loss"])) else 1.0])
+        bad = torch.tensor([0.0 if math.isfinite(metrics["loss"]) else 1.0], device=self.ctx.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank must take the same branch
         outcome = safe_optimizer_step(self.optimizer, clip_grad=self.optim_config.clip_grad,
                                       loss_is_finite=bool(bad.item() == 0.0), param_names=self._param_names,

@@ -34,7 +34,7 @@ def _tp_gather(global_name: str, param: torch.Tensor, spec, layout: RankLayout) 
     split = tp_partition(global_name, spec)
     size = layout.expert_tp if split.expert else layout.tp
     if split.dim is None or size == 1:
-        return param.detach()
+        return unshard_tensor(global_name, [param.detach()], spec)  # strips vocab padding at TP 1 too
     group = ps.get_expert_tensor_parallel_group() if split.expert else ps.get_tensor_model_parallel_group()
     shards = [torch.empty_like(param) for _ in range(size)]
     dist.all_gather(shards, param.detach().contiguous(), group=group)
@@ -71,6 +71,8 @@ def _stage_metadata(module: torch.nn.Module, spec, layout: RankLayout) -> list[t
         shape = list(param.shape)
         if split.dim is not None and size > 1:
             shape[split.dim] *= size
+        if split.vocab:  # unshard_tensor strips the padding rows (models/vocab.py)
+            shape[0] = spec.vocab_size
         owners = range(layout.ep) if ".mlp.experts.local_experts." in global_name and layout.ep > 1 else [None]
         for ep_rank in owners:
             lay = layout if ep_rank is None else dataclasses.replace(layout, ep_rank=ep_rank)
@@ -116,7 +118,7 @@ def export_hf_weights(module: torch.nn.Module, spec, ctx, *, bucket_bytes: int =
             sending = stage > 0 and on_root_pipeline
             if sending:
                 meta = [_stage_metadata(module, spec, layout)]
-                dist.broadcast_object_list(meta, src=ctx.rank, group=ctx.pp_group)
+                dist.broadcast_object_list(meta, src=ctx.rank, group=ctx.pp_group, device=ctx.device)
             for name, full in _stage_tensors(module, spec, layout):
                 if bucketer is not None:
                     yield from bucketer.add(name, full)
@@ -125,7 +127,7 @@ def export_hf_weights(module: torch.nn.Module, spec, ctx, *, bucket_bytes: int =
         elif ctx.rank == 0:
             src = dist.get_global_rank(ctx.pp_group, stage)
             meta = [None]
-            dist.broadcast_object_list(meta, src=src, group=ctx.pp_group)
+            dist.broadcast_object_list(meta, src=src, group=ctx.pp_group, device=ctx.device)
             for name, shape, dtype in meta[0]:
                 buf = torch.empty(shape, dtype=dtype, device=ctx.device)
                 dist.broadcast(buf, src=src, group=ctx.pp_group)

@@ -28,31 +28,62 @@ _ONE = torch.ones((), dtype=torch.int)
 _WEIGHT = "__action_tokens__"  # per-micro-batch weight for mean-type metrics
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    """Logits of the padding rows (global vocab index >= vocab_size) set to -inf on this TP rank.
+
+    The model's vocabulary is padded to a multiple of 128 x TP (models/vocab.py, as Megatron-LM
+    does); the padding rows are not tokens. Left in, their logits would enter the softmax's
+    normaliser and change every log-prob; at -inf they add exp(-inf) = 0 and get zero gradient.
+    `logits` is this rank's vocab shard [b, s, V_padded/TP]; rank r holds rows r*V/TP ..
+    (r+1)*V/TP - 1, so the padding lies on the last rank(s) only.
+    """
+    if vocab_size is None:
+        return logits
+    from megatron.core import parallel_state as ps
+
+    per_rank = logits.shape[-1]
+    valid = vocab_size - ps.get_tensor_model_parallel_rank() * per_rank  # real rows on this rank
+    if valid >= per_rank:
+        return logits
+    padding = torch.arange(per_rank, device=logits.device) >= max(valid, 0)
+    return logits.masked_fill(padding, float("-inf"))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
     """log p(tokens[:, t] | tokens[:, :t]) placed at position t ([b, s]); position 0 gets 0.
 
     `logits` is [b, s, V/TP]: the vocab stays sharded; Megatron's vocab-parallel cross entropy
     reduces max and sum-exp over the TP group, so no rank ever holds the full vocabulary.
+    `vocab_size` (the real one) masks the padding rows out of the normaliser (`mask_padded_vocab`).
     """
     from megatron.core import tensor_parallel
 
     labels = torch.roll(tokens, shifts=-1, dims=1)  # labels[:, t] = tokens[:, t + 1]
     # The last column has no next token: its (wrapped) label is computed and thrown away.
-    nll = tensor_parallel.vocab_parallel_cross_entropy(logits.float().contiguous(), labels)
+    logits = mask_padded_vocab(logits.float(), vocab_size)
+    nll = tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), labels)
     zeros = torch.zeros_like(nll[:, :1])
     return torch.cat([zeros, -nll[:, :-1]], dim=1)
 
 
-def model_inputs(mb: Batch, causal_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def model_inputs(mb: Batch) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """(tokens, positions, attention_mask) for GPTModel.
+
+    The mask is None: every layer spec declares AttnMaskType.causal, so TE's flash/fused kernels
+    apply causality without a mask tensor, and the local spec's unfused softmax builds its own
+    causal mask per call (Megatron's get_default_causal_mask; on a CPU the cpu_compat
+    TorchFunctionMode moves it off "cuda"). No S x S mask is ever built or cached here (at 128K
+    tokens one would be 16 GiB).
+    """
     tokens = mb["tokens"]
     positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-    return tokens, positions.contiguous(), causal_mask
+    return tokens, positions.contiguous(), None
 
 
-def head_output(role: str, output: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def head_output(role: str, output: torch.Tensor, tokens: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
     """Actor: logits -> per-token log-probs [b, s]. Critic: values [b, s, 1] -> [b, s]."""
     if role == "actor":
-        return token_logprobs(output, tokens)
+        return token_logprobs(output, tokens, vocab_size)
     if output.dim() != 3 or output.shape[-1] != 1 or output.shape[:2] != tokens.shape:
         raise RuntimeError(f"critic model returned shape {tuple(output.shape)}, expected [b, s, 1] "
                            f"with [b, s] = {list(tokens.shape)}")
@@ -64,22 +95,19 @@ def run_schedule(
     micro_batches: list[Batch],
     seq_length: int,
     make_loss_func: Callable[[Batch], Callable],
-    causal_mask: torch.Tensor,
     *,
     forward_only: bool,
 ) -> list:
     """One pass of Megatron's forward(-backward) schedule over `micro_batches`.
 
     Micro-batches may be narrower than `seq_length` (padding columns trimmed, see
-    batching.prepare_local_batch); the causal mask is cut to each one's width.
-    Returns the per-micro-batch metric dicts (non-empty on the last pipeline stage only).
+    batching.prepare_local_batch). Returns the per-micro-batch metric dicts (non-empty on the last pipeline stage only).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator: Iterator[Batch], model):
         mb = next(data_iterator)
-        width = mb["tokens"].shape[1]
-        tokens, positions, mask = model_inputs(mb, causal_mask[..., :width, :width])
+        tokens, positions, mask = model_inputs(mb)
         return model(tokens, positions, mask), make_loss_func(mb)
 
     return get_forward_backward_func()(
@@ -94,13 +122,13 @@ def run_schedule(
 
 
 def forward_outputs(
-    role: str, model_chunks: list, micro_batches: list[Batch], seq_length: int, causal_mask: torch.Tensor,
+    role: str, model_chunks: list, micro_batches: list[Batch], seq_length: int, *, vocab_size: int | None,
 ) -> list[torch.Tensor]:
     """Per-micro-batch [b, seq_length] outputs (log-probs or values), forward only; [] off the last stage."""
 
     def make_loss_func(mb: Batch):
         def loss_func(output: torch.Tensor):
-            out = head_output(role, output, mb["tokens"]).detach()
+            out = head_output(role, output, mb["tokens"], vocab_size).detach()
             if out.shape[1] < seq_length:  # trimmed micro-batch: zero-fill the dropped padding columns
                 out = torch.nn.functional.pad(out, (0, seq_length - out.shape[1]))
             return torch.zeros((), dtype=torch.float32), _ONE, {"out": out}
@@ -108,7 +136,7 @@ def forward_outputs(
         return loss_func
 
     with torch.no_grad():
-        store = run_schedule(model_chunks, micro_batches, seq_length, make_loss_func, causal_mask, forward_only=True)
+        store = run_schedule(model_chunks, micro_batches, seq_length, make_loss_func, forward_only=True)
     return [d["out"] for d in store]
 
 
@@ -132,12 +160,12 @@ def gather_to_all(local_rows: torch.Tensor | None, shape: tuple[int, int], ctx) 
     return full
 
 
-def make_train_loss_func(role: str, loss_fn: LossFn, denominator: torch.Tensor):
+def make_train_loss_func(role: str, loss_fn: LossFn, denominator: torch.Tensor, *, vocab_size: int | None):
     """Wrap a user loss `loss_fn(output [b,s], micro_batch, denominator) -> (loss, metrics)`."""
 
     def make_loss_func(mb: Batch):
         def loss_func(output: torch.Tensor):
-            out = head_output(role, output, mb["tokens"])
+            out = head_output(role, output, mb["tokens"], vocab_size)
             result = loss_fn(out, mb, denominator)
             if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
                 raise TypeError("loss_fn must return (loss: 0-dim tensor, metrics: dict[str, 0-dim tensor])")
@@ -146,7 +174,8 @@ def make_train_loss_func(role: str, loss_fn: LossFn, denominator: torch.Tensor):
                 raise TypeError(f"loss_fn returned a loss of shape {getattr(loss, 'shape', type(loss))}; need a 0-dim tensor")
             reported = {"loss": loss.detach().float(), _WEIGHT: mb["action_mask"].float().sum()}
             for k, v in metrics.items():
-                reported[k] = (v.detach() if torch.is_tensor(v) else torch.tensor(v)).float().reshape(())
+                # a Python number becomes a tensor beside the output: DP ranks all-reduce these
+                reported[k] = (v.detach() if torch.is_tensor(v) else torch.tensor(v, device=out.device)).float().reshape(())
             return loss, _ONE, reported
 
         return loss_func
@@ -196,5 +225,5 @@ def reduce_step_metrics(store: list[dict[str, torch.Tensor]], ctx) -> dict[str, 
             out[k] = float(v[0] / v[1]) if rule == "mean" and v[1] > 0 else (float("nan") if rule == "mean" else float(v[0]))
         payload = [out]
     if ctx.pp > 1:
-        dist.broadcast_object_list(payload, src=ctx.last_stage_rank, group=ctx.pp_group)
+        dist.broadcast_object_list(payload, src=ctx.last_stage_rank, group=ctx.pp_group, device=ctx.device)
     return payload[0]

@@ -142,11 +142,15 @@ def group_grad_norms(optimizer, param_names: dict[int, str], groups: dict[str, l
     from megatron.core import tensor_parallel
     from megatron.core.transformer.module import param_is_not_shared
 
+    from megatron_sao.megatron.parallel import collective_device
+
     compiled = {g: [_matcher(p) for p in pats] for g, pats in groups.items()}
     names = list(groups)
-    total = torch.zeros(len(names), dtype=torch.float64)
+    total = [0.0] * len(names)
     for opt in sub_optimizers(optimizer):
-        local = torch.zeros(len(names), dtype=torch.float64)
+        group = opt.get_grad_stats_parallel_group()
+        # On the group's device (NCCL refuses host tensors), summed there: no host sync per parameter.
+        local = torch.zeros(len(names), dtype=torch.float64, device=collective_device(group))
         for model_p, main_p in model_main_param_pairs(opt):
             grad = main_p.grad
             if grad is None or not param_is_not_shared(model_p):
@@ -154,14 +158,14 @@ def group_grad_norms(optimizer, param_names: dict[int, str], groups: dict[str, l
             if not tensor_parallel.param_is_not_tensor_parallel_duplicate(model_p):
                 continue
             name = param_names.get(id(model_p), "")
-            sq = float(grad.detach().double().pow(2).sum())
-            for i, g in enumerate(names):
-                if any(match(name) for match in compiled[g]):
+            hits = [i for i, g in enumerate(names) if any(match(name) for match in compiled[g])]
+            if hits:
+                sq = grad.detach().double().pow(2).sum()
+                for i in hits:
                     local[i] += sq
-        group = opt.get_grad_stats_parallel_group()
         dist.all_reduce(local, group=group)
-        total += local
-    return {g: math.sqrt(float(total[i])) for i, g in enumerate(names)}
+        total = [t + v for t, v in zip(total, local.tolist())]
+    return {g: math.sqrt(total[i]) for i, g in enumerate(names)}
 
 
 @dataclass(frozen=True)

@@ -4,16 +4,27 @@
 environment (torchrun: RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*; srun: SLURM_PROCID/SLURM_NTASKS/
 SLURM_LOCALID), falls back to a single local process, picks nccl with CUDA and gloo without, and
 then builds Megatron's TP/PP/EP/DP groups. The expert-tensor-parallel size comes from
-`ParallelSizes.expert_tp` (set `etp=1` to keep experts whole on each EP rank; TP=2+EP=2 on two
-ranks needs it), so the sharding code and the process groups read the same number.
+`ParallelSizes.expert_tp` (`parallel.etp`, or the one default rule in models/parallel_sizes.py), so
+the sharding code, the planner and the process groups read the same number.
 
 Every collective made through these groups inherits the process-group timeout, so a rank that dies
 or hangs turns into an error on the others instead of a silent hang (weight sync relies on that).
+Timeout rule: no rank waits for a rank-0-only phase (batch wait, eval, rollout start, weight push)
+inside a collective. The collective after such a phase is preceded by `rank0_gate.shared().arrive()`
+(a store poll, no NCCL work pending), so the process-group timeout only has to cover what happens
+*between* the collectives of one sequence: `process_group_timeout_s` derives it from the config.
+
+Collective-device rule: every tensor handed to a collective lives on `ctx.device` (the GPU under
+NCCL), or on the host only for a group created with backend="gloo". `collective_device(group)`
+answers for code that has no `ParallelContext`. Under `SAO_COLLECTIVE_GUARD=1` on a CPU build
+(the test suite), `init_parallel` installs `collective_guard`, which makes `ctx.device` a pretend
+accelerator and fails any collective that breaks the rule.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -21,9 +32,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_sao.megatron import collective_guard, rank0_gate
 from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_TIMEOUT_S = 600.0
+PG_TIMEOUT_ENV = "SAO_PG_TIMEOUT_S"
+PG_TIMEOUT_MARGIN_S = 120.0
 
 
 def _free_port() -> int:
@@ -117,36 +133,24 @@ class ParallelContext:
         )
 
 
-def _validate_sizes(tp: int, pp: int, ep: int, etp: int, sequence_parallel: bool, world: int) -> None:
-    for name, v in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"ParallelSizes.{name} must be a positive int, got {v!r}")
-    if world % (tp * pp) != 0:
-        raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
-    dp = world // (tp * pp)
-    if (dp * tp) % (ep * etp) != 0:
-        # Megatron lays the expert grid (etp x ep) over the dp*tp ranks of one pipeline stage.
-        raise ValueError(f"etp*ep = {etp}*{ep} must divide dp*tp = {dp}*{tp} (world {world}, pp {pp})")
-    if sequence_parallel and tp == 1:
-        raise ValueError("sequence_parallel=True needs tp > 1")
-
-
 def init_parallel(sizes, *, seed: int = 1234, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelContext:
     """Initialise torch.distributed (if needed) and Megatron parallel state for `sizes`.
 
     Args:
-        sizes: a `ParallelSizes` (tp, pp, ep, sequence_parallel, expert_tp).
+        sizes: a `ParallelSizes` (tp, pp, ep, sequence_parallel, expert_tp); its world-size rules
+            are checked before any process group is created.
         seed: base seed for Megatron's model-parallel RNG tracker and torch's default generator.
         timeout_s: process-group timeout applied to every collective.
     """
     ensure_cpu_compat()
+    guarded = collective_guard.enabled() and collective_guard.install()  # before any group exists
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     tp, pp, ep, sp = int(sizes.tp), int(sizes.pp), int(sizes.ep), bool(sizes.sequence_parallel)
-    etp = int(getattr(sizes, "expert_tp", tp))
+    etp = int(sizes.expert_tp)
     rank, world, local_rank = _launcher_env()
-    _validate_sizes(tp, pp, ep, etp, sp, world)
+    sizes.validate_for(world_size=world)  # the same rules `sao plan` applies (models/parallel_sizes.py)
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -158,11 +162,14 @@ def init_parallel(sizes, *, seed: int = 1234, timeout_s: float = DEFAULT_TIMEOUT
             os.environ["MASTER_PORT"] = str(_free_port())
         if use_cuda:
             torch.cuda.set_device(local_rank)
+        if world > 1:
+            _choose_gloo_interface()
         dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
     elif dist.get_world_size() != world:
         raise RuntimeError(f"torch.distributed already initialised with world size {dist.get_world_size()}, env says {world}")
     if ps.model_parallel_is_initialized():
         raise RuntimeError("Megatron parallel state is already initialised: call destroy_parallel() first")
+    rank0_gate.start(dist.get_rank(), world)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -189,9 +196,65 @@ def init_parallel(sizes, *, seed: int = 1234, timeout_s: float = DEFAULT_TIMEOUT
         dp_rank=ps.get_data_parallel_rank(),
         sequence_parallel=sp,
         backend=backend,
-        device=torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"),
+        device=_training_device(use_cuda, guarded),
         timeout_s=timeout_s,
     )
+
+
+def _choose_gloo_interface() -> None:
+    """Set GLOO_SOCKET_IFNAME before any group exists (megatron-core creates gloo groups; see
+    cluster/socket_ifname.py): as given, else NCCL_SOCKET_IFNAME's names, else the route to MASTER_ADDR."""
+    from megatron_sao.cluster.socket_ifname import GLOO, gloo_ifname_from_env, interface_for
+
+    name = gloo_ifname_from_env(os.environ) or interface_for(os.environ["MASTER_ADDR"])
+    if name and not os.environ.get(GLOO):
+        os.environ[GLOO] = name
+        logger.info("%s=%s (route to MASTER_ADDR=%s)", GLOO, name, os.environ["MASTER_ADDR"])
+
+
+def process_group_timeout_s(longest_rank0_call_s: float, environ=None) -> float:
+    """The collective timeout of a training job.
+
+    Rank-0-only phases between collective sequences do not count (the others wait at a Rank0Gate).
+    What does count is one call rank 0 makes *between* two collectives of one sequence while the
+    other ranks already wait in the next: pushing one streamed weight bucket to the rollout engines
+    (bounded by `rollout.timeout_s`, the caller's `longest_rank0_call_s`). Default:
+    max(DEFAULT_TIMEOUT_S, that + PG_TIMEOUT_MARGIN_S). `SAO_PG_TIMEOUT_S` overrides it; an override
+    that cannot hold that call is refused rather than left to kill the job mid-sync.
+    """
+    environ = os.environ if environ is None else environ
+    derived = max(DEFAULT_TIMEOUT_S, float(longest_rank0_call_s) + PG_TIMEOUT_MARGIN_S)
+    raw = environ.get(PG_TIMEOUT_ENV)
+    if raw in (None, ""):
+        return derived
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{PG_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not value > longest_rank0_call_s:
+        raise ValueError(f"{PG_TIMEOUT_ENV}={raw} must exceed rollout.timeout_s={longest_rank0_call_s:g}: rank 0 may "
+                         "spend that long pushing one weight bucket while the other ranks wait in the weight "
+                         f"export's next collective (unset it to get {derived:g}s)")
+    return value
+
+
+def _training_device(use_cuda: bool, guarded: bool) -> torch.device:
+    if use_cuda:
+        return torch.device("cuda", torch.cuda.current_device())
+    return collective_guard.PRETEND_DEVICE if guarded else torch.device("cpu")
+
+
+def collective_device(group=None) -> torch.device:
+    """The device a tensor must be on for a collective over `group` (the default group if None).
+
+    NCCL groups: this rank's GPU; gloo groups (megatron-core's *_GLOO ones, the CPU build): the
+    host, or the collective guard's pretend accelerator when it checks a CPU run.
+    """
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if collective_guard.installed() and collective_guard.nccl_group(group):
+        return collective_guard.PRETEND_DEVICE
+    return torch.device("cpu")
 
 
 def destroy_parallel(*, destroy_process_group: bool = True) -> None:
@@ -201,4 +264,5 @@ def destroy_parallel(*, destroy_process_group: bool = True) -> None:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if destroy_process_group and dist.is_initialized():
+        rank0_gate.stop()
         dist.destroy_process_group()

@@ -2,7 +2,9 @@
 
 `transformer_config_from_spec` turns the HF architecture facts into a TransformerConfig whose
 forward pass reproduces the HF model exactly (checked to <= 1e-5 in float32 by the tests);
-`build_gpt_model` builds the actor (vocab-parallel logits) or the critic (scalar values).
+`build_gpt_model` builds the actor (vocab-parallel logits over the padded vocabulary, see
+models/vocab.py) or the critic (scalar values). Attention is causal by mask type
+(AttnMaskType.causal in every layer spec): callers pass attention_mask=None.
 """
 
 from __future__ import annotations
@@ -19,19 +21,28 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_sao.models.hf_config import ModelSpec
 from megatron_sao.models.layer_specs import decoder_block_spec, transformer_engine_usable
 from megatron_sao.models.parallel_sizes import ParallelSizes
+from megatron_sao.models.precision import FUSED, UNFUSED, attention_kernel
 from megatron_sao.models.value_head import ValueHead
+from megatron_sao.models.vocab import padded_vocab_size
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "critic")
 
 
-def _backend_settings(use_te: bool) -> dict[str, Any]:
+def _backend_settings(use_te: bool, params_dtype: torch.dtype) -> dict[str, Any]:
     """Kernel/fusion switches. The CPU set is the one verified on gloo (NOTES sec. 3); the TE set
     is the usual GPU choice (grouped GEMM, all-to-all dispatch, fused kernels) and has NOT been run
-    by this project's tests (no GPU here)."""
+    by this project's tests (no GPU here).
+
+    Attention on TE is pinned to the kernel `precision.attention_kernel` names (what `sao plan`
+    counts): cuDNN fused attention for bf16 (TE raises if it cannot run it, instead of silently
+    falling back to the s x s unfused kernel, as AttnBackend.auto would), unfused for fp32.
+    """
     if use_te:
-        return dict(attention_backend=AttnBackend.auto, moe_token_dispatcher_type="alltoall",
+        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[params_dtype]
+        backend = AttnBackend.fused if attention_kernel(dtype, use_te=True) == FUSED else AttnBackend.unfused
+        return dict(attention_backend=backend, moe_token_dispatcher_type="alltoall",
                     moe_grouped_gemm=True, bias_activation_fusion=True, masked_softmax_fusion=True,
                     apply_rope_fusion=True, moe_permute_fusion=False, moe_router_fusion=False,
                     gradient_accumulation_fusion=False, persist_layer_norm=False,
@@ -48,9 +59,31 @@ def _backend_settings(use_te: bool) -> dict[str, Any]:
     )
 
 
+def config_attention_kernel(config: TransformerConfig | dict) -> str:
+    """"fused" or "unfused": the attention kernel a config (or its kwargs) runs (precision.attention_kernel)."""
+    backend = config["attention_backend"] if isinstance(config, dict) else config.attention_backend
+    return FUSED if backend in (AttnBackend.fused, AttnBackend.flash) else UNFUSED
+
+
 def transformer_config_from_spec(spec: ModelSpec, par: ParallelSizes, *, params_dtype: torch.dtype = torch.float32,
-                                 **overrides: Any) -> TransformerConfig:
-    """TransformerConfig equivalent to the HF model `spec`, sharded as `par`.
+                                 use_te: bool | None = None, **overrides: Any) -> TransformerConfig:
+    """TransformerConfig equivalent to the HF model `spec`, sharded as `par` (see `transformer_config_kwargs`)."""
+    return TransformerConfig(**transformer_config_kwargs(spec, par, params_dtype=params_dtype, use_te=use_te,
+                                                         **overrides))
+
+
+def transformer_config_kwargs(spec: ModelSpec, par: ParallelSizes, *, params_dtype: torch.dtype = torch.float32,
+                              use_te: bool | None = None, **overrides: Any) -> dict[str, Any]:
+    """The TransformerConfig fields for the HF model `spec`, sharded as `par`.
+
+    Kept apart from the TransformerConfig itself because a TE config cannot be constructed where
+    TransformerEngine is absent (TransformerConfig checks for the fused kernels): tests read these
+    fields to see what a GPU node builds.
+
+    `params_dtype` bfloat16 turns on Megatron's mixed precision (bf16=True: bf16 weights and
+    activations; the optimizer keeps fp32 main params, see megatron/optimizer.py). `use_te`
+    (default: `transformer_engine_usable()`) picks the kernel set; pass True to see the config a
+    GPU node builds.
 
     `overrides` win over everything (e.g. moe_aux_loss_coeff, recompute settings). MoE routing:
     Qwen3 takes softmax over all experts then top-k; norm_topk_prob=True renormalises the k
@@ -87,7 +120,7 @@ def transformer_config_from_spec(spec: ModelSpec, par: ParallelSizes, *, params_
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.expert_tp,
         sequence_parallel=par.sequence_parallel,
-        **_backend_settings(transformer_engine_usable()),
+        **_backend_settings(transformer_engine_usable() if use_te is None else use_te, params_dtype),
     )
     if spec.is_moe:
         kw.update(
@@ -102,7 +135,7 @@ def transformer_config_from_spec(spec: ModelSpec, par: ParallelSizes, *, params_
     else:
         kw["moe_token_dispatcher_type"] = "allgather"  # unused for dense; keeps the check quiet
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    return kw
 
 
 class CriticGPTModel(GPTModel):
@@ -136,15 +169,17 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, *, role: str = "
 
     Call after `initialize_model_parallel` (and, on CPU, `ensure_cpu_compat()`); `pre_process` /
     `post_process` are this pipeline stage's first/last flags. Forward as
-    `model(input_ids, position_ids, causal_attention_mask(S))` on the local spec.
+    `model(input_ids, position_ids, None)`: attention is causal by mask type. The actor's logits
+    have `padded_vocab_size(V, TP)` columns; mask the padding (megatron.forward.mask_padded_vocab)
+    before any softmax.
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    use_te = transformer_engine_usable()
+    use_te = config.attention_backend != AttnBackend.local  # the spec the config's kernels were chosen for
     kwargs: dict[str, Any] = dict(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, use_te=use_te, vp_stage=vp_stage),
-        vocab_size=spec.vocab_size,
+        vocab_size=padded_vocab_size(spec.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
@@ -162,16 +197,7 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, *, role: str = "
         model = GPTModel(**kwargs)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    logger.info("built %s %s (%s spec, pre=%s post=%s): %s trainable, %s frozen params on this rank", role,
-                spec.arch, "TE" if use_te else "local", pre_process, post_process, f"{trainable:,}", f"{frozen:,}")
+    logger.info("built %s %s (%s spec, %s, %s attention, pre=%s post=%s): %s trainable, %s frozen params on this "
+                "rank", role, spec.arch, "TE" if use_te else "local", config.params_dtype,
+                config_attention_kernel(config), pre_process, post_process, f"{trainable:,}", f"{frozen:,}")
     return model
-
-
-def causal_attention_mask(seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Explicit causal mask [1, 1, S, S], True = masked (the local spec's convention).
-
-    Passing it avoids Megatron's default mask helper, which hard-codes device="cuda".
-    """
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]

@@ -7,15 +7,24 @@ included with its log-prob and per-token policy versions; observation ids with n
 
 How an episode ends (``info["end_reason"]``):
 
-* ``env_done``: the environment said done -> ``terminated`` with the environment's reward;
-  ``env_truncated``: it said done with ``info["truncated"]`` (its own turn limit) -> ``truncated``.
-* ``max_turns`` / ``max_total_tokens``: a limit cut the episode -> ``truncated``, reward 0,
-  ``bootstrap="critic"``: the episode did not end, so the trainer bootstraps from the critic's value
-  at the last position. The last token is always an action token: an observation that would not
-  leave room for another action is not appended, so the bootstrap state is "after the last action",
-  the same position that carries the reward.
-* ``error``: the engine or the environment raised -> ``failed``, reward 0, ``error`` = type + message.
-  A failure ends only its own episode; the trainer counts failed trajectories and never trains on them.
+* ``env_done``: the environment said done -> ``terminated`` with the environment's reward.
+* ``env_truncated``: it said done with ``info["truncated"]`` (its own tool-call limit) -> ``truncated``
+  with the environment's reward and ``bootstrap=0.0``: the environment accepts no further action and
+  gives no observation, so no later state exists to value; the end is terminal for the return.
+* ``max_turns`` / ``max_total_tokens``: a limit of the loop cut the episode -> ``truncated``, reward 0,
+  and the trainer bootstraps from the critic (``bootstrap="critic"``, the value at the last position).
+  That position must be a state the critic is trained on, i.e. one that precedes a sampled token:
+  - cut inside an action (the token budget ran out while sampling): the last token is mid-action;
+  - cut after a stop token (``max_turns``, or the observation leaves no room for another action):
+    the environment's observation is appended when it fits in ``max_total_tokens``, so the last
+    position is "before the next action's first token", the value the skip-observation GAE pairs
+    with that token. A stop-token state itself is never a target (an observation always follows it).
+    When the observation does not fit, the end is treated as terminal: ``bootstrap=0.0``
+    (``info["bootstrap"] = "no_room_for_observation"``).
+* ``error``: the environment (or anything but the engine call) raised -> ``failed``, reward 0, ``error`` =
+  type + message; ``engine_error``: the engine's generate raised (a dead or unreachable server). A
+  failure ends only its own episode; the trainer counts failed trajectories and never trains on them,
+  and the driver re-runs an ``engine_error`` episode on another server if its server is unhealthy.
 
 A turn cut by ``max_new_tokens_per_turn`` with budget left is not the end: the template's closing
 is appended with the observation (``ChatFormatter.closing_for``) and the environment judges the cut
@@ -28,7 +37,7 @@ turn from the same prefix (the new weights sample the whole turn, so a turn neve
 re-tries are counted in ``info["abort_retries"]`` and capped by ``max_abort_retries``.
 
 ``run_many`` runs a fixed list of tasks with bounded concurrency (evaluation, value pretraining);
-the trainer's long-running producer, with admission control, is ``trainer/rollout_driver.py``.
+the trainer's long-running producer, with admission control, is ``rollout/episodes.py``.
 Both hand each trajectory to ``on_done`` as soon as it finishes (single rollout: no grouping, so a
 slow episode never holds back a fast one).
 """
@@ -47,7 +56,7 @@ from typing import Any
 
 from megatron_sao.envs.base import Environment, Task
 from megatron_sao.rollout.chat import ChatFormatter
-from megatron_sao.rollout.engine import GenerationResult, RolloutEngine, SamplingParams
+from megatron_sao.rollout.protocol import GenerationResult, RolloutEngine, SamplingParams
 from megatron_sao.trajectory import Trajectory, TrajectoryBuilder
 
 EnvFactory = Callable[[Task], "Environment | Awaitable[Environment]"]
@@ -56,6 +65,10 @@ OnDone = Callable[[Trajectory], "None | Awaitable[None]"]
 
 class AbortRetriesExceeded(RuntimeError):
     """The engine aborted the same turn more than ``max_abort_retries`` times."""
+
+
+class EngineCallError(RuntimeError):
+    """The engine's ``generate`` raised: the server may be gone (the driver checks its health)."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +152,8 @@ async def _generate_turn(engine: RolloutEngine, prefix: list[int], sampling: Sam
             activity.begin()
         try:
             result = await engine.generate(list(prefix), sampling)
+        except Exception as e:  # noqa: BLE001 - tagged for the driver's failover
+            raise EngineCallError(f"{type(e).__name__}: {e}") from e
         finally:
             if activity is not None:
                 activity.end()
@@ -167,7 +182,7 @@ async def run_episode(engine: RolloutEngine, env: Environment, task: Task, forma
     b.timings.update(generate_s=0.0, env_s=0.0)
     info: dict[str, Any] = {"turns": 0, "abort_retries": 0, "finish_reasons": []}
     stop_ids = tuple(dict.fromkeys(cfg.sampling.stop_token_ids + formatter.stop_token_ids))
-    status, reward, error = "failed", 0.0, None
+    status, reward, error, bootstrap = "failed", 0.0, None, None
     try:
         t0 = time.monotonic()
         await env.reset(task)
@@ -186,7 +201,7 @@ async def run_episode(engine: RolloutEngine, env: Environment, task: Task, forma
             info["turns"] += 1
             info["finish_reasons"].append(result.finish_reason)
             if result.finish_reason == "length" and len(b) >= cfg.max_total_tokens:  # cut by the total budget
-                status, info["end_reason"] = "truncated", "max_total_tokens"
+                status, bootstrap, info["end_reason"] = "truncated", "critic", "max_total_tokens"  # mid-action
                 break
             t0 = time.monotonic()
             step = await env.step(formatter.action_text(result.token_ids))
@@ -194,24 +209,29 @@ async def run_episode(engine: RolloutEngine, env: Environment, task: Task, forma
             if step.info:
                 info["env_info"] = dict(step.info)
             if step.done:
-                if step.info.get("truncated"):
-                    status, info["end_reason"] = "truncated", "env_truncated"
+                reward = float(step.reward)
+                if step.info.get("truncated"):  # terminal for the return: see the module docstring
+                    status, bootstrap, info["end_reason"] = "truncated", 0.0, "env_truncated"
                 else:
-                    status, reward, info["end_reason"] = "terminated", float(step.reward), "env_done"
-                break
-            if info["turns"] >= cfg.max_turns:
-                status, info["end_reason"] = "truncated", "max_turns"
+                    status, info["end_reason"] = "terminated", "env_done"
                 break
             if step.observation is None:
                 raise ValueError(f"environment {task.env!r} returned done=False with observation=None")
             obs = formatter.observation_ids(cfg.observation_role, step.observation, result.token_ids)
-            if len(b) + len(obs) >= cfg.max_total_tokens:  # no room left for the next action
-                status, info["end_reason"] = "truncated", "max_total_tokens"
+            out_of_turns = info["turns"] >= cfg.max_turns
+            if out_of_turns or len(b) + len(obs) >= cfg.max_total_tokens:  # no next action
+                status, info["end_reason"] = "truncated", "max_turns" if out_of_turns else "max_total_tokens"
+                if len(b) + len(obs) <= cfg.max_total_tokens:  # end before the next action: a trained state
+                    b.add_observation(obs)
+                    bootstrap = "critic"
+                else:
+                    bootstrap, info["bootstrap"] = 0.0, "no_room_for_observation"
                 break
             b.add_observation(obs)
     except Exception as e:  # noqa: BLE001 - an episode's failure must never stop the others
-        status, reward, error = "failed", 0.0, f"{type(e).__name__}: {e}"
-        info["end_reason"] = "error"
+        engine_side = isinstance(e, EngineCallError)  # its message already names the engine's exception
+        status, reward, error = "failed", 0.0, str(e) if engine_side else f"{type(e).__name__}: {e}"
+        info["end_reason"] = "engine_error" if engine_side else "error"
     finally:
         try:
             await env.close()
@@ -221,7 +241,7 @@ async def run_episode(engine: RolloutEngine, env: Environment, task: Task, forma
         # The contract needs T >= 1; a placeholder pad token keeps the failure visible and countable.
         b.add_prompt([formatter.pad_token_id])
         info["placeholder_tokens"] = True
-    return b.finish(status, reward=reward, bootstrap="critic" if status == "truncated" else None,
+    return b.finish(status, reward=reward, bootstrap=bootstrap if status == "truncated" else None,
                     error=error, info=info)
 
 

@@ -16,6 +16,11 @@ sampled from. With ``inflight_policy="keep"`` a request admitted before an updat
 With ``"abort"`` the update first ends all active requests with ``finish_reason="abort"`` and their
 partial tokens; requests still waiting for admission simply run under the new weights.
 
+Weight updates are streamed (``begin_weight_update`` / ``push_weight_bucket`` / ``finish_weight_update``):
+each pushed bucket is validated and copied into a staging area at once (so the sender can free it),
+generation goes on with the old weights meanwhile, and ``finish`` swaps everything in between two
+decoding steps: an update is applied all or nothing, and a bad bucket leaves the model untouched.
+
 A model that is not a transformers model (e.g. a wrapped Megatron module) can be used with
 ``use_kv_cache=False``: it is called as ``model(input_ids[1, T])`` and must return logits [1, T, V]
 (or an object with ``.logits``); each step recomputes the whole sequence.
@@ -33,7 +38,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megatron_sao.rollout.engine import EngineConfig, GenerationResult, InflightPolicy, SamplingParams, WeightBucket
+from megatron_sao.rollout.protocol import (EngineConfig, GenerationResult, InflightPolicy, SamplingParams, StreamedUpdate,
+                                          WeightBucket)
 from megatron_sao.rollout.hf_weights import WeightTargets, apply_update, plan_update
 from megatron_sao.rollout.sampling import sample_token
 
@@ -62,7 +68,7 @@ def _logits_of(out: object) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits  # type: ignore[attr-defined]
 
 
-class HFEngine:
+class HFEngine(StreamedUpdate):
     """``RolloutEngine`` over any causal LM ``nn.Module``; see the module docstring for semantics."""
 
     def __init__(
@@ -100,6 +106,8 @@ class HFEngine:
         self._paused = False
         self._closed = False
         self.last_update_bytes = 0
+        self._staged: list | None = None  # weight update in progress: (target, private copy) pairs
+        self._staged_names: set[str] = set()
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
@@ -141,9 +149,23 @@ class HFEngine:
             req.cancelled = True  # the worker drops it at the next step
             raise
 
-    async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
-        """Validate the whole update here, then apply it on the worker thread between two steps."""
-        plan = plan_update(self._targets, buckets, owner=self.name)  # raises before anything changes
+    async def begin_weight_update(self, version: int) -> None:
+        if self._staged is not None:
+            raise RuntimeError(f"{self.name}: begin_weight_update v{version} while an update is in progress")
+        self._staged, self._staged_names = [], set()
+
+    async def push_weight_bucket(self, bucket: WeightBucket) -> None:
+        """Validate one bucket against the model and stage a private copy of it."""
+        if self._staged is None:
+            raise RuntimeError(f"{self.name}: push_weight_bucket outside begin/finish_weight_update")
+        plan = plan_update(self._targets, [bucket], owner=self.name, seen=self._staged_names)
+        self._staged.extend((target, t.detach().to(target.param.device, copy=True)) for target, t in plan)
+
+    async def finish_weight_update(self, version: int) -> None:
+        """Swap the staged tensors in between two steps and label what follows ``version``."""
+        if self._staged is None:
+            raise RuntimeError(f"{self.name}: finish_weight_update without begin_weight_update")
+        plan, self._staged = self._staged, None
 
         def _apply() -> None:
             if self.inflight_policy == "abort":
@@ -152,6 +174,9 @@ class HFEngine:
             self.version = version
 
         await self._command(_apply)
+
+    async def abort_weight_update(self) -> None:
+        self._staged = None
 
     async def pause(self) -> None:
         """Stop decoding after the current step; requests stay in flight (KV kept) until resume."""

@@ -85,17 +85,18 @@ class WeightTargets:
 
 
 def plan_update(
-    targets: WeightTargets, buckets: Iterable[list[tuple[str, torch.Tensor]]], *, owner: str = "model"
+    targets: WeightTargets, buckets: Iterable[list[tuple[str, torch.Tensor]]], *, owner: str = "model",
+    seen: set[str] | None = None,
 ) -> list[tuple[_Target, torch.Tensor]]:
     """Validate a whole update before anything is written; return (target, tensor) pairs to copy.
 
     Raises KeyError for unknown names (listing up to 5 of them), ValueError for shape mismatches,
     duplicated names or non-tensor values. Nothing is modified here, so a failed update leaves the
-    model exactly as it was.
+    model exactly as it was. ``seen`` carries the names of earlier buckets of a streamed update.
     """
     plan: list[tuple[_Target, torch.Tensor]] = []
     unknown: list[str] = []
-    seen: set[str] = set()
+    seen = set() if seen is None else seen
     for b, bucket in enumerate(buckets):
         for item in bucket:
             if not (isinstance(item, tuple) and len(item) == 2):

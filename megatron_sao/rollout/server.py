@@ -1,18 +1,22 @@
 """Serve any ``RolloutEngine`` (e.g. ``HFEngine`` on a CPU node) over the routes ``VLLMServerClient`` uses.
 
-Lets the multi-node launcher run a rollout process without vLLM. Routes (aiohttp):
+Lets the launcher run a rollout process without vLLM (fast to start: the CI's multi-process tests).
+Routes (aiohttp):
 
-* ``GET /health``, ``GET /weight_info`` -> ``{"weight_version": "N"}``
-* ``POST /v1/completions``: token-id prompt only, ``n=1``; returns ``token_ids``, ``logprobs.token_logprobs``,
-  ``finish_reason`` and, unlike vLLM's route, per-token ``weight_versions`` spans; ``prompt_logprobs``
-  (T=1) when asked, for weight checks. Unsupported fields (``echo``, ``best_of``, penalties, text
-  prompts...) are refused with HTTP 400 naming the field: they would change the sampled
-  distribution or the output shape without the log-probs knowing.
+* ``GET /health``, ``GET /weight_info`` -> ``{"weight_version": "N"}``, ``GET /sao/info`` (what it is)
+* ``POST /inference/v1/generate``: vLLM's token-in/token-out route (``token_ids``, ``sampling_params``);
+  returns ``token_ids``, ``logprobs.content[i].logprob`` and per-token ``weight_versions`` spans.
+* ``POST /v1/completions``: token-id prompt only, ``n=1``, the same output in completions shape;
+  ``prompt_logprobs`` (T=1) when asked, for weight checks. Unsupported fields (``echo``, ``best_of``,
+  penalties, text prompts...) are refused with HTTP 400 naming the field: they would change the
+  sampled distribution or the output shape without the log-probs knowing.
 * ``POST /pause?mode=keep|abort|wait``, ``POST /resume``
-* ``POST /sao/update_weights?version=N`` with a safetensors body (CPU weight path).
-* vLLM's NCCL routes answer 501 (no NCCL on a CPU server).
+* streamed weight updates (safetensors body per bucket): ``POST /sao/start_weight_update?version=N``,
+  ``POST /sao/update_weights``, ``POST /sao/finish_weight_update?version=N``, ``POST /sao/abort_weight_update``
+* vLLM's weight-transfer routes answer 501 (this server takes the ``/sao/`` ones).
 
-Run: ``sao serve-rollout CONFIG`` or ``python -m megatron_sao.rollout.server --model DIR --port 8000``.
+Run: ``sao serve-rollout CONFIG`` (``trainer/serve_rollout.py``) or
+``python -m megatron_sao.rollout.server --model DIR --port 8000``.
 """
 
 from __future__ import annotations
@@ -21,11 +25,23 @@ import argparse
 import asyncio
 from typing import Any
 
-from megatron_sao.rollout.engine import EngineConfig, RolloutEngine, SamplingParams, make_engine
+from megatron_sao.rollout.factory import make_engine
+from megatron_sao.rollout.protocol import EngineConfig, RolloutEngine, SamplingParams
 
 _ALLOWED = {"prompt", "model", "max_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed", "logprobs",
-            "return_token_ids", "skip_special_tokens", "n", "prompt_logprobs", "stream"}
+            "return_token_ids", "skip_special_tokens", "n", "prompt_logprobs", "stream", "return_weight_versions"}
 _NEUTRAL = {"n": 1, "stream": False, "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False}
+_GENERATE_SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed", "logprobs", "n",
+                      "detokenize"}
+
+
+def _sampling(body: dict) -> SamplingParams:
+    """Our SamplingParams from vLLM-style fields (ValueError names a bad one)."""
+    return SamplingParams(
+        max_new_tokens=int(body.get("max_tokens") or 16), temperature=float(body.get("temperature", 1.0)),
+        top_p=float(body.get("top_p", 1.0)), top_k=max(int(body.get("top_k") or 0), 0),
+        stop_token_ids=tuple(int(t) for t in body.get("stop_token_ids") or ()), seed=body.get("seed"),
+    )
 
 
 def _spans(versions: list[int]) -> list[dict[str, Any]]:
@@ -51,6 +67,32 @@ def build_app(engine: RolloutEngine):
     async def weight_info(_: web.Request) -> web.Response:
         return web.json_response({"weight_version": str(engine.version)})
 
+    async def info(_: web.Request) -> web.Response:
+        return web.json_response({"server": "sao", "engine": getattr(engine, "name", type(engine).__name__),
+                                  "weight_version": str(engine.version)})
+
+    async def generate_tokens(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return bad("body is not JSON")
+        prompt, sp = body.get("token_ids"), body.get("sampling_params") or {}
+        if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+            return bad("'token_ids' must be a non-empty list of token ids")
+        extra = sorted(set(sp) - _GENERATE_SAMPLING)
+        if extra:
+            return bad(f"unsupported sampling_params field(s) {extra}")
+        if sp.get("n", 1) != 1 or sp.get("logprobs", 0) not in (0, None):
+            return bad("sampling_params: only n=1 and logprobs=0 are served")
+        try:
+            out = await engine.generate(prompt, _sampling(sp))
+        except ValueError as e:
+            return bad(str(e))
+        content = [{"token_id": t, "logprob": lp} for t, lp in zip(out.token_ids, out.logprobs)]
+        choice = {"index": 0, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                  "logprobs": {"content": content}, "weight_versions": _spans(out.versions)}
+        return web.json_response({"output_mode": "tokens", "choices": [choice]})
+
     async def completions(request: web.Request) -> web.Response:
         try:
             body = await request.json()
@@ -74,12 +116,7 @@ def build_app(engine: RolloutEngine):
                 plp = [None] + [{str(t): {"logprob": lp}} for t, lp in zip(prompt[1:], lps)]
                 return web.json_response({"choices": [{"index": 0, "token_ids": [], "finish_reason": "length",
                                                        "prompt_logprobs": plp, "logprobs": None}]})
-            sampling = SamplingParams(
-                max_new_tokens=int(body.get("max_tokens") or 16), temperature=float(body.get("temperature", 1.0)),
-                top_p=float(body.get("top_p", 1.0)), top_k=max(int(body.get("top_k", 0)), 0),
-                stop_token_ids=tuple(int(t) for t in body.get("stop_token_ids") or ()), seed=body.get("seed"),
-            )
-            out = await engine.generate(prompt, sampling)
+            out = await engine.generate(prompt, _sampling(body))
         except ValueError as e:
             return bad(str(e))
         choice = {"index": 0, "text": "", "token_ids": out.token_ids, "finish_reason": out.finish_reason,
@@ -100,20 +137,45 @@ def build_app(engine: RolloutEngine):
         await engine.resume()
         return web.json_response({"status": "resumed"})
 
-    async def update_weights(request: web.Request) -> web.Response:
-        from safetensors.torch import load
-
+    async def start_update(request: web.Request) -> web.Response:
         try:
             version = int(request.query["version"])
         except (KeyError, ValueError):
             return bad("query parameter 'version' (int) is required")
+        try:
+            await engine.begin_weight_update(version)
+        except RuntimeError as e:
+            return bad(str(e), 409)
+        return web.json_response({"status": "started", "weight_version": str(version)})
+
+    async def update_weights(request: web.Request) -> web.Response:
+        from safetensors.torch import load
+
         blob = await request.read()
         try:
             state = await asyncio.to_thread(load, blob)
-            await engine.update_weights([list(state.items())], version)
+            await engine.push_weight_bucket(list(state.items()))
         except (KeyError, ValueError) as e:
+            await engine.abort_weight_update()
             return bad(f"weight update rejected: {e}")
-        return web.json_response({"status": "ok", "weight_version": str(version), "bytes": len(blob)})
+        except RuntimeError as e:
+            return bad(str(e), 409)
+        return web.json_response({"status": "ok", "bytes": len(blob)})
+
+    async def finish_update(request: web.Request) -> web.Response:
+        try:
+            version = int(request.query["version"])
+        except (KeyError, ValueError):
+            return bad("query parameter 'version' (int) is required")
+        try:
+            await engine.finish_weight_update(version)
+        except RuntimeError as e:
+            return bad(str(e), 409)
+        return web.json_response({"status": "ok", "weight_version": str(version)})
+
+    async def abort_update(_: web.Request) -> web.Response:
+        await engine.abort_weight_update()
+        return web.json_response({"status": "aborted"})
 
     async def no_nccl(request: web.Request) -> web.Response:
         return bad(f"{request.path}: NCCL weight transfer is not available on this server; use /sao/update_weights", 501)
@@ -121,10 +183,15 @@ def build_app(engine: RolloutEngine):
     app = web.Application(client_max_size=16 * 1024**3)  # weight blobs
     app.router.add_get("/health", health)
     app.router.add_get("/weight_info", weight_info)
+    app.router.add_get("/sao/info", info)
+    app.router.add_post("/inference/v1/generate", generate_tokens)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/pause", pause)
     app.router.add_post("/resume", resume)
+    app.router.add_post("/sao/start_weight_update", start_update)
     app.router.add_post("/sao/update_weights", update_weights)
+    app.router.add_post("/sao/finish_weight_update", finish_update)
+    app.router.add_post("/sao/abort_weight_update", abort_update)
     for route in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update"):
         app.router.add_post(route, no_nccl)
     return app
@@ -152,28 +219,6 @@ async def serve_forever(cfg: EngineConfig, host: str, port: int) -> None:
     finally:
         await runner.cleanup()
         await engine.close()
-
-
-def cli_main(args: argparse.Namespace) -> int:
-    """``sao serve-rollout CONFIG [overrides] --host H --port P``: an HF engine on ``model.path``."""
-    from pathlib import Path
-
-    from megatron_sao.config import load_config
-
-    from megatron_sao.trainer.components import resolve_model_dir
-    from megatron_sao.trainer.train import wire_stages
-
-    # The same model the trainer starts from (stage outputs in the run dir, or a built-in model).
-    cfg = wire_stages(load_config(args.config, args.overrides))
-    try:
-        model_dir = resolve_model_dir(cfg, Path(cfg.run.dir))
-    except FileNotFoundError as e:
-        raise SystemExit(f"serve-rollout: {e}") from None
-    engine_cfg = EngineConfig(backend="hf", model_path=str(model_dir), dtype=cfg.model.dtype,
-                              max_model_len=cfg.model.max_seq_len, inflight_policy=cfg.rollout.inflight_policy,
-                              seed=cfg.run.seed, max_batch_size=cfg.rollout.concurrency)
-    asyncio.run(serve_forever(engine_cfg, args.host, args.port))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> None:

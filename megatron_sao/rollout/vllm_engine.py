@@ -19,6 +19,8 @@ In-flight requests across ``update_weights`` (``EngineConfig.inflight_policy``):
   partial tokens with ``finish_reason="abort"`` and the agent loop decides what to do.
 
 The CPU weight path needs a *complete* update (every checkpoint tensor), see ``vllm_weight_transport``.
+Updates are streamed bucket by bucket (``begin_weight_update`` / ``push_weight_bucket`` /
+``finish_weight_update``); each bucket is checked on arrival and completeness at the end.
 """
 
 from __future__ import annotations
@@ -28,10 +30,9 @@ import json
 import time
 import typing
 import uuid
-from collections.abc import Iterable
 from pathlib import Path
 
-from megatron_sao.rollout.engine import EngineConfig, GenerationResult, SamplingParams, WeightBucket
+from megatron_sao.rollout.protocol import EngineConfig, GenerationResult, SamplingParams, StreamedUpdate, WeightBucket
 from megatron_sao.rollout.vllm_weight_transport import NCCLTransport, WeightTransport, make_transport
 
 _WORKER_EXTENSION = "megatron_sao.rollout.vllm_worker_ext.SAOWorkerExtension"
@@ -54,21 +55,22 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def validate_full_update(buckets: list[WeightBucket], expected: dict[str, tuple[int, ...]], owner: str) -> None:
-    """All or nothing: every name known, shapes equal, no duplicates, and every checkpoint tensor present."""
-    seen: set[str] = set()
+def check_bucket(bucket: WeightBucket, expected: dict[str, tuple[int, ...]], seen: set[str], owner: str) -> None:
+    """Every name known, shapes equal, no name twice in one update (``seen`` spans the update's buckets)."""
     unknown: list[str] = []
-    for bucket in buckets:
-        for name, tensor in bucket:
-            if name in seen:
-                raise ValueError(f"{owner}: weight {name!r} appears twice in one update")
-            seen.add(name)
-            if name not in expected:
-                unknown.append(name)
-            elif tuple(tensor.shape) != expected[name]:
-                raise ValueError(f"{owner}: weight {name!r} has shape {tuple(tensor.shape)}, the checkpoint has {expected[name]}")
+    for name, tensor in bucket:
+        if name in seen:
+            raise ValueError(f"{owner}: weight {name!r} appears twice in one update")
+        seen.add(name)
+        if name not in expected:
+            unknown.append(name)
+        elif tuple(tensor.shape) != expected[name]:
+            raise ValueError(f"{owner}: weight {name!r} has shape {tuple(tensor.shape)}, the checkpoint has {expected[name]}")
     if unknown:
         raise KeyError(f"{owner}: {len(unknown)} unknown weight name(s), e.g. {unknown[:5]}")
+
+
+def check_complete(seen: set[str], expected: dict[str, tuple[int, ...]], owner: str) -> None:
     missing = sorted(set(expected) - seen)
     if missing:
         raise ValueError(
@@ -77,7 +79,15 @@ def validate_full_update(buckets: list[WeightBucket], expected: dict[str, tuple[
         )
 
 
-class VLLMEngine:
+def validate_full_update(buckets: list[WeightBucket], expected: dict[str, tuple[int, ...]], owner: str) -> None:
+    """All or nothing: every name known, shapes equal, no duplicates, and every checkpoint tensor present."""
+    seen: set[str] = set()
+    for bucket in buckets:
+        check_bucket(bucket, expected, seen, owner)
+    check_complete(seen, expected, owner)
+
+
+class VLLMEngine(StreamedUpdate):
     """``RolloutEngine`` over an in-process ``AsyncLLM``. Construct inside or outside an event loop."""
 
     def __init__(self, cfg: EngineConfig, transport: WeightTransport | None = None) -> None:
@@ -118,6 +128,9 @@ class VLLMEngine:
         self._started = False
         self._paused = False
         self._update_lock = asyncio.Lock()
+        self._seen: set[str] = set()
+        self._update_paused = False
+        self._t_update = 0.0
         self.last_update_bytes = 0
         self.last_update_s = 0.0
 
@@ -190,27 +203,59 @@ class VLLMEngine:
             raise RuntimeError(f"{self.name}: weight_versions spans {spans} do not cover all {n} tokens")
         return versions
 
-    async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
-        """Validate (all or nothing), pause per ``inflight_policy``, push, stamp ``version``, resume.
+    async def begin_weight_update(self, version: int) -> None:
+        """Start a streamed update; with NCCL generation pauses now (per ``inflight_policy``)."""
+        await self._ensure_started()
+        await self._update_lock.acquire()
+        self._seen, self._update_paused, self._t_update = set(), False, time.perf_counter()
+        self.last_update_bytes = 0
+        try:
+            await self.transport.begin(self.llm, version)
+            if self.transport.pauses_during_transfer:
+                await self._pause_for_update()
+        except BaseException:
+            await self.abort_weight_update()
+            raise
+
+    async def push_weight_bucket(self, bucket: WeightBucket) -> None:
+        check_bucket(bucket, self._expected, self._seen, self.name)
+        self.last_update_bytes += await self.transport.push_bucket(self.llm, bucket)
+
+    async def finish_weight_update(self, version: int) -> None:
+        """Check completeness, make the update live, stamp ``version``, resume.
 
         If the push itself fails after validation, the workers may hold a partial update: the version
         is not advanced and the error propagates; the caller should restart the engine or push again.
         """
-        buckets = [list(b) for b in buckets]
-        validate_full_update(buckets, self._expected, self.name)
-        await self._ensure_started()
-        async with self._update_lock:
-            t0 = time.perf_counter()
-            mode = "abort" if self.cfg.inflight_policy == "abort" else "keep"
-            await self.llm.pause_generation(mode=mode, clear_cache=True)
-            try:
-                self.last_update_bytes = await self.transport.push(self.llm, buckets, version)
-                await self.llm.update_weight_version(str(version))
-                self.version = version
-            finally:
-                if not self._paused:
-                    await self.llm.resume_generation()
-            self.last_update_s = time.perf_counter() - t0
+        try:
+            check_complete(self._seen, self._expected, self.name)
+            if not self._update_paused:
+                await self._pause_for_update()
+            await self.transport.finish(self.llm, version)
+            await self.llm.update_weight_version(str(version))
+            self.version = version
+        finally:
+            await self._end_update()
+        self.last_update_s = time.perf_counter() - self._t_update
+
+    async def abort_weight_update(self) -> None:
+        if not self._update_lock.locked():
+            return
+        await self.transport.abort(self.llm)
+        await self._end_update()
+
+    async def _pause_for_update(self) -> None:
+        mode = "abort" if self.cfg.inflight_policy == "abort" else "keep"
+        await self.llm.pause_generation(mode=mode, clear_cache=True)
+        self._update_paused = True
+
+    async def _end_update(self) -> None:
+        try:
+            if self._update_paused and not self._paused:
+                await self.llm.resume_generation()
+        finally:
+            self._update_paused = False
+            self._update_lock.release()
 
     async def pause(self) -> None:
         """Freeze scheduling; in-flight requests stay queued (their KV cache is dropped) until resume."""

@@ -1,23 +1,28 @@
-"""Async HTTP client for a separately launched rollout server: ``vllm serve`` or ``rollout/server.py``.
+"""Async HTTP client for one separately launched rollout server: ``vllm serve`` or ``rollout/server.py``.
 
-Generation is token-in/token-out through the completions API: ``prompt`` is a list of ids,
-``return_token_ids`` gives the sampled ids back exactly, ``logprobs=0`` the sampled token's log-prob.
-The server must be started with ``--logprobs-mode processed_logprobs`` (vLLM) so those log-probs
-describe the distribution actually sampled; the client cannot check this from outside, so
-``check_server`` compares one request against ``score`` at T=1 only as a smoke test.
+Generation is token-in/token-out through vLLM's ``POST /inference/v1/generate`` (``vllm serve
+--enable-scale-out``; ``rollout/server.py`` serves the same route): ``token_ids`` in, sampled
+``token_ids`` out, ``logprobs=0`` the sampled token's log-prob, and per-choice ``weight_versions`` spans:
+vLLM labels every output token with the weight version that sampled it (the label the trainer set with
+``finish_weight_update(weight_version)``), so a request that spans an update under
+``inflight_policy="keep"`` is attributed exactly. The server must run ``--logprobs-mode
+processed_logprobs`` so the log-probs describe the distribution actually sampled. A server without the
+route (scale-out disabled) is driven through ``/v1/completions`` with ``return_weight_versions`` (vLLM
+builds that return spans there); if its answers carry no spans, every token is labelled with the
+version current when the request was sent, generation waits while this client updates weights, and
+under ``keep`` a request that spanned an update raises instead of recording wrong versions.
 
-Versions. A server may report per-token ``weight_versions`` spans in each choice (``server.py`` does);
-if it does not (vLLM's completions route), the client labels every token with the version current
-when the request was sent. ``generate`` waits while this client's weight update is in progress, and
-under ``inflight_policy="abort"`` in-flight requests are aborted at each update, so the label is exact.
-Under ``"keep"`` a request that spans an update on a server without spans cannot be attributed:
-the client raises rather than record wrong versions.
+Weights are streamed bucket by bucket (``begin_weight_update`` / ``push_weight_bucket`` /
+``finish_weight_update``):
 
-Weights. ``weight_transport="nccl"`` (GPU-ONLY, NOT TESTED here): vLLM's dev routes
-(/pause, /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update,
-/resume; server started with VLLM_SERVER_DEV_MODE=1 and ``--weight-transfer-config '{"backend":"nccl"}'``),
-tensors broadcast from this process as NCCL rank 0. ``"reload"``: the update is POSTed as one
-safetensors blob to ``/sao/update_weights`` (only ``rollout/server.py`` has that route).
+* ``nccl`` (GPU) / ``gloo`` (CPU): vLLM's routes (``VLLM_SERVER_DEV_MODE=1``): ``/pause``,
+  ``/init_weight_transfer_engine`` (once), ``/start_weight_update``, ``/update_weights`` per bucket while
+  this process broadcasts it as rank 0 of the server's transfer group, ``/finish_weight_update`` with
+  the version label, ``/resume``. The group's rendezvous is this host's ``weight_transfer_master_address``
+  and the server's own port (``transfer_group``); its world is 1 + the server's TP, checked against
+  ``GET /get_world_size`` at connect.
+* ``reload``: each bucket POSTed as safetensors bytes to ``rollout/server.py``'s ``/sao/`` routes.
+
 Every request has a timeout; every error names the server URL.
 """
 
@@ -29,32 +34,51 @@ from typing import Any
 
 import torch
 
-from megatron_sao.rollout.engine import EngineConfig, GenerationResult, SamplingParams, WeightBucket
-from megatron_sao.rollout.vllm_weight_transport import broadcast_bucket, bucket_bytes, bucket_update_info
+from megatron_sao.rollout.protocol import EngineConfig, GenerationResult, SamplingParams, WeightBucket, bucket_bytes
+from megatron_sao.rollout.vllm_weight_transport import bucket_update_info, serialize_bucket
 
 
 class ServerError(RuntimeError):
     """A request to a rollout server failed; the message names the URL and route."""
 
 
-class VLLMServerClient:
-    """``RolloutEngine`` over HTTP. One client per server URL."""
+def expand_spans(spans: list[dict], n: int, where: str) -> list[int]:
+    """Per-token versions from ``weight_versions`` spans ``[{"version", "start", "end"}]``."""
+    versions = [-1] * n
+    for s in spans:
+        try:
+            v = int(s["version"])
+        except ValueError:
+            raise ServerError(f"{where}: weight version label {s['version']!r} is not an int (the trainer labels "
+                              "every update with its version; was the server's label set?)") from None
+        for i in range(int(s["start"]), min(int(s["end"]), n)):
+            versions[i] = v
+    if -1 in versions:
+        raise ServerError(f"{where}: weight_versions {spans} do not cover {n} tokens")
+    return versions
 
-    def __init__(self, url: str, cfg: EngineConfig) -> None:
+
+class VLLMServerClient:
+    """``RolloutEngine`` over HTTP. One client per server URL; ``index`` picks its transfer port."""
+
+    def __init__(self, url: str, cfg: EngineConfig, index: int = 0) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"server url must start with http:// or https://, got {url!r}")
         self.url = url.rstrip("/")
         self.cfg = cfg
+        self.index = index
         self.name = f"server:{self.url}"
         self.version = 0
         self.model = cfg.model_path or None
-        kind = cfg.weight_transport
-        self.transport = ("nccl" if torch.cuda.is_available() else "reload") if kind == "auto" else kind
+        self.transport: str | None = None  # resolved by connect(): reload | nccl | gloo
+        self.route: str | None = None  # resolved by connect(): generate | completions
+        self.kind: str | None = None  # "sao" (rollout/server.py) or "vllm"
         self._session = None
+        self._connect_lock = asyncio.Lock()
         self._idle = asyncio.Event()  # set when no weight update is in progress
         self._idle.set()
-        self._inflight = 0
-        self._group = None  # NCCL communicator (GPU only)
+        self._group = None  # transfer group (nccl / gloo)
+        self._update_version: int | None = None
         self.last_update_bytes = 0
 
     # ------------------------------------------------------------------ HTTP plumbing
@@ -66,7 +90,7 @@ class VLLMServerClient:
         return self._session
 
     async def _request(self, method: str, route: str, *, timeout_s: float, json: Any = None,
-                       data: bytes | None = None, params: dict | None = None) -> Any:
+                       data: bytes | None = None, params: dict | None = None, ok_statuses: tuple = ()) -> Any:
         import aiohttp
 
         session = await self._http()
@@ -75,6 +99,8 @@ class VLLMServerClient:
             async with session.request(method, self.url + route, json=json, data=data, params=params,
                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 body = await resp.text()
+                if resp.status in ok_statuses:
+                    return resp.status
                 if resp.status >= 400:
                     raise ServerError(f"{where} -> HTTP {resp.status}: {body[:500]}")
                 if not body:
@@ -91,52 +117,104 @@ class VLLMServerClient:
     async def _control(self, method: str, route: str, **kw) -> Any:
         return await self._request(method, route, timeout_s=self.cfg.control_timeout_s, **kw)
 
+    # ------------------------------------------------------------------ connect (once)
+    async def connect(self) -> None:
+        """Find out what the server is and offers; label its weights with this client's version."""
+        async with self._connect_lock:
+            if self.kind is not None:
+                return
+            info = await self._control("GET", "/sao/info", ok_statuses=(404,))
+            kind = "sao" if isinstance(info, dict) else "vllm"
+            transport = self.cfg.weight_transport
+            if transport == "auto":
+                transport = "reload" if kind == "sao" else ("nccl" if torch.cuda.is_available() else "gloo")
+            if kind == "sao" and transport != "reload":
+                raise ServerError(f"{self.url} is a rollout/server.py server: it takes weight_transport 'reload', "
+                                  f"not {transport!r}")
+            if kind == "vllm":
+                if transport == "reload":
+                    raise ServerError(f"{self.url} is a vllm server: weight_transport must be nccl (GPU) or gloo (CPU)")
+                got = await self._control("GET", "/get_world_size", params={"include_dp": "false"})
+                if int(got["world_size"]) != self.cfg.tensor_parallel_size:
+                    raise ServerError(f"{self.url} runs {got['world_size']} workers (TP*PP) but the config says "
+                                      f"{self.cfg.tensor_parallel_size} (cluster.rollout_tp): the weight-transfer "
+                                      "group would have the wrong world size")
+                await self._control("POST", "/update_weight_version", json={"new_version": str(self.version)})
+            probe = {"token_ids": [0], "sampling_params": {"max_tokens": 1, "detokenize": False}}
+            if self.model:
+                probe["model"] = self.model
+            status = await self._request("POST", "/inference/v1/generate", json=probe,
+                                         timeout_s=self.cfg.request_timeout_s, ok_statuses=(403, 404))
+            self.route = "completions" if status in (403, 404) else "generate"
+            self.kind, self.transport = kind, transport
+
     # ------------------------------------------------------------------ RolloutEngine
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
         if not prompt_ids:
             raise ValueError(f"{self.name}: generate got an empty prompt")
-        await self._idle.wait()
-        start_version = self.version
-        body = {
-            "prompt": list(prompt_ids), "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-            "top_p": sampling.top_p, "top_k": sampling.top_k, "stop_token_ids": list(sampling.stop_token_ids),
-            "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False, "n": 1,
-        }
+        await self.connect()
+        if self.route == "generate":
+            return await self._generate_tokens(prompt_ids, sampling)
+        return await self._generate_completions(prompt_ids, sampling)
+
+    def _sampling_body(self, sampling: SamplingParams) -> dict:
+        body = {"max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "top_k": sampling.top_k, "stop_token_ids": list(sampling.stop_token_ids), "logprobs": 0}
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        return body
+
+    async def _generate_tokens(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
+        where = f"POST {self.url}/inference/v1/generate"
+        body = {"token_ids": list(prompt_ids), "sampling_params": {**self._sampling_body(sampling), "detokenize": False}}
         if self.model:
             body["model"] = self.model
-        self._inflight += 1
+        resp = await self._request("POST", "/inference/v1/generate", json=body, timeout_s=self.cfg.request_timeout_s)
         try:
-            resp = await self._request("POST", "/v1/completions", json=body, timeout_s=self.cfg.request_timeout_s)
-        finally:
-            self._inflight -= 1
+            choice = resp["choices"][0]
+            token_ids = [int(t) for t in choice["token_ids"] or []]
+            content = (choice.get("logprobs") or {}).get("content") or []
+            logprobs = [float(c["logprob"]) for c in content]
+            reason, spans = choice["finish_reason"], choice.get("weight_versions")
+        except (KeyError, IndexError, TypeError) as e:
+            raise ServerError(f"{where}: malformed response ({e!r}): {str(resp)[:300]}") from e
+        if spans is None:
+            raise ServerError(f"{where}: the response has no weight_versions (vLLM without token provenance?)")
+        return self._result(where, token_ids, logprobs, reason, expand_spans(spans, len(token_ids), where))
+
+    async def _generate_completions(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
+        where = f"POST {self.url}/v1/completions"
+        if self.cfg.inflight_policy == "abort" or self._update_version is not None:
+            await self._idle.wait()
+        start_version = self.version
+        body = {"prompt": list(prompt_ids), **self._sampling_body(sampling), "return_token_ids": True,
+                "return_weight_versions": True, "skip_special_tokens": False, "n": 1}
+        if self.model:
+            body["model"] = self.model
+        resp = await self._request("POST", "/v1/completions", json=body, timeout_s=self.cfg.request_timeout_s)
         try:
             choice = resp["choices"][0]
             token_ids = [int(t) for t in choice["token_ids"]]
             logprobs = [float(x) for x in (choice["logprobs"] or {}).get("token_logprobs", [])] if token_ids else []
-            reason = choice["finish_reason"]
+            reason, spans = choice["finish_reason"], choice.get("weight_versions")
         except (KeyError, IndexError, TypeError) as e:
-            raise ServerError(f"POST {self.url}/v1/completions: malformed response ({e!r}): {str(resp)[:300]}") from e
-        if len(logprobs) != len(token_ids):
-            raise ServerError(f"{self.url}: {len(token_ids)} tokens but {len(logprobs)} log-probs (is logprobs=0 honoured?)")
-        if reason not in ("stop", "length", "abort"):
-            raise ServerError(f"{self.url}: unexpected finish_reason {reason!r}")
-        spans = choice.get("weight_versions")
+            raise ServerError(f"{where}: malformed response ({e!r}): {str(resp)[:300]}") from e
         if spans:
-            versions = [-1] * len(token_ids)
-            for s in spans:
-                for i in range(int(s["start"]), min(int(s["end"]), len(token_ids))):
-                    versions[i] = int(s["version"])
-            if -1 in versions:
-                raise ServerError(f"{self.url}: weight_versions {spans} do not cover {len(token_ids)} tokens")
+            versions = expand_spans(spans, len(token_ids), where)
         elif self.version != start_version and self.cfg.inflight_policy == "keep":
-            raise ServerError(
-                f"{self.url}: request spanned a weight update (v{start_version}->v{self.version}) and the server "
-                "reports no weight_versions; use inflight_policy='abort' with this server"
-            )
+            raise ServerError(f"{where}: request spanned a weight update (v{start_version}->v{self.version}) and the "
+                              "server reports no weight_versions; start vllm serve with --enable-scale-out or use "
+                              "inflight_policy='abort'")
         else:
             versions = [start_version] * len(token_ids)
+        return self._result(where, token_ids, logprobs, reason, versions)
+
+    @staticmethod
+    def _result(where: str, token_ids: list[int], logprobs: list[float], reason: str, versions: list[int]) -> GenerationResult:
+        if len(logprobs) != len(token_ids):
+            raise ServerError(f"{where}: {len(token_ids)} tokens but {len(logprobs)} log-probs (is logprobs=0 honoured?)")
+        if reason not in ("stop", "length", "abort"):
+            raise ServerError(f"{where}: unexpected finish_reason {reason!r}")
         return GenerationResult(token_ids, logprobs, versions, reason)
 
     async def score(self, token_ids: list[int], start: int) -> list[float]:
@@ -150,57 +228,102 @@ class VLLMServerClient:
             raise ServerError(f"{self.url}: response has no prompt_logprobs")
         return [float(plp[i][str(token_ids[i])]["logprob"]) for i in range(start, len(token_ids))]
 
+    # ------------------------------------------------------------------ weights (streamed)
     async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
-        buckets = [list(b) for b in buckets]
-        self._idle.clear()  # new generate calls wait until the new weights are live
+        await self.begin_weight_update(version)
         try:
-            if self.transport == "nccl":
-                await self._update_nccl(buckets, version)
+            for bucket in buckets:
+                await self.push_weight_bucket(list(bucket))
+        except BaseException:
+            await self.abort_weight_update()
+            raise
+        await self.finish_weight_update(version)
+
+    async def begin_weight_update(self, version: int) -> None:
+        await self.connect()
+        if self._update_version is not None:
+            raise ServerError(f"{self.url}: begin_weight_update v{version} while v{self._update_version} is in progress")
+        self._update_version, self.last_update_bytes = version, 0
+        self._idle.clear()  # completions without spans: new requests wait for the new weights
+        try:
+            if self.transport == "reload":
+                await self._control("POST", "/sao/start_weight_update", params={"version": str(version)})
+                return
+            if self._group is None:
+                await self._init_transfer_group()
+            await self._control("POST", "/pause", params={"mode": self.cfg.inflight_policy})
+            await self._control("POST", "/start_weight_update")
+        except BaseException:
+            await self.abort_weight_update()
+            raise
+
+    async def _init_transfer_group(self) -> None:
+        """Open this server's transfer group: its workers via HTTP, this process as rank 0 in a thread."""
+        from megatron_sao.rollout.transfer_group import Rendezvous, join_group
+
+        rv = Rendezvous(self.cfg.weight_transfer_master_address, self.cfg.transfer_port(self.index),
+                        server_world_size=self.cfg.tensor_parallel_size)
+        # Forming a group across nodes can take longer than a control call: the request timeout bounds it.
+        wait_s = max(self.cfg.control_timeout_s, self.cfg.request_timeout_s)
+        init = asyncio.ensure_future(self._request("POST", "/init_weight_transfer_engine", timeout_s=wait_s,
+                                                   json={"init_info": rv.worker_init_info()}))
+        try:
+            self._group = await asyncio.to_thread(join_group, rv.master_address, rv.master_port, 0, rv.world_size,
+                                                  self.transport, wait_s)
+        finally:
+            await init
+
+    async def push_weight_bucket(self, bucket: WeightBucket) -> None:
+        if self._update_version is None:
+            raise ServerError(f"{self.url}: push_weight_bucket outside begin/finish_weight_update")
+        if self.transport == "reload":
+            blob = await asyncio.to_thread(serialize_bucket, bucket)
+            await self._control("POST", "/sao/update_weights", data=blob)
+            self.last_update_bytes += len(blob)
+            return
+        from megatron_sao.rollout.transfer_group import broadcast_bucket
+
+        recv = asyncio.ensure_future(self._control("POST", "/update_weights",
+                                                   json={"update_info": bucket_update_info(bucket)}))
+        # A request refused before any receive (bad names, no session) must not leave us broadcasting
+        # to workers that will never join: give it a moment to fail first (vLLM's trainer does the same).
+        await asyncio.wait({recv}, timeout=0.05)
+        if recv.done() and recv.exception() is not None:
+            raise recv.exception()
+        try:
+            await asyncio.to_thread(broadcast_bucket, self._group, [t for _, t in bucket])
+        finally:
+            await recv
+        self.last_update_bytes += bucket_bytes(bucket)
+
+    async def finish_weight_update(self, version: int) -> None:
+        if self._update_version != version:
+            raise ServerError(f"{self.url}: finish_weight_update v{version} but the update in progress is "
+                              f"{self._update_version}")
+        try:
+            if self.transport == "reload":
+                await self._control("POST", "/sao/finish_weight_update",
+                                    params={"version": str(version), "inflight_policy": self.cfg.inflight_policy})
             else:
-                await self._update_http(buckets, version)
+                # The label vLLM stamps on every token sampled from here on (weight_versions spans).
+                await self._control("POST", "/finish_weight_update", json={"weight_version": str(version)})
+                await self._control("POST", "/resume")
             self.version = version
         finally:
+            self._update_version = None
             self._idle.set()
 
-    async def _update_http(self, buckets: list[WeightBucket], version: int) -> None:
-        from safetensors.torch import save
-
-        blob = await asyncio.to_thread(
-            lambda: save({n: t.detach().to("cpu").contiguous() for b in buckets for n, t in b})
-        )
-        self.last_update_bytes = len(blob)
-        await self._control("POST", "/sao/update_weights", data=blob,
-                            params={"version": str(version), "inflight_policy": self.cfg.inflight_policy})
-
-    async def init_weight_transfer(self, world_size: int) -> None:
-        """GPU-only: open the NCCL group (this process = rank 0, server workers from rank 1)."""
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
-
-        rendezvous = {"master_address": self.cfg.weight_transfer_master_address,
-                      "master_port": self.cfg.weight_transfer_master_port, "world_size": world_size}
-        init = asyncio.ensure_future(self._control(
-            "POST", "/init_weight_transfer_engine",
-            json={"init_info": {**rendezvous, "rank_offset": 1, "packed": False}}))
-        self._group = await asyncio.to_thread(trainer_init, rendezvous, 0)
-        await init
-
-    async def _update_nccl(self, buckets: list[WeightBucket], version: int) -> None:
-        if self._group is None:
-            await self.init_weight_transfer(world_size=1 + self.cfg.tensor_parallel_size)
-        await self._control("POST", "/pause", params={"mode": self.cfg.inflight_policy})
+    async def abort_weight_update(self) -> None:
+        """Best effort: drop a half-done update and resume; the caller treats this server as broken."""
+        if self._update_version is None:
+            return
+        self._update_version = None
+        self._idle.set()
+        route = "/sao/abort_weight_update" if self.transport == "reload" else "/resume"
         try:
-            await self._control("POST", "/start_weight_update")
-            sent = 0
-            for bucket in buckets:
-                info = bucket_update_info(bucket)
-                recv = asyncio.ensure_future(self._control("POST", "/update_weights", json={"update_info": info}))
-                await asyncio.to_thread(broadcast_bucket, self._group, bucket)
-                await recv
-                sent += bucket_bytes([bucket])
-            await self._control("POST", "/finish_weight_update", json={"weight_version": str(version)})
-            self.last_update_bytes = sent
-        finally:
-            await self._control("POST", "/resume")
+            await self._control("POST", route)
+        except ServerError:
+            pass
 
     async def pause(self) -> None:
         await self._control("POST", "/pause", params={"mode": "keep"})
@@ -216,6 +339,9 @@ class VLLMServerClient:
             return False
 
     async def close(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            group.close()
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -1,25 +1,31 @@
-"""Push the trainer's HF-named weight export to every rollout engine, with timeouts and a check mode.
+"""Stream the trainer's HF-named weight export to every rollout engine, with timeouts and a check mode.
 
-The trainer (Megatron) exports its weights gathered across TP/EP/PP as an iterator of buckets of
-``(hf_name, tensor)``. ``WeightSync.push`` materializes that iterator once (the buckets hold references
-to the exported tensors, not copies), then updates all engines concurrently, each under
-``asyncio.wait_for(timeout_s)``: a hung engine becomes a ``WeightSyncError`` naming it instead of a
-silent stall (pitfall 2 in NOTES). A timed-out engine may still be applying the update in its own
-thread or process; treat it as broken (health-check or restart it) rather than retrying blindly.
+The trainer exports its weights gathered across TP/EP/PP as an iterator of buckets of ``(hf_name,
+tensor)``. An update is ``begin(version)``, ``send_bucket(bucket)`` per bucket, ``finish(version)``:
+each step goes to all engines concurrently, each under ``asyncio.wait_for(timeout_s)``, and a bucket
+is sent to every engine before the next one is asked for, so the caller never holds more than the
+bucket in flight plus the one it is producing (``RolloutSide.push_weights`` overlaps the two). A hung
+engine becomes a ``WeightSyncError`` naming it instead of a silent stall (pitfall 2 in NOTES); a
+timed-out engine may still be applying the update in its own thread or process: treat it as broken.
 
-Check mode (pitfall 3, silent MoE refit corruption): after a push, ``verify`` compares an engine's
-log-probs of fixed tokens with reference log-probs the trainer computed for the same tokens under the
-same weights, and raises with the worst positions if they differ by more than ``atol``.
+An engine that fails is left out of the rest of that update and reported in ``SyncMetrics.failed``;
+``strict=True`` (the default) raises at ``finish``. The rollout side runs with ``strict=False`` and
+takes the failed servers out of service (their episodes re-run elsewhere), so every server that still
+generates holds the same version.
+
+Check mode (pitfall 3, silent MoE refit corruption): after an update, ``verify`` compares each
+engine's log-probs of fixed tokens with reference log-probs the trainer computed for the same tokens
+under the same weights, and raises with the worst positions if they differ by more than ``atol``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from megatron_sao.rollout.engine import RolloutEngine, WeightBucket
+from megatron_sao.rollout.protocol import RolloutEngine, WeightBucket, bucket_bytes
 
 
 class WeightSyncError(RuntimeError):
@@ -28,19 +34,28 @@ class WeightSyncError(RuntimeError):
 
 @dataclass
 class SyncMetrics:
-    """One push: wall seconds for all engines, payload bytes (per engine), throughput per engine."""
+    """One update: wall seconds for all engines, payload bytes (per engine), throughput per engine."""
 
     version: int
     seconds: float
     bytes: int
     bytes_per_s: float
-    per_engine_seconds: list[float] = field(default_factory=list)
-    max_abs_logprob_diff: float | None = None  # set when check mode ran
+    buckets: int = 0
+    per_engine_seconds: dict[str, float] = field(default_factory=dict)  # engines that took the whole update
+    failed: dict[str, str] = field(default_factory=dict)  # engine label -> error
+    logprob_diff: dict[str, float] = field(default_factory=dict)  # check mode: engine label -> max |dlogprob|
 
-    def as_dict(self, prefix: str = "weight_sync/") -> dict[str, float]:
-        out = {f"{prefix}seconds": self.seconds, f"{prefix}bytes": float(self.bytes), f"{prefix}bytes_per_s": self.bytes_per_s}
-        if self.max_abs_logprob_diff is not None:
+    @property
+    def max_abs_logprob_diff(self) -> float | None:
+        return max(self.logprob_diff.values()) if self.logprob_diff else None
+
+    def as_dict(self, prefix: str = "weight_sync/") -> dict:
+        out = {f"{prefix}seconds": self.seconds, f"{prefix}bytes": float(self.bytes),
+               f"{prefix}bytes_per_s": self.bytes_per_s, f"{prefix}buckets": self.buckets,
+               f"{prefix}engines_failed": len(self.failed)}
+        if self.logprob_diff:
             out[f"{prefix}max_abs_logprob_diff"] = self.max_abs_logprob_diff
+            out[f"{prefix}logprob_diff_by_engine"] = dict(self.logprob_diff)
         return out
 
 
@@ -49,78 +64,125 @@ def engine_label(engine: object, index: int) -> str:
 
 
 class WeightSync:
-    """Versioned weight pushes to a fixed set of rollout engines.
+    """Versioned, streamed weight updates to a set of rollout engines (see the module docstring)."""
 
-    ``check=True`` makes ``push`` accept ``check_tokens`` / ``check_prompt_len`` / ``reference_logprobs``
-    and verify every engine after the push (see ``verify``).
-    """
-
-    def __init__(self, engines: Sequence[RolloutEngine], timeout_s: float, check: bool = False, atol: float = 1e-3) -> None:
+    def __init__(self, engines: Sequence[RolloutEngine], timeout_s: float, check: bool = False, atol: float = 1e-3,
+                 strict: bool = True, labels: Sequence[str] | None = None) -> None:
         if not engines:
             raise ValueError("WeightSync needs at least one rollout engine")
         if not timeout_s > 0:
             raise ValueError(f"WeightSync timeout_s must be > 0, got {timeout_s!r}")
         self.engines = list(engines)
+        self.labels = list(labels) if labels is not None else [engine_label(e, i) for i, e in enumerate(self.engines)]
+        if len(self.labels) != len(self.engines):
+            raise ValueError(f"WeightSync: {len(self.labels)} labels for {len(self.engines)} engines")
         self.timeout_s = float(timeout_s)
-        self.check = check
-        self.atol = atol
+        self.check, self.atol, self.strict = check, atol, strict
+        self._active: list[int] | None = None  # engines in the update in progress
+        self._metrics: SyncMetrics | None = None
+        self._t0 = 0.0
 
-    async def push(
-        self,
-        buckets: Iterable[WeightBucket],
-        version: int,
-        *,
-        check_tokens: list[int] | None = None,
-        check_prompt_len: int = 1,
-        reference_logprobs: list[float] | None = None,
-    ) -> SyncMetrics:
-        """Send ``buckets`` as ``version`` to every engine concurrently; raise WeightSyncError on any failure."""
+    # ------------------------------------------------------------------ one update, streamed
+    async def begin(self, version: int, only: Iterable[int] | None = None) -> None:
+        """Start ``version`` on every engine (or the indices in ``only``)."""
         if not isinstance(version, int) or version < 0:
-            raise ValueError(f"WeightSync.push version must be an int >= 0, got {version!r}")
-        if self.check and (check_tokens is None or reference_logprobs is None):
-            raise ValueError("WeightSync(check=True).push needs check_tokens and reference_logprobs")
-        materialized = [list(b) for b in buckets]
-        nbytes = sum(t.numel() * t.element_size() for b in materialized for _, t in b)
-        t0 = time.perf_counter()
-        per_engine = await asyncio.gather(
-            *(self._push_one(i, e, materialized, version) for i, e in enumerate(self.engines)), return_exceptions=True
-        )
-        seconds = time.perf_counter() - t0
-        errors = [r for r in per_engine if isinstance(r, BaseException)]
-        if errors:
-            raise WeightSyncError("; ".join(str(e) for e in errors)) from errors[0]
-        metrics = SyncMetrics(version, seconds, nbytes, nbytes / max(seconds, 1e-9), [float(s) for s in per_engine])
-        if self.check:
-            diffs = [
-                await self.verify(e, check_tokens, reference_logprobs, self.atol, prompt_len=check_prompt_len, index=i)
-                for i, e in enumerate(self.engines)
-            ]
-            metrics.max_abs_logprob_diff = max(diffs)
-        return metrics
+            raise ValueError(f"WeightSync version must be an int >= 0, got {version!r}")
+        if self._active is not None:
+            raise WeightSyncError(f"weight sync v{version} begun while v{self._metrics.version} is in progress")
+        self._active = sorted(set(range(len(self.engines)) if only is None else only))
+        if not self._active:
+            raise WeightSyncError(f"weight sync v{version}: no engine to update")
+        self._metrics, self._t0 = SyncMetrics(version, 0.0, 0, 0.0), time.perf_counter()
+        await self._each("begin", lambda e: e.begin_weight_update(version))
 
-    async def _push_one(self, index: int, engine: RolloutEngine, buckets: list[WeightBucket], version: int) -> float:
-        label = engine_label(engine, index)
+    async def send_bucket(self, bucket: WeightBucket) -> None:
+        """Push one bucket to every engine still in the update; returns when all have it (or failed)."""
+        if self._active is None:
+            raise WeightSyncError("send_bucket outside begin/finish")
+        bucket = list(bucket)
+        self._metrics.bytes += bucket_bytes(bucket)
+        self._metrics.buckets += 1
+        await self._each("bucket", lambda e: e.push_weight_bucket(bucket))
+
+    async def finish(self, version: int, *, check_tokens: list[int] | None = None, check_prompt_len: int = 1,
+                     reference_logprobs: list[float] | None = None) -> SyncMetrics:
+        """Make ``version`` live everywhere, check every engine reports it, verify in check mode."""
+        if self._active is None or self._metrics.version != version:
+            raise WeightSyncError(f"finish of weight sync v{version} without its begin")
+        if self.check and (check_tokens is None or reference_logprobs is None):
+            await self.abort()
+            raise ValueError("WeightSync(check=True).finish needs check_tokens and reference_logprobs")
+        await self._each("finish", lambda e: e.finish_weight_update(version))
+        for i in list(self._active):
+            if self.engines[i].version != version:
+                self._fail(i, f"reports version {self.engines[i].version} after the update to {version}")
+        m, active = self._metrics, self._active
+        self._active = None
+        m.seconds = time.perf_counter() - self._t0
+        m.per_engine_seconds = {k: v for k, v in m.per_engine_seconds.items() if k not in m.failed}
+        m.bytes_per_s = m.bytes / max(m.seconds, 1e-9)
+        if m.failed and self.strict:
+            raise WeightSyncError(f"weight sync v{version} failed: " + "; ".join(f"{k}: {v}" for k, v in m.failed.items()))
+        if self.check:
+            for i in active:
+                m.logprob_diff[self.labels[i]] = await self.verify(
+                    self.engines[i], check_tokens, reference_logprobs, self.atol, prompt_len=check_prompt_len, index=i)
+        return m
+
+    async def abort(self) -> None:
+        """Drop the update in progress on every engine still in it (best effort, under the timeout)."""
+        if self._active is None:
+            return
+        active, self._active = self._active, None
+
+        async def one(i: int) -> None:
+            try:
+                await asyncio.wait_for(self.engines[i].abort_weight_update(), self.timeout_s)
+            except Exception:  # noqa: BLE001 - aborting a broken engine may fail too
+                pass
+        await asyncio.gather(*(one(i) for i in active))
+
+    async def push(self, buckets: Iterable[WeightBucket], version: int, *, check_tokens: list[int] | None = None,
+                   check_prompt_len: int = 1, reference_logprobs: list[float] | None = None) -> SyncMetrics:
+        """The whole update in one call (buckets pulled one at a time)."""
+        await self.begin(version)
+        try:
+            for bucket in buckets:
+                await self.send_bucket(bucket)
+        except BaseException:
+            await self.abort()
+            raise
+        return await self.finish(version, check_tokens=check_tokens, check_prompt_len=check_prompt_len,
+                                 reference_logprobs=reference_logprobs)
+
+    # ------------------------------------------------------------------ per engine
+    async def _each(self, what: str, op) -> None:
+        await asyncio.gather(*(self._one(i, what, op(self.engines[i])) for i in list(self._active)))
+
+    async def _one(self, index: int, what: str, call: Awaitable) -> None:
+        label, v = self.labels[index], self._metrics.version
         t0 = time.perf_counter()
         try:
-            await asyncio.wait_for(engine.update_weights(buckets, version), self.timeout_s)
-        except asyncio.TimeoutError as e:
-            raise WeightSyncError(f"weight sync v{version} to {label} timed out after {self.timeout_s:.1f}s") from e
-        except Exception as e:
-            raise WeightSyncError(f"weight sync v{version} to {label} failed: {type(e).__name__}: {e}") from e
-        if engine.version != version:
-            raise WeightSyncError(f"{label} reports version {engine.version} after a push of version {version}")
-        return time.perf_counter() - t0
+            await asyncio.wait_for(call, self.timeout_s)
+        except asyncio.TimeoutError:
+            self._fail(index, f"{what} of weight sync v{v} timed out after {self.timeout_s:.1f}s")
+        except Exception as e:  # noqa: BLE001 - reported per engine
+            self._fail(index, f"{what} of weight sync v{v} failed: {type(e).__name__}: {e}")
+        else:
+            per = self._metrics.per_engine_seconds
+            per[label] = per.get(label, 0.0) + time.perf_counter() - t0
 
-    async def verify(
-        self,
-        engine: RolloutEngine,
-        token_ids: list[int],
-        reference_logprobs: list[float],
-        atol: float,
-        *,
-        prompt_len: int = 1,
-        index: int = 0,
-    ) -> float:
+    def _fail(self, index: int, message: str) -> None:
+        if index in self._active:
+            self._active.remove(index)
+        self._metrics.failed[self.labels[index]] = message
+        engine = self.engines[index]
+        if self._active is not None and hasattr(engine, "abort_weight_update"):
+            asyncio.ensure_future(_quietly(engine.abort_weight_update(), self.timeout_s))
+
+    # ------------------------------------------------------------------ check mode
+    async def verify(self, engine: RolloutEngine, token_ids: list[int], reference_logprobs: list[float], atol: float,
+                     *, prompt_len: int = 1, index: int = 0) -> float:
         """Max |engine log-prob - reference| over ``token_ids[prompt_len:]`` (T=1); raise if above ``atol``.
 
         The engine must offer ``score(token_ids, start) -> list[float]`` (HFEngine, VLLMEngine and the
@@ -146,3 +208,10 @@ class WeightSync:
                 f"weight check failed on {label} (version {engine.version}): max |dlogprob| {worst:.3g} > atol {atol:g}; {detail}"
             )
         return worst
+
+
+async def _quietly(call: Awaitable, timeout_s: float) -> None:
+    try:
+        await asyncio.wait_for(call, timeout_s)
+    except Exception:  # noqa: BLE001 - cleaning up after a failure
+        pass

@@ -79,7 +79,9 @@ def resolve_model_dir(cfg: SAOConfig, run_dir: Path) -> Path:
         return materialize_builtin_model(cfg.model.path, run_dir / "base_model", cfg.run.seed)
     p = Path(cfg.model.path)
     if not (p / "config.json").exists():
-        raise FileNotFoundError(f"model.path: {p} is neither a built-in model ({sorted(BUILTIN_MODELS)}) "
+        from megatron_sao.errors import MissingInputError
+
+        raise MissingInputError(f"model.path: {p} is neither a built-in model ({sorted(BUILTIN_MODELS)}) "
                                 "nor an HF directory with config.json")
     return p
 
@@ -103,13 +105,24 @@ def engine_optim(o: OptimSection, total_steps: int):
 def parallel_sizes(cfg: SAOConfig):
     from megatron_sao.models.parallel_sizes import ParallelSizes
 
-    p = cfg.parallel
-    return ParallelSizes(tp=p.tp, pp=p.pp, ep=p.ep, sequence_parallel=p.sequence_parallel, etp=p.etp)
+    return ParallelSizes.from_config(cfg.parallel)  # the one etp rule, shared with `sao plan`
+
+
+def params_dtype(cfg: SAOConfig) -> torch.dtype:
+    """The dtype both engines are built in: `model.dtype` (bf16 = Megatron mixed precision)."""
+    from megatron_sao.config import ConfigError
+    from megatron_sao.models.precision import training_dtype
+
+    try:
+        return training_dtype(cfg.model.dtype)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def engine_overrides(cfg: SAOConfig) -> dict:
-    """TransformerConfig fields that come from the run config."""
+    """TransformerConfig fields that come from the run config (every stage: sft, value-pretrain, train)."""
     if cfg.parallel.recompute == "full":
+        # Every layer recomputed from its input, one layer per checkpoint (what `sao plan` counts).
         return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     return {}
 
@@ -130,15 +143,11 @@ def _init_source(path: str):
 
 
 def critic_freeze_patterns(critic: CriticConfig, spec=None) -> list[str]:
-    """Patterns of `critic.freeze`, with "attention" expanded for this model: without q/k norms
-    (Llama) the q/k-norm patterns are left out, since a pattern that matches nothing is an error."""
-    from megatron_sao.models.freeze import CRITIC_FROZEN_ATTENTION, critic_frozen_attention_patterns
+    """Patterns of `critic.freeze`: group names ("attention", "embeddings", "router", "norms") are
+    expanded for this model (models/freeze.py), anything else is a pattern."""
+    from megatron_sao.models.freeze import expand_freeze_entries
 
-    attention = critic_frozen_attention_patterns(spec) if spec is not None else CRITIC_FROZEN_ATTENTION
-    out: list[str] = []
-    for p in critic.freeze:
-        out.extend(attention if p == "attention" else [p])
-    return out
+    return expand_freeze_entries(critic.freeze, spec)
 
 
 def build_actor(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = None,
@@ -149,36 +158,96 @@ def build_actor(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = No
     return MegatronEngine(model_spec(model_dir), parallel_sizes(cfg), engine_optim(optim, total_steps or cfg.run.total_steps),
                           role="actor", init=_init_source(init or cfg.actor.init or str(model_dir)),
                           micro_batch_size=cfg.parallel.micro_batch_size, ctx=ctx,
-                          config_overrides=engine_overrides(cfg))
+                          params_dtype=params_dtype(cfg), config_overrides=engine_overrides(cfg))
 
 
-def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = None, freeze: bool = True):
+def critic_optimizer_steps(cfg: SAOConfig) -> int:
+    """Critic optimizer steps of a `sao train` run: K per trainer step, warm-up steps included."""
+    a = cfg.algorithm
+    return (a.critic_warmup_steps + cfg.run.total_steps) * a.critic_steps
+
+
+def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = None, freeze: bool = True,
+                 total_steps: int | None = None):
+    """The critic engine; `total_steps` (optimizer steps, for the LR schedule) defaults to a
+    `sao train` run's. Logs the whole model's trainable / frozen parameters per group."""
     from megatron_sao.megatron.engine import MegatronEngine
+    from megatron_sao.models.param_counts import format_param_counts, param_counts_by_group
 
     spec = model_spec(model_dir)
-    return MegatronEngine(spec, parallel_sizes(cfg),
-                          engine_optim(cfg.critic.optim, cfg.run.total_steps * cfg.algorithm.critic_steps),
-                          role="critic", init=_init_source(init or cfg.critic.init or str(model_dir)),
-                          micro_batch_size=cfg.parallel.micro_batch_size,
-                          freeze_patterns=critic_freeze_patterns(cfg.critic, spec) if freeze else (),
-                          grad_norm_groups=CRITIC_NORM_GROUPS if spec.is_moe else CRITIC_NORM_GROUPS_DENSE,
-                          ctx=ctx, config_overrides=engine_overrides(cfg))
+    steps = total_steps if total_steps is not None else critic_optimizer_steps(cfg)
+    engine = MegatronEngine(spec, parallel_sizes(cfg), engine_optim(cfg.critic.optim, steps),
+                            role="critic", init=_init_source(init or cfg.critic.init or str(model_dir)),
+                            micro_batch_size=cfg.parallel.micro_batch_size,
+                            freeze_patterns=critic_freeze_patterns(cfg.critic, spec) if freeze else (),
+                            grad_norm_groups=CRITIC_NORM_GROUPS if spec.is_moe else CRITIC_NORM_GROUPS_DENSE,
+                            ctx=ctx, params_dtype=params_dtype(cfg), config_overrides=engine_overrides(cfg))
+    engine.param_counts = param_counts_by_group(engine.module, spec, engine.layout)
+    if engine.ctx.rank == 0:
+        logger.info("critic parameters by group (whole model): %s", format_param_counts(engine.param_counts))
+    return engine
+
+
+def engine_config(cfg: SAOConfig, model_dir: Path):
+    """The rollout engines' config: every server of rollout.server_urls, its TP (cluster.rollout_tp),
+    and the weight-transfer rendezvous the launch plan assigned."""
+    from megatron_sao.rollout.protocol import EngineConfig
+
+    r = cfg.rollout
+    return EngineConfig(
+        backend=r.backend, model_path=str(model_dir), dtype=cfg.model.dtype,
+        max_model_len=min(cfg.model.max_seq_len, r.max_total_tokens), inflight_policy=r.inflight_policy,
+        seed=cfg.run.seed, max_batch_size=r.max_num_seqs or r.concurrency,
+        gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=r.colocate,
+        tensor_parallel_size=cfg.cluster.rollout_tp if r.backend == "vllm_server" else 1,
+        weight_transport=r.weight_transport, server_urls=tuple(r.server_urls), request_timeout_s=r.timeout_s,
+        weight_transfer_master_address=r.weight_transfer_master_address,
+        weight_transfer_ports=tuple(r.weight_transfer_ports))
 
 
 def build_rollout_engine(cfg: SAOConfig, model_dir: Path):
-    from megatron_sao.rollout.engine import EngineConfig, make_engine
+    """One engine (evaluation of a model dir, value pretraining): the hf / in-process vLLM backends."""
+    from megatron_sao.rollout.factory import make_engine
+
+    return make_engine(engine_config(cfg, model_dir))
+
+
+def max_num_seqs(cfg: SAOConfig) -> int | None:
+    """Generate requests in flight per server: rollout.max_num_seqs, else what the launch plan gives
+    vllm serve (an even share of rollout.concurrency); unbounded for one in-process engine."""
+    r = cfg.rollout
+    if r.max_num_seqs is not None:
+        return r.max_num_seqs
+    return -(-r.concurrency // len(r.server_urls)) if r.backend == "vllm_server" else None
+
+
+def build_rollout_side(cfg: SAOConfig, model_dir: Path, on_done, *, group_size: int, state: dict | None,
+                       in_buffer: set, step_offset: int):
+    """Every rollout engine, the episode driver and weight sync, as one ``RolloutSide`` (not started)."""
+    from megatron_sao.rollout.chat import ChatFormatter
+    from megatron_sao.rollout.driver import RolloutSide, RolloutSideConfig
+    from megatron_sao.rollout.factory import make_engines
+    from megatron_sao.rollout.prompts import PromptStream
 
     r = cfg.rollout
-    return make_engine(EngineConfig(
-        backend=r.backend, model_path=str(model_dir), dtype=cfg.model.dtype,
-        max_model_len=min(cfg.model.max_seq_len, r.max_total_tokens), inflight_policy=r.inflight_policy,
-        seed=cfg.run.seed, max_batch_size=r.concurrency, gpu_memory_utilization=r.gpu_memory_utilization,
-        enable_sleep_mode=r.colocate, server_urls=tuple(r.server_urls), request_timeout_s=r.timeout_s))
+    drv = (state or {}).get("driver", {})
+    requeue = [tuple(u) for u in drv.get("queued", []) + drv.get("in_flight", []) if tuple(u) not in in_buffer]
+    side_cfg = RolloutSideConfig(
+        batch_size=cfg.buffer.batch_size, ahead=0 if cfg.trainer.mode == "sync" else cfg.buffer.max_staleness,
+        concurrency=r.concurrency, group_size=group_size, max_num_seqs=max_num_seqs(cfg), sync_timeout_s=r.timeout_s,
+        check_weights=r.weight_sync_check, check_atol=r.weight_sync_check_atol,
+        health_interval_s=r.health_check_interval_s)
+    engines = make_engines(engine_config(cfg, model_dir))
+    labels = list(r.server_urls) if r.backend == "vllm_server" else None
+    return RolloutSide(engines, env_factory(cfg), PromptStream(train_tasks(cfg), cfg.run.seed),
+                       ChatFormatter(load_tokenizer(cfg, model_dir)), agent_loop_config(cfg), on_done, side_cfg,
+                       labels=labels, next_pos=drv.get("next_pos", 0), requeue=requeue, skip=in_buffer,
+                       step_offset=step_offset)
 
 
 def agent_loop_config(cfg: SAOConfig):
     from megatron_sao.rollout.agent_loop import AgentLoopConfig
-    from megatron_sao.rollout.engine import SamplingParams
+    from megatron_sao.rollout.protocol import SamplingParams
 
     r = cfg.rollout
     max_total = min(r.max_total_tokens, cfg.model.max_seq_len)
@@ -191,7 +260,9 @@ def agent_loop_config(cfg: SAOConfig):
 
 def env_factory(cfg: SAOConfig):
     from megatron_sao.envs import make_env
+    from megatron_sao.envs.sandbox import configure_default_pool
 
+    configure_default_pool(allow_same_uid=cfg.env.sandbox_allow_same_uid)
     kwargs = dict(cfg.env.kwargs)
 
     def factory(task):
@@ -229,14 +300,31 @@ def start_stage(cfg: SAOConfig):
     Returns (ParallelContext, RunDir); only rank 0 writes to the run directory.
     """
     from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
-    from megatron_sao.megatron.parallel import init_parallel
+    from megatron_sao.megatron.parallel import init_parallel, process_group_timeout_s
     from megatron_sao.trainer.run_dir import RunDir
 
     set_threads()
     ensure_cpu_compat()
-    ctx = init_parallel(parallel_sizes(cfg))
+    ctx = init_parallel(parallel_sizes(cfg), timeout_s=process_group_timeout_s(cfg.rollout.timeout_s))
     torch.manual_seed(cfg.run.seed)
     return ctx, RunDir(cfg.run.dir, is_writer=ctx.rank == 0)
+
+
+def check_trainer_memory(cfg: SAOConfig, model_dir: Path, ctx, gpu_mem_gib: float | None = None,
+                         transformer_engine: bool | None = None) -> None:
+    """On GPUs, refuse before any model is built a config the planner says will not fit
+    (cluster/planner.py::trainer_memory_check): a job started without the sbatch preflight must not
+    run out of memory in its first step. CPU runs are not planned. SAO_SKIP_PLAN=1 skips it."""
+    if ctx.backend != "nccl" or os.environ.get("SAO_SKIP_PLAN") == "1":
+        return
+    from megatron_sao.cluster.planner import trainer_memory_check
+    from megatron_sao.models.layer_specs import transformer_engine_usable
+
+    if gpu_mem_gib is None:
+        gpu_mem_gib = torch.cuda.get_device_properties(ctx.device).total_memory / 2**30
+    if transformer_engine is None:  # without TE the local spec's unfused attention holds s x s scores
+        transformer_engine = transformer_engine_usable()
+    trainer_memory_check(cfg, model_dir, gpu_mem_gib, ctx.world_size, transformer_engine)
 
 
 def set_threads() -> None:

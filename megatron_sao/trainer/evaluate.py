@@ -1,7 +1,8 @@
 """Pass@1 evaluation at temperature 1.0 and top-p 1.0 (the paper's protocol), per-item results saved.
 
-Used by the trainer every `run.eval_every` steps (on the live rollout engine) and by `sao eval`
-(on an HF model directory, e.g. `<run>/sft_model` or an exported checkpoint).
+Used by the trainer every `run.eval_every` steps (on the live rollout servers, through the rollout
+side, so evaluation episodes are spread over every server like training ones) and by `sao eval` (on
+an HF model directory, e.g. `<run>/sft_model` or an exported checkpoint).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import asyncio
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from megatron_sao.config import SAOConfig, load_config
 from megatron_sao.trainer import components as C
@@ -42,12 +43,10 @@ def summarize(tasks, trajs, out_path: str | Path | None) -> dict[str, Any]:
     return {"accuracy": acc, "n": len(rows), "failed": sum(r["status"] == "failed" for r in rows)}
 
 
-def run_eval(cfg: SAOConfig, engine, formatter, out_path=None, call: Callable | None = None) -> dict[str, Any]:
-    """Evaluate on the configured eval tasks. `call(coro)` runs a coroutine on the engine's loop
-    (the rollout driver's, during training); without it a fresh event loop is used."""
+def run_eval(cfg: SAOConfig, rollout, out_path=None) -> dict[str, Any]:
+    """Evaluate on the configured eval tasks with a running ``RolloutSide`` (every live server)."""
     tasks = C.eval_tasks(cfg)
-    coro = eval_episodes(cfg, engine, formatter, tasks)
-    trajs = call(coro) if call is not None else asyncio.run(coro)
+    trajs = rollout.evaluate(tasks, C.env_factory(cfg), eval_loop_config(cfg))
     return summarize(tasks, trajs, out_path)
 
 

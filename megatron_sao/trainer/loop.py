@@ -6,7 +6,8 @@ Per step (DESIGN.md data flow):
      (length-adaptive policy lambda)
   3. K critic steps on the fixed returns
   4. after the critic warm-up: one actor step with the DIS loss, then push weights (version + 1)
-Rollouts never wait for the trainer except through admission control (rollout_driver.py).
+Rollouts never wait for the trainer except through admission control (rollout/episodes.py); the
+rollout side (every server, episodes, weight sync) is one object, `rollout/driver.py::RolloutSide`.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_sao.algorithms import RunningMeanBaseline, logprob_mismatch
+from megatron_sao.algorithms import RunningMeanBaseline
 from megatron_sao.buffer import TrajectoryBuffer
 from megatron_sao.config import SAOConfig, dump_config
+from megatron_sao.errors import UserError
+from megatron_sao.trainer import checkpoints as ckpts
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
-from megatron_sao.trainer.losses import critic_loss_fn, policy_loss_fn
-from megatron_sao.trainer.rollout_driver import PromptStream, ReplaySource, RolloutDriver, unit_of
+from megatron_sao.trainer.losses import critic_loss_fn, lag0_mismatch, policy_loss_fn
+from megatron_sao.rollout.prompts import unit_of
+from megatron_sao.rollout.replay import ReplaySource
 from megatron_sao.trainer.run_dir import rng_state, set_rng_state
 from megatron_sao.trainer.targets import compute_targets
 from megatron_sao.trajectory import collate_padded
@@ -44,19 +48,22 @@ class TrainingInterrupted(RuntimeError):
 
 
 class SAOTrainer:
-    def __init__(self, cfg: SAOConfig, resume: bool = False):
+    def __init__(self, cfg: SAOConfig, resume: bool = False, overwrite: bool = False):
         self.cfg, a = cfg, cfg.algorithm
         self.ctx, self.run_dir = C.start_stage(cfg)
         self.rank0 = self.ctx.rank == 0
+        if self.rank0:
+            self.run_dir.start_train(overwrite=overwrite)
         if self.rank0:
             dump_config(cfg, self.run_dir.path / "config.yaml")
         self._barrier()
         self.model_dir = C.resolve_model_dir(cfg, self.run_dir.path) if self.rank0 else None
         self.model_dir = Path(self._broadcast(str(self.model_dir) if self.model_dir else None))
+        C.check_trainer_memory(cfg, self.model_dir, self.ctx)
         self.actor = C.build_actor(cfg, self.model_dir, ctx=self.ctx)
         self.critic = C.build_critic(cfg, self.model_dir, ctx=self.ctx) if a.uses_critic else None
         self.baseline = RunningMeanBaseline(a.running_mean_window) if a.name == "running_mean" else None
-        self.group = a.group_size if a.name in ("grpo", "grpo_dis") else 1
+        self.group = a.group_size if a.uses_groups else 1
         self.warmup = a.critic_warmup_steps if a.uses_critic else 0
         self.step, self.version = 0, 0
         self.nonfinite = {"actor": 0, "critic": 0}  # skipped (NaN/inf) steps in a row, per model
@@ -68,11 +75,13 @@ class SAOTrainer:
         self.buffer = self.driver = self.rollout = None
         if self.rank0:
             self.buffer = TrajectoryBuffer(cfg.buffer.batch_size, cfg.buffer.max_staleness, cfg.buffer.staleness_policy,
-                                           directory=self.run_dir.buffer_dir, group_size=self.group)
+                                           directory=self.run_dir.buffer_dir, group_size=self.group,
+                                           max_stale_drops=cfg.buffer.max_stale_drops)
         state = self._resume() if resume else None
         if self.rank0:
             self._start_rollouts(state)
         if state is not None and not cfg.trainer.replay:  # the engine starts from the base model
+            self._barrier()  # rank 0 started the rollout engines alone: meet it outside the export's collectives
             self._post_resume_sync()
 
     # ------------------------------------------------------------------ the algorithm
@@ -85,8 +94,9 @@ class SAOTrainer:
 
     def _stop_agreed(self) -> bool:
         """All ranks stop at the same step boundary, whichever of them saw the signal."""
-        flag = torch.tensor([1.0 if self._stop_requested else 0.0])
+        flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.ctx.device)
         if self.ctx.world_size > 1:
+            self._wait_for_rank0("the stop agreement")  # rank 0 may still push weights or evaluate
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -124,16 +134,15 @@ class SAOTrainer:
                              **{"critic/grad_norm": res.grad_norm})
 
                 if self.step >= self.warmup:  # critic warm-up: the actor waits, rollouts go on
-                    tv = time.monotonic()
-                    lp = self.actor.logprobs(fields)
-                    m["time/actor_forward_s"] = time.monotonic() - tv
-                    lag0 = batch.action_mask & (batch.versions == self.version)
-                    if lag0.any():
-                        m["logprob_mismatch_lag0"] = float(logprob_mismatch(lp, batch.rollout_logprobs, lag0))
+                    # Tokens sampled by the weights about to be trained: the loss measures their
+                    # train/rollout log-prob mismatch from the step's own forward (trainer/losses.py).
+                    fields["lag0_mask"] = batch.action_mask & (batch.versions == self.version)
                     tv = time.monotonic()
                     res = self.actor.train_step(fields, self.policy_loss)
                     m["time/actor_train_s"] = time.monotonic() - tv
                     self._check_finite(res, "actor")
+                    if (mismatch := lag0_mismatch(res.metrics)) is not None:
+                        m["logprob_mismatch_lag0"] = mismatch
                     m.update({f"actor/{k}": v for k, v in res.metrics.items()}, **{"actor/grad_norm": res.grad_norm})
                     if not res.skipped:
                         self.version += 1
@@ -195,19 +204,60 @@ class SAOTrainer:
             raise TrainingStopped(f"{n} non-finite {role} steps in a row at step {self.step}; checkpoint written")
 
     def _sync_weights(self) -> float:
+        """Stream the actor's weights to every rollout server as `self.version` (all ranks: the export
+        runs collectives). Rank 0 never holds more than two buckets (RolloutSide.push_weights)."""
         if self.cfg.trainer.replay:
             return 0.0  # no rollout engine to feed
         t0 = time.monotonic()
-        buckets = list(self.actor.export_hf_weights(self.cfg.rollout.weight_sync_bucket_mb << 20))
+        buckets = self.actor.export_hf_weights(self.cfg.rollout.weight_sync_bucket_mb << 20)
         version = self.version
-        if self.cfg.trainer.policy_lag:  # staleness stress test: push the snapshot of policy_lag steps ago
-            self._lagged.append((version, [[(n, t.clone()) for n, t in b] for b in buckets]))
-            if len(self._lagged) <= self.cfg.trainer.policy_lag:
+        if self.cfg.trainer.policy_lag:
+            lagged = self._lagged_snapshot(buckets, version)
+            if lagged is None:
                 return time.monotonic() - t0
-            version, buckets = self._lagged.popleft()
-        if self.rank0:
-            self.driver.call(self.rollout.update_weights(buckets, version), timeout=self.cfg.rollout.timeout_s)
+            version, buckets = lagged
+        self._push(buckets, version)
         return time.monotonic() - t0
+
+    def _lagged_snapshot(self, buckets, version: int):
+        """trainer.policy_lag (a CPU staleness stress test): keep an explicit CPU copy of this version's
+        weights and return the (version, buckets) of `policy_lag` steps ago, or None while there is
+        none. By design this holds policy_lag + 1 full copies of the model in host memory; the config
+        refuses it for bf16/fp16 models and cluster placements (config.validate)."""
+        snapshot = [[(n, t.detach().to("cpu", copy=True)) for n, t in b] for b in buckets]
+        self._lagged.append((version, snapshot))
+        if len(self._lagged) <= self.cfg.trainer.policy_lag:
+            return None
+        version, snapshot = self._lagged.popleft()
+        return version, iter(snapshot)
+
+    def _push(self, buckets, version: int) -> None:
+        check = self._weight_check_reference() if self.cfg.rollout.weight_sync_check else {}
+        error = None
+        if self.rank0:
+            try:
+                m = self.rollout.push_weights(buckets, version, **check)
+                logger.info("weights v%d -> %d server(s): %.2fs, %d buckets, %.1f MB", version,
+                            len(m.per_engine_seconds), m.seconds, m.buckets, m.bytes / 2**20)
+            except Exception as e:  # noqa: BLE001 - every rank must learn it, or they wait forever
+                error = f"{type(e).__name__}: {e}"
+        else:
+            for _ in buckets:  # the export's collectives pair with rank 0's
+                pass
+        error = self._broadcast(error)
+        if error is not None:
+            # No checkpoint here: the actor has stepped but no server holds its weights; the last
+            # checkpoint (and the post-resume sync) is the consistent state to go back to.
+            raise TrainingStopped(f"weight sync v{version} failed at step {self.step}: {error}")
+
+    def _weight_check_reference(self) -> dict:
+        """rollout.weight_sync_check: the actor's log-probs of fixed tokens (all ranks: a forward),
+        which every server must reproduce after the update (WeightSync.verify)."""
+        vocab = self.actor.spec.vocab_size
+        tokens = torch.randint(1, vocab, (1, 24), generator=torch.Generator().manual_seed(0))
+        lp = self.actor.logprobs({"tokens": tokens, "attention_mask": torch.ones_like(tokens, dtype=torch.bool)})
+        return {"check_tokens": tokens[0].tolist(), "check_prompt_len": 1,
+                "reference_logprobs": lp[0, 1:].float().cpu().tolist()}
 
     # ------------------------------------------------------------------ rollouts
     def _start_rollouts(self, state: dict | None) -> None:
@@ -220,49 +270,67 @@ class SAOTrainer:
                 self.buffer.restore()
             self.driver = ReplaySource(cfg.trainer.replay, self.buffer.put, fresh=state is None)
             return
-        self.rollout = C.build_rollout_engine(cfg, self.model_dir)
-        from megatron_sao.rollout.chat import ChatFormatter
-
-        formatter = ChatFormatter(C.load_tokenizer(cfg, self.model_dir))
-        ahead = 0 if cfg.trainer.mode == "sync" else cfg.buffer.max_staleness
-        drv = (state or {}).get("driver", {})
         in_buffer = {unit_of(t) for t in self.buffer.restore()} if state else set()
-        requeue = [tuple(u) for u in drv.get("queued", []) + drv.get("in_flight", []) if tuple(u) not in in_buffer]
-        self.driver = RolloutDriver(
-            self.rollout, C.env_factory(cfg), PromptStream(C.train_tasks(cfg), cfg.run.seed), formatter,
-            C.agent_loop_config(cfg), self.buffer.put, batch_size=cfg.buffer.batch_size, ahead=ahead,
-            concurrency=cfg.rollout.concurrency, group_size=self.group, next_pos=drv.get("next_pos", 0),
-            requeue=requeue, skip=in_buffer, step_offset=self.step)
-        self.buffer.on_drop = self.driver.requeue
-        self.driver.start()
-        self.formatter = formatter
+        self.rollout = C.build_rollout_side(cfg, self.model_dir, self.buffer.put, group_size=self.group, state=state,
+                                            in_buffer=in_buffer, step_offset=self.step)
+        self.driver = self.rollout  # what the loop reads: error, finished, failed, in_flight, state()
+        self.buffer.on_drop = self.rollout.requeue
+        self.rollout.start()
+        self.formatter = self.rollout.formatter
 
     def _post_resume_sync(self) -> None:
-        buckets = list(self.actor.export_hf_weights(self.cfg.rollout.weight_sync_bucket_mb << 20))
-        if self.rank0:
-            self.driver.call(self.rollout.update_weights(buckets, self.version), timeout=self.cfg.rollout.timeout_s)
+        """The servers start from the base model: give them the resumed weights (all ranks)."""
+        self._push(self.actor.export_hf_weights(self.cfg.rollout.weight_sync_bucket_mb << 20), self.version)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
         state = {"step": self.step, "version": self.version, "nonfinite": self.nonfinite,
                  "driver": self.driver.state() if self.rank0 else None,
                  "baseline": self.baseline.state_dict() if self.baseline else None,
-                 "buffer_stats": vars(self.buffer.stats) if self.rank0 else None, "rng": rng_state()}
+                 "buffer_stats": vars(self.buffer.stats) if self.rank0 else None, "rng": rng_state(),
+                 # The trajectory files this checkpoint has trained on: resume never loads them
+                 # again, whether or not the release below happened before a kill.
+                 "covered": self.buffer.covered() if self.rank0 else None}
 
         def parts(d: Path):
             self.actor.save(str(d / "actor"))
             if self.critic is not None:
                 self.critic.save(str(d / "critic"))
-        self.run_dir.save_checkpoint(self.step, parts, state, barrier=self._barrier)
-        if self.rank0:
-            self.buffer.release_consumed(self.step - 1)
+        previous = self.run_dir.save_checkpoint(self.step, parts, state, barrier=self._barrier)
+        if self.rank0 and previous is not None:
+            # Release only what the older kept checkpoint covers too: a fallback to it (the newest
+            # one damaged) must still find the trajectories trained after it.
+            self.buffer.release_consumed(ckpts.step_of(previous) - 1)
 
     def _resume(self) -> dict | None:
-        ckpt = self.run_dir.latest_checkpoint()
-        if ckpt is None:
-            logger.info("--resume: no checkpoint in %s, starting fresh", self.run_dir.ckpt_root)
+        """Load the newest intact checkpoint (falling back past damaged ones, which are named and set
+        aside); with none at all, clear what an earlier attempt logged and start fresh."""
+        root = self.run_dir.ckpt_root
+        found = self._broadcast([str(p) for p in ckpts.candidates(root)] if self.rank0 else None)
+        if not found:
+            if self.rank0:
+                self.run_dir.clear_training()
+            logger.warning("--resume: no checkpoint in %s; starting fresh (what an earlier attempt logged "
+                           "and buffered is removed: no checkpoint covers it)", root)
             return None
-        state = self.run_dir.load_trainer_state(ckpt)
+        damaged: list[tuple[Path, str]] = []
+        for ckpt in map(Path, found):
+            problem = self._checkpoint_damage(ckpt)
+            if problem is None:
+                break
+            logger.warning("checkpoint %s is damaged: %s", ckpt.name, problem)
+            damaged.append((ckpt, problem))
+        else:
+            raise UserError(f"--resume: no intact checkpoint in {root}: "
+                            + "; ".join(f"{c.name}: {p}" for c, p in damaged))
+        if damaged:
+            if self.rank0:
+                for bad, _ in damaged:
+                    ckpts.set_aside(root, bad, ckpt)
+            logger.warning("resuming from %s, the newest intact checkpoint (set aside as *.damaged: %s)",
+                           ckpt.name, ", ".join(bad.name for bad, _ in damaged))
+            self._barrier()
+        state = ckpts.load_trainer_state(ckpt)
         self.actor.load(str(ckpt / "actor"))
         if self.critic is not None:
             self.critic.load(str(ckpt / "critic"))
@@ -271,9 +339,23 @@ class SAOTrainer:
             self.baseline.load_state_dict(state["baseline"])
         if state.get("rng") is not None:
             set_rng_state(state["rng"])
+        if self.rank0:
+            self.buffer.restore({tid: step for tid, step in state.get("covered") or []})
         self.run_dir.truncate_logs(self.step)
         logger.info("resumed from %s at step %d (policy version %d)", ckpt, self.step, self.version)
         return state
+
+    def _checkpoint_damage(self, ckpt: Path) -> str | None:
+        """Agreed by all ranks: rank 0 checks the manifest and trainer state, every rank its own shards."""
+        r = self.ctx.rank
+        mine = [f"{role}/rank_{r:05d}.pt" for role in ("actor", "critic")
+                if role == "actor" or self.critic is not None]
+        problem = (ckpts.damage(ckpt) if self.rank0 else None) or ckpts.damage(ckpt, rank_files=mine)
+        if self.ctx.world_size == 1:
+            return problem
+        everyone = [None] * self.ctx.world_size
+        dist.all_gather_object(everyone, problem)
+        return next((p for p in everyone if p), None)
 
     # ------------------------------------------------------------------ logging
     def _log(self, m: dict, trajs, batch, step_s: float) -> None:
@@ -287,6 +369,8 @@ class SAOTrainer:
             "mean_turns": sum(t.num_turns for t in trajs) / len(trajs),
             "lag_histogram": self.buffer.stats.last_lag_histogram,
             "buffer/dropped_stale": self.buffer.stats.dropped_stale, "buffer/failed": self.buffer.stats.failed,
+            "buffer/kept_after_drops": self.buffer.stats.kept_after_drops,
+            "buffer/groups_with_failures": self.buffer.stats.groups_with_failures,
             "buffer/ready": len(self.buffer),
             "trainer_idle_fraction": self.wait_s / max(self.wait_s + self.busy_s, 1e-9),
             "rollout_idle_fraction": self.driver.engine_idle_fraction(),
@@ -294,6 +378,8 @@ class SAOTrainer:
         started = [t.info["policy_step"] for t in trajs if "policy_step" in t.info]
         if started:  # trainer steps at which this batch's episodes started (non-stationary envs judge by it)
             m["rollout/policy_step_min"], m["rollout/policy_step_max"] = min(started), max(started)
+        if self.rollout is not None:
+            m.update(self.rollout.metrics())  # per server: episodes, weight version, health, sync check
         due = self.cfg.run.eval_every and (self.step % self.cfg.run.eval_every == 0 or self.step == self.total)
         if due and self.rollout is not None:
             te = time.monotonic()
@@ -306,29 +392,39 @@ class SAOTrainer:
     def evaluate(self) -> float:
         from megatron_sao.trainer.evaluate import run_eval
 
-        return run_eval(self.cfg, self.rollout, self.formatter, out_path=self.run_dir.path / "eval" /
-                        f"step_{self.step:06d}.jsonl", call=self.driver.call)["accuracy"]
+        return run_eval(self.cfg, self.rollout, out_path=self.run_dir.path / "eval" /
+                        f"step_{self.step:06d}.jsonl")["accuracy"]
 
     # ------------------------------------------------------------------ distributed helpers
+    # Every collective here may follow a phase only rank 0 runs (batch wait, eval, weight push,
+    # rollout start): the others wait for it at the Rank0Gate, outside the collective, so no
+    # process-group timeout is spent on it (docs/architecture.md, "Timeouts").
+    def _wait_for_rank0(self, what: str) -> None:
+        from megatron_sao.megatron import rank0_gate
+
+        waited = rank0_gate.shared().arrive(what)
+        if waited > 60:
+            logger.info("rank %d waited %.0fs for rank 0 to reach %s", self.ctx.rank, waited, what)
+
     def _broadcast(self, obj):
         if self.ctx.world_size == 1:
             return obj
+        self._wait_for_rank0("a broadcast")
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, device=self.ctx.device)
         return box[0]
 
     def _barrier(self) -> None:
         if self.ctx.world_size > 1:
+            self._wait_for_rank0("a barrier")
             dist.barrier()
 
     def close(self) -> None:
         if self.driver is not None:
-            try:
-                if self.driver.error is None and self.rollout is not None:
-                    self.driver.call(self.rollout.close(), timeout=30)
-            except Exception as e:  # noqa: BLE001 - shutting down; report and go on
-                logger.warning("closing the rollout engine failed: %r", e)
-            self.driver.stop()
+            if self.rollout is not None:
+                self.rollout.close()  # every engine's sessions and transfer groups, then the loop
+            else:
+                self.driver.stop()
             self.driver = None
         if self.buffer is not None:
             self.buffer.close()

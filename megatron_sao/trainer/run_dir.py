@@ -2,35 +2,43 @@
 
     <run>/config.yaml              resolved config snapshot
     <run>/metrics.jsonl            one JSON object per step (append, flushed each step)
+    <run>/batches.jsonl            which trajectories and prompts each step trained on (audit trail)
     <run>/tensorboard/             TensorBoard event files with the same scalars
-    <run>/buffer/                  finished trajectories not yet covered by a checkpoint
-    <run>/checkpoints/step_000012/ actor/ critic/ trainer_state.json (data position, RNG, counters)
-    <run>/checkpoints/latest       name of the newest complete checkpoint
+    <run>/eval/step_N.jsonl        per-item evaluation results during training
+    <run>/buffer/                  finished trajectories not yet covered by the kept checkpoints
+    <run>/checkpoints/             see checkpoints.py (atomic commit through `latest`, two kept)
 
-A checkpoint is written into `step_N.tmp-*` and renamed into place, then `latest` is replaced
-atomically: a crash mid-save leaves the previous checkpoint as the latest, never a partial one.
+`sao train` refuses a run directory that already holds a training run unless it is resumed
+(`--resume`) or started over (`--overwrite`); what a run leaves half-written (temp files of a
+killed process) is removed when the next one starts.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
 import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from megatron_sao.errors import UserError
+from megatron_sao.faults import fault_point
+from megatron_sao.trainer import checkpoints as ckpts
+from megatron_sao.trainer.checkpoints import atomic_write_text
 
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+logger = logging.getLogger(__name__)
+
+# What a training run writes (relative to the run directory). Earlier stages' outputs (sft_model/,
+# critic_pretrained/, base_model/, sft/) are inputs of `sao train` and are never touched.
+TRAIN_LOGS = ("metrics.jsonl", "batches.jsonl")
+TRAIN_DIRS = ("buffer", "checkpoints", "tensorboard", "final_model")
 
 
 def rng_state() -> dict[str, Any]:
@@ -43,6 +51,30 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
+def existing_training(run: Path) -> list[str]:
+    """What in `run` shows that a training run already wrote there (empty for a fresh directory or
+    one that only holds earlier stages' outputs)."""
+    found = [name for name in TRAIN_LOGS if (run / name).exists()]
+    ck = run / "checkpoints"
+    if ck.is_dir() and any(p.name == ckpts.LATEST or p.name.startswith("step_") for p in ck.iterdir()):
+        found.append("checkpoints/")
+    if (run / "buffer").is_dir() and any((run / "buffer").rglob("*.safetensors")):
+        found.append("buffer/")
+    if (run / "final_model").exists():
+        found.append("final_model/")
+    return found
+
+
+def check_train_dir(run: Path, resume: bool, overwrite: bool) -> None:
+    """Before anything is written: refuse to mix a new run into an old one."""
+    if resume and overwrite:
+        raise UserError("--resume and --overwrite exclude each other")
+    found = existing_training(run)
+    if found and not resume and not overwrite:
+        raise UserError(f"run directory {run} already holds a training run ({', '.join(found)}); "
+                        "pass --resume to continue it or --overwrite to start over")
+
+
 class RunDir:
     def __init__(self, path: str | os.PathLike, is_writer: bool = True):
         self.path = Path(path)
@@ -52,52 +84,54 @@ class RunDir:
         if is_writer:
             self.ckpt_root.mkdir(parents=True, exist_ok=True)
         self._tb = None
+        self._tb_purge_step: int | None = None
+
+    # ------------------------------------------------------------------ run lifecycle
+    def remove_stale(self) -> list[Path]:
+        """Temp files and directories of a process that died while writing (never read by anyone)."""
+        gone = ckpts.remove_uncommitted(self.ckpt_root)
+        # Only what the trainer itself writes: other processes (a rollout server materializing the
+        # base model) may be writing their own temp files into the run directory right now.
+        patterns = [(self.path, f".{name}.tmp-*") for name in TRAIN_LOGS]
+        patterns += [(self.buffer_dir, "*.tmp-*"), (self.buffer_dir / "failed", "*.tmp-*")]
+        for d, pattern in patterns:
+            for p in d.glob(pattern) if d.is_dir() else ():
+                p.unlink(missing_ok=True)
+                gone.append(p)
+        if gone:
+            logger.info("removed %d half-written file(s) of an earlier process: %s", len(gone),
+                        ", ".join(str(p.relative_to(self.path)) for p in gone[:5]) + (" ..." if len(gone) > 5 else ""))
+        return gone
+
+    def start_train(self, overwrite: bool) -> None:
+        """Rank 0, before `sao train` writes anything (check_train_dir has already refused a clash)."""
+        self.remove_stale()
+        if overwrite:
+            self.clear_training()
+
+    def clear_training(self) -> None:
+        """Delete what an earlier training run wrote (--overwrite, or --resume with no checkpoint:
+        nothing covers it, and keeping it would log steps twice and train its trajectories again)."""
+        self.close()
+        for name in TRAIN_LOGS:
+            (self.path / name).unlink(missing_ok=True)
+        for name in TRAIN_DIRS:
+            shutil.rmtree(self.path / name, ignore_errors=True)
+        for p in (self.path / "eval").glob("step_*.jsonl"):
+            p.unlink()
+        self.ckpt_root.mkdir(parents=True, exist_ok=True)
+        (self.buffer_dir / "failed").mkdir(parents=True, exist_ok=True)  # the buffer may already be open
 
     # ------------------------------------------------------------------ checkpoints
-    def latest_checkpoint(self) -> Path | None:
-        marker = self.ckpt_root / "latest"
-        if not marker.exists():
-            return None
-        path = self.ckpt_root / marker.read_text().strip()
-        if not (path / "trainer_state.json").exists():
-            raise RuntimeError(f"{marker} names {path}, which is not a complete checkpoint")
-        return path
-
     def checkpoint_path(self, step: int) -> Path:
         return self.ckpt_root / f"step_{step:06d}"
 
     def save_checkpoint(self, step: int, write_parts: Callable[[Path], None], state: dict[str, Any],
-                        barrier: Callable[[], None] = lambda: None, keep_last: int = 2) -> Path:
-        """Collective: every rank calls it; `write_parts(tmp_dir)` saves actor/critic (all ranks write
-        their shards), rank 0 writes trainer_state.json and commits the rename."""
-        final = self.checkpoint_path(step)
-        tmp = self.ckpt_root / f"{final.name}.tmp"
-        if self.is_writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        barrier()
-        write_parts(tmp)
-        barrier()
-        if self.is_writer:
-            torch.save(state.pop("rng", None), tmp / "rng.pt")
-            atomic_write_text(tmp / "trainer_state.json", json.dumps(state, indent=1))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            atomic_write_text(self.ckpt_root / "latest", final.name)
-            for old in sorted(self.ckpt_root.glob("step_*"))[:-keep_last]:
-                if old.suffix != ".tmp" and old != final:
-                    shutil.rmtree(old, ignore_errors=True)
-        barrier()
-        return final
+                        barrier: Callable[[], None] = lambda: None) -> Path | None:
+        """Collective (checkpoints.save); returns the previous checkpoint, kept as the fallback."""
+        return ckpts.save(self.ckpt_root, step, write_parts, state, self.is_writer, barrier)
 
-    @staticmethod
-    def load_trainer_state(ckpt: Path) -> dict[str, Any]:
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-        rng_file = ckpt / "rng.pt"
-        if rng_file.exists():
-            state["rng"] = torch.load(rng_file, weights_only=False)
-        return state
+    load_trainer_state = staticmethod(ckpts.load_trainer_state)
 
     # ------------------------------------------------------------------ metrics
     def log_metrics(self, record: dict[str, Any], tensorboard: bool = True) -> None:
@@ -115,15 +149,20 @@ class RunDir:
             tb.flush()
 
     def truncate_logs(self, step: int) -> None:
-        """On resume: drop log lines of steps >= `step` (written after the checkpoint, before a crash),
-        so metrics.jsonl and batches.jsonl hold each step exactly once."""
+        """On resume from the checkpoint of `step`: drop what steps >= `step` logged (written after the
+        checkpoint, before a crash), so each step appears once in metrics.jsonl, batches.jsonl,
+        eval/ and TensorBoard (whose events of those steps are purged when the writer opens)."""
         if not self.is_writer:
             return
-        for name in ("metrics.jsonl", "batches.jsonl"):
+        for name in TRAIN_LOGS:
             p = self.path / name
             if p.exists():
-                keep = [line for line in p.read_text().splitlines() if line and json.loads(line)["step"] < step]
+                keep = [line for line in p.read_text().splitlines() if _complete_record_before(line, step)]
                 atomic_write_text(p, "".join(line + "\n" for line in keep))
+        for p in (self.path / "eval").glob("step_*.jsonl"):
+            if int(p.stem.split("_")[1]) > step:  # eval/step_k is written while logging step k - 1
+                p.unlink()
+        self._tb_purge_step = step
 
     def log_batch(self, step: int, trajs) -> None:
         """Audit trail: which trajectories (and prompts) each step trained on, to check that a run
@@ -133,12 +172,13 @@ class RunDir:
         rec = {"step": step, "traj_ids": [t.traj_id for t in trajs], "prompt_ids": [t.prompt_id for t in trajs]}
         with open(self.path / "batches.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
+        fault_point("batch_logged")
 
     def _writer(self):
         if self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.path / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(self.path / "tensorboard"), purge_step=self._tb_purge_step)
         return self._tb
 
     def close(self) -> None:
@@ -149,6 +189,15 @@ class RunDir:
     def read_metrics(self) -> list[dict[str, Any]]:
         p = self.path / "metrics.jsonl"
         return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+
+
+def _complete_record_before(line: str, step: int) -> bool:
+    """A log line to keep: a complete JSON record of a step before `step` (a kill mid-write can
+    leave a partial last line, which is dropped)."""
+    try:
+        return json.loads(line)["step"] < step
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def _jsonable(v: Any) -> Any:

@@ -4,7 +4,11 @@ Value alignment. The critic engine returns at position t the value of the state 
 token t. The action at position t is taken in the state that ends with token t-1, so the value
 that GAE pairs with action token t is `critic[:, t-1]` (verl and OpenRLHF align the same way).
 The bootstrap value of a truncated trajectory is the value of the state after its last token,
-`critic[:, length-1]`.
+`critic[:, length-1]`. The agent loop makes that a state the critic is trained on: a trajectory cut
+inside an action ends mid-action (every such state precedes a sampled token somewhere), and one cut
+after a stop token ends with the observation that follows it (the state before the next action's
+first token, the V the GAE pairs with that token); where no observation can follow, it carries a
+bootstrap of 0 instead (rollout/agent_loop.py).
 """
 
 from __future__ import annotations
@@ -54,6 +58,27 @@ def bootstrap_values(batch: TrajectoryBatch, state_values: torch.Tensor | None) 
     return boot
 
 
+def critic_targets(batch: TrajectoryBatch, state_values: torch.Tensor,
+                   algo: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values aligned to actions, bootstrap values [B], critic returns): lambda-returns with the
+    critic's own lambda (1.0 = Monte Carlo returns). Independent of the policy's algorithm, so value
+    pretraining uses it for any `algorithm.name`."""
+    mask = batch.action_mask
+    v = values_for_actions(state_values.to(torch.float32)) * mask
+    boot = bootstrap_values(batch, state_values.to(torch.float32))
+    _, returns = skip_observation_gae(batch.rewards.to(torch.float32), v, mask, algo.gamma, algo.critic_lambda, boot)
+    return v, boot, returns
+
+
+def policy_lambda(chain_lengths: torch.Tensor, algo: AlgorithmConfig) -> torch.Tensor:
+    """[B] policy lambda: the fixed `policy_lambda`, else SAO's adaptive 1 - 1/(alpha * l) with l the
+    length of the chain the GAE runs over (action tokens; turns for step-level GAE), so the
+    effective horizon is alpha times the chain length at either granularity."""
+    if algo.policy_lambda is not None:
+        return torch.full((chain_lengths.shape[0],), algo.policy_lambda, dtype=torch.float32)
+    return adaptive_lambda(chain_lengths, algo.policy_alpha, dtype=torch.float32)
+
+
 def compute_targets(batch: TrajectoryBatch, state_values: torch.Tensor | None, algo: AlgorithmConfig,
                     baseline: RunningMeanBaseline | None = None) -> Targets:
     mask = batch.action_mask
@@ -63,22 +88,17 @@ def compute_targets(batch: TrajectoryBatch, state_values: torch.Tensor | None, a
     if algo.name == "sao":
         if state_values is None:
             raise ValueError("algorithm sao needs critic values")
-        v = values_for_actions(state_values.to(torch.float32)) * mask
-        boot = bootstrap_values(batch, state_values.to(torch.float32))
-        # Critic targets: lambda-returns with the critic's own lambda (1.0 = Monte Carlo returns).
-        _, returns = skip_observation_gae(rewards, v, mask, algo.gamma, algo.critic_lambda, boot)
+        v, boot, returns = critic_targets(batch, state_values, algo)
         if algo.advantage == "token":
-            lengths = mask.sum(1)
-            lam = (torch.full((batch.size,), algo.policy_lambda) if algo.policy_lambda is not None
-                   else adaptive_lambda(lengths, algo.policy_alpha, dtype=torch.float32))
+            lam = policy_lambda(mask.sum(1), algo)
             advantages, _ = skip_observation_gae(rewards, v, mask, algo.gamma, lam, boot)
-            metrics["policy_lambda_mean"] = float(lam.mean())
         else:
             mode = "turn_avg" if algo.advantage == "step_avg" else "turn_last"
-            lam = algo.policy_lambda if algo.policy_lambda is not None else 1.0
+            lam = policy_lambda((batch.turn_ids.amax(dim=1) + 1).clamp(min=0), algo)
             advantages, _ = step_level_gae(rewards, v, mask, batch.turn_ids, algo.gamma, lam, mode, boot)
+        metrics["policy_lambda_mean"] = float(lam.mean())
         old_values = v
-    elif algo.name in ("grpo", "grpo_dis"):
+    elif algo.uses_groups:
         per_traj = rewards.sum(1)
         groups = {pid: i for i, pid in enumerate(dict.fromkeys(batch.prompt_ids))}
         group_ids = torch.tensor([groups[p] for p in batch.prompt_ids])

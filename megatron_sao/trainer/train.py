@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from megatron_sao.config import SAOConfig, load_config
+from megatron_sao.errors import UserError
 
 
 def wire_stages(cfg: SAOConfig) -> SAOConfig:
@@ -23,11 +24,44 @@ def wire_stages(cfg: SAOConfig) -> SAOConfig:
     return cfg
 
 
+def preflight(cfg: SAOConfig, resume: bool, overwrite: bool) -> None:
+    """The user errors that can be found before anything is written (every rank runs it; it only
+    reads): the run directory against --resume/--overwrite, the model and init paths, the replay file."""
+    from megatron_sao.trainer.components import is_builtin
+    from megatron_sao.trainer.run_dir import check_train_dir
+
+    check_train_dir(Path(cfg.run.dir), resume, overwrite)
+    if not is_builtin(cfg.model.path) and not (Path(cfg.model.path) / "config.json").is_file():
+        raise UserError(f"model.path: {cfg.model.path} is neither a built-in model nor an HF directory "
+                        "with config.json")
+    for key in ("actor.init", "critic.init"):
+        init = getattr(getattr(cfg, key.split(".")[0]), "init")
+        if init is not None and not Path(init).is_dir():
+            raise UserError(f"{key}: {init} is not a directory")
+    if cfg.trainer.replay:
+        from megatron_sao.trajectory import TrajectoryFileError, load_trajectories
+
+        if not Path(cfg.trainer.replay).is_file():
+            raise UserError(f"trainer.replay: {cfg.trainer.replay} does not exist")
+        try:
+            trajs = load_trajectories(cfg.trainer.replay)
+        except TrajectoryFileError as e:
+            raise UserError(f"trainer.replay: {e}") from None
+        a = cfg.algorithm
+        needed = (cfg.run.total_steps + (a.critic_warmup_steps if a.uses_critic else 0)) * cfg.buffer.batch_size
+        trainable = sum(t.trainable for t in trajs)
+        if trainable < needed:
+            raise UserError(f"trainer.replay: {cfg.trainer.replay} holds {trainable} trainable trajectories; "
+                            f"the run needs {needed} (steps incl. critic warm-up x buffer.batch_size)")
+
+
 def main(args) -> int:
+    cfg = wire_stages(load_config(args.config, args.overrides))
+    overwrite = getattr(args, "overwrite", False)
+    preflight(cfg, args.resume, overwrite)
     from megatron_sao.trainer.loop import SAOTrainer, TrainingInterrupted, TrainingStopped
 
-    cfg = wire_stages(load_config(args.config, args.overrides))
-    trainer = SAOTrainer(cfg, resume=args.resume)
+    trainer = SAOTrainer(cfg, resume=args.resume, overwrite=overwrite)
     try:
         trainer.run()
     except TrainingStopped as e:

@@ -24,7 +24,7 @@ from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.hf_export import export_hf_model
 from megatron_sao.trainer.losses import critic_loss_fn
-from megatron_sao.trainer.targets import compute_targets
+from megatron_sao.trainer.targets import critic_targets
 from megatron_sao.trajectory import collate_padded, save_trajectories
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 def collect_rollouts(cfg: SAOConfig, policy_dir: Path, n: int) -> list:
     from megatron_sao.rollout.agent_loop import run_many
     from megatron_sao.rollout.chat import ChatFormatter
-    from megatron_sao.trainer.rollout_driver import PromptStream
+    from megatron_sao.rollout.prompts import PromptStream
 
     formatter = ChatFormatter(C.load_tokenizer(cfg, policy_dir))
     stream = PromptStream(C.train_tasks(cfg), cfg.run.seed + 7)
@@ -52,12 +52,17 @@ def run_value_pretrain(cfg: SAOConfig) -> Path:
     ctx, run = C.start_stage(cfg)
     policy_dir = Path(cfg.actor.init) if cfg.actor.init else run.path / "sft_model"
     if not (policy_dir / "config.json").exists():
-        raise FileNotFoundError(f"value-pretrain: no policy at {policy_dir}; run `sao sft` first or set actor.init")
+        from megatron_sao.errors import MissingInputError
+
+        raise MissingInputError(f"value-pretrain: no policy at {policy_dir}; run `sao sft` first or set actor.init")
     v = cfg.value_pretrain
     trajs = collect_rollouts(cfg, policy_dir, v.rollouts) if ctx.rank == 0 else None
     if ctx.world_size > 1:
+        from megatron_sao.megatron import rank0_gate
+
+        rank0_gate.shared().arrive("the rollouts' broadcast")  # rank 0 collected them alone, for minutes
         box = [trajs]
-        torch.distributed.broadcast_object_list(box, src=0)
+        torch.distributed.broadcast_object_list(box, src=0, device=ctx.device)
         trajs = box[0]
     if ctx.rank == 0:
         save_trajectories(run.path / "value_pretrain_rollouts.safetensors", trajs)
@@ -66,7 +71,8 @@ def run_value_pretrain(cfg: SAOConfig) -> Path:
         raise RuntimeError(f"value-pretrain: all {len(trajs)} rollouts failed; first error: {trajs[0].error}")
     if v.lr is not None:
         cfg.critic.optim.lr = v.lr
-    critic = C.build_critic(cfg, policy_dir, ctx=ctx, init=str(policy_dir), freeze=v.freeze_attention)
+    critic = C.build_critic(cfg, policy_dir, ctx=ctx, init=str(policy_dir), freeze=v.freeze_attention,
+                            total_steps=v.steps)
     rng = random.Random(cfg.run.seed)
     loss_fn = critic_loss_fn()
     console = Console(cfg.run.console if ctx.rank == 0 else "none", total=v.steps, title="sao value-pretrain")
@@ -74,11 +80,11 @@ def run_value_pretrain(cfg: SAOConfig) -> Path:
     for step in range(v.steps):
         batch = collate_padded([usable[rng.randrange(len(usable))] for _ in range(min(v.batch_size, len(usable)))])
         fields = {k: t for k, t in batch.to_dict().items() if t.dim() == 2}
-        values = critic.values(fields)
-        targets = compute_targets(batch, values, cfg.algorithm)
-        fields["returns"] = targets.returns
+        # The critic's targets do not depend on the policy's algorithm (grpo, running_mean...).
+        old_values, _, returns = critic_targets(batch, critic.values(fields), cfg.algorithm)
+        fields["returns"] = returns
         res = critic.train_step(fields, loss_fn)
-        ev = float(explained_variance(targets.old_values, targets.returns, batch.action_mask))
+        ev = float(explained_variance(old_values, returns, batch.action_mask))
         log.append({"step": step, "value_loss": res.loss, "explained_variance": ev, "grad_norm": res.grad_norm})
         console.update({"step": step, "critic/loss": res.loss, "critic/explained_variance": ev})
     console.close()

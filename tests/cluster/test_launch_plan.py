@@ -84,7 +84,7 @@ def test_four_nodes_mixed_hostlist_swe():
         assert len(serves) == 2
         assert "vllm serve /ckpt/qwen" in serves[0] and "--port 8000" in serves[0] and "--port 8001" in serves[1]
         assert "CUDA_VISIBLE_DEVICES=4,5,6,7" in serves[1]
-        assert "--max-num-seqs 64" in serves[0]  # concurrency 256 over 4 servers
+        assert "--max-num-seqs 32" in serves[0]  # rollout.max_num_seqs of the recipe
 
 
 def test_dry_run_runs_the_preflight_plan_and_refuses():
@@ -128,7 +128,77 @@ def test_convert_uses_the_recipe_layout():
     res = run("hf-to-megatron", "parallel.ep=16")
     assert res.returncode == 0, res.stderr
     assert res.stdout.split()[1:] == ["tools/convert_hf_to_megatron.py", "--hf-dir", "/hf", "--out-dir", "/mg",
-                                      "--tp", "4", "--pp", "1", "--ep", "16"]
+                                      "--tp", "4", "--pp", "1", "--ep", "16", "--etp", "1"]
     res = run("megatron-to-hf")
     assert res.stdout.split()[1:] == ["tools/convert_megatron_to_hf.py", "--megatron-dir", "/mg", "--out-dir", "/out"]
     assert run("sideways").returncode == 2
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"NCCL_SOCKET_IFNAME": "ib0"}, "GLOO_SOCKET_IFNAME=ib0"),
+    ({"NCCL_SOCKET_IFNAME": "=bond0,eth1"}, "GLOO_SOCKET_IFNAME=bond0,eth1"),
+    ({"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eth2"}, "GLOO_SOCKET_IFNAME=eth2"),
+    ({}, None),  # common.sh's default ^lo,docker names no interface: each trainer picks the route to the master
+])
+def test_trainers_get_gloo_socket_ifname_beside_nccl(env, expected):
+    out = dry_run("sao_aime.sh", "gpu[1-2]", SAO_CONFIG=COLOC, SAO_TRAINER_NODES="2", **env)
+    trainers = [line for block, lines in node_blocks(out).items() if block.endswith("trainer") for line in lines
+                if "torchrun" in line]
+    assert len(trainers) == 2
+    for line in trainers:
+        if expected is None:
+            assert "GLOO_SOCKET_IFNAME" not in line
+        else:
+            assert line.startswith("env ") and expected in line.split(" torchrun ")[0], line
+
+
+def test_gloo_interface_rules():
+    from megatron_sao.cluster.socket_ifname import gloo_ifname_from_env, interface_for
+
+    assert gloo_ifname_from_env({"NCCL_SOCKET_IFNAME": "^lo,docker"}) is None
+    assert gloo_ifname_from_env({"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "ib0"}) == "eth0"
+    assert gloo_ifname_from_env({"NCCL_SOCKET_IFNAME": " =ib0 , ib1 "}) == "ib0,ib1"
+    assert interface_for("127.0.0.1") == "lo"  # the kernel's route, read back as an interface name
+    assert interface_for("no-such-host.invalid") is None
+
+
+def test_every_server_gets_its_own_transfer_group_and_the_same_cap_as_the_trainer():
+    """The trainer's view (its config after the plan's overrides) and each vllm serve command agree:
+    server i meets trainer rank 0 on the first trainer host at weight_sync_port + i, in a world of
+    1 + rollout_tp, and its --max-num-seqs is the trainer's per-server cap."""
+    from pathlib import Path
+
+    from megatron_sao.config import load_config
+    from megatron_sao.rollout.transfer_group import Rendezvous
+    from megatron_sao.trainer.components import engine_config, max_num_seqs
+
+    hosts = ["t0", "t1", "r0", "r1"]
+    plan = build_launch_plan(AIME, hosts, run_dir="/r", trainer_nodes=2, gpus_per_node=8)
+    assert plan.server_urls == [f"http://{h}:{8000 + i}" for h in ("r0", "r1") for i in range(2)]  # TP=4: 2 per node
+    cfg = load_config(AIME, plan.trainer_overrides)
+    ec = engine_config(cfg, Path("/m"))
+    assert ec.server_urls == tuple(plan.server_urls) and ec.tensor_parallel_size == 4
+    assert ec.weight_transfer_master_address == "t0" and list(ec.weight_transfer_ports) == [29600, 29601, 29602, 29603]
+    for i in range(4):
+        rv = Rendezvous(ec.weight_transfer_master_address, ec.transfer_port(i), ec.tensor_parallel_size)
+        assert rv.worker_init_info() == {"master_address": "t0", "master_port": 29600 + i, "rank_offset": 1,
+                                         "world_size": 5, "packed": False}
+    assert max_num_seqs(cfg) == 32  # the recipe's rollout.max_num_seqs
+    serves = [p.argv for n in plan.nodes if n.role == "rollout" for p in n.processes]
+    assert all(a[a.index("--max-num-seqs") + 1] == "32" and "--enable-scale-out" in a for a in serves)
+    derived = load_config(AIME, [*(o for o in plan.trainer_overrides if not o.startswith("rollout.max_num_seqs")),
+                                 "rollout.max_num_seqs=null"])
+    assert max_num_seqs(derived) == 64  # without it: an even share of concurrency 256 over 4 servers
+    assert all(a[a.index("--weight-transfer-config") + 1] == '{"backend":"nccl"}' for a in serves)
+    assert all("--worker-extension-cls" not in a for a in serves)  # GPU build: vLLM's own NCCL engine
+    assert all("SAO_WEIGHT_SYNC_PORT" not in p.env for n in plan.nodes for p in n.processes)
+
+
+def test_plan_refuses_transfer_ports_on_the_torchrun_port_and_reload_with_vllm():
+    with pytest.raises(LaunchPlanError, match="collide with cluster.master_port=29500"):
+        build_launch_plan(AIME, ["t0", "r0"], run_dir="/r", trainer_nodes=1, overrides=["cluster.weight_sync_port=29500"])
+    with pytest.raises(LaunchPlanError, match="reload works with rollout/server.py only"):
+        build_launch_plan(AIME, ["t0", "r0"], run_dir="/r", trainer_nodes=1, overrides=["rollout.weight_transport=reload"])
+    plan = build_launch_plan(AIME, ["t0", "r0"], run_dir="/r", trainer_nodes=1, overrides=["rollout.max_num_seqs=12"])
+    (serve, _) = [p.argv for p in plan.nodes[1].processes]
+    assert serve[serve.index("--max-num-seqs") + 1] == "12" and "rollout.max_num_seqs=12" in plan.trainer_overrides

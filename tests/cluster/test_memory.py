@@ -81,3 +81,20 @@ def test_kv_cache_per_token(spec):
     assert mem.kv_cache_bytes_per_token(spec, tp=2) == 2 * 48 * 2 * 128 * 2
     # More TP ranks than KV heads: each rank keeps one (replicated) head.
     assert mem.kv_cache_bytes_per_token(spec, tp=8) == mem.kv_cache_bytes_per_token(spec, tp=4) == 24576
+
+
+def test_fp32_params_are_their_own_master_copy():
+    """fp32 training: 4 (param) + 4 (grad) + 8/d (Adam m, v) bytes; frozen and activations scale too."""
+    assert mem.trainable_bytes_per_param(1, param_bytes=4) == 16
+    assert mem.trainable_bytes_per_param(8, param_bytes=4) == 8 + 8 / 8
+    assert mem.recompute_layer_bytes(2048, 1024, 1, dtype_bytes=4) == 2 * mem.recompute_layer_bytes(2048, 1024, 1)
+    assert mem.logits_bytes(1000, 10, 1, dtype_bytes=4) == 10 * 1000 * 8
+
+
+def test_activation_dtype_scales_everything_but_fp32_terms(spec):
+    shape = mem.LayerShape.from_spec(spec)
+    s, b = 4096, 1
+    bf16 = mem.layer_activation_bytes(shape, s, b, 4, True, True, 1)
+    fp32 = mem.layer_activation_bytes(shape, s, b, 4, True, True, 1, dtype_bytes=4)
+    fixed = mem.FP32 * s * b * spec.num_experts / 4 + mem.FP32 * spec.num_attention_heads * s * b / 4  # router, LSE
+    assert fp32 - fixed == pytest.approx(2 * (bf16 - fixed))

@@ -126,21 +126,34 @@ def test_supervisor_health_deadline_and_early_death(tmp_path):
     assert sup.procs[0].popen.returncode is not None and not _alive(pid)
 
 
-def test_local_plan_shape(tmp_path):
+def test_local_plan_is_the_slurm_plan_on_localhost(tmp_path):
+    """launch_local runs build_launch_plan's processes (the code slurm/sao_aime.sh runs), with this
+    machine's free ports and the CPU build's executables."""
     cfg = str(RECIPES / "online_style.yaml")
-    plan = build_local_plan(cfg, trainer_ranks=2, rollout_servers=2, run_dir=str(tmp_path), ports=[9101, 9102],
-                            master_port=29700, overrides=["run.total_steps=2"], python="py")
-    assert [s.argv[:5] for s in plan.servers] == [["py", "-m", "megatron_sao.cli", "serve-rollout", cfg]] * 2
-    assert plan.servers[1].argv[5:] == ["--host", "127.0.0.1", "--port", "9102", "run.total_steps=2",
-                                        f"run.dir={tmp_path}"]  # the server materializes models in the run dir
+    plan = build_local_plan(cfg, trainer_ranks=2, rollout_servers=2, run_dir=str(tmp_path), rollout_port=9101,
+                            master_port=29700, weight_sync_port=29801, overrides=["run.total_steps=2"], python="py",
+                            server="vllm")
+    s0, s1 = (s.argv for s in plan.servers)
+    assert s0[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "Qwen/Qwen3-30B-A3B-Instruct-2507"]
+    assert s1[s1.index("--port") + 1] == "9102" and "--enable-scale-out" in s1
+    assert s1[s1.index("--weight-transfer-config") + 1] == '{"backend":"sao_gloo"}'
+    assert s1[s1.index("--worker-extension-cls") + 1] == "megatron_sao.rollout.vllm_worker_ext.SAOWorkerExtension"
+    assert s1[s1.index("--max-num-seqs") + 1] == "64"  # online_style: rollout.max_num_seqs
+    assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in plan.servers] == ["0", str(1 % (os.cpu_count() or 1))]
     assert plan.health == ["http://127.0.0.1:9101/health", "http://127.0.0.1:9102/health"]
     t = plan.trainer.argv
-    assert t[:7] == ["py", "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+    assert t[:8] == ["py", "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--node-rank=0",
                      "--master-addr=127.0.0.1", "--master-port=29700"]
-    assert t[7:11] == ["-m", "megatron_sao.cli", "train", cfg]
+    assert t[8:12] == ["-m", "megatron_sao.cli", "train", str(RECIPES / "online_style.yaml")]
     assert 'rollout.server_urls=["http://127.0.0.1:9101", "http://127.0.0.1:9102"]' in t
+    assert "rollout.weight_transfer_ports=[29801, 29802]" in t and "rollout.weight_transfer_master_address=127.0.0.1" in t
+    assert "rollout.max_num_seqs=64" in t and "rollout.weight_transport=gloo" in t
     assert "rollout.backend=vllm_server" in t and f"run.dir={tmp_path}" in t
     assert plan.trainer.env["OMP_NUM_THREADS"] == "1"
+    sao = build_local_plan(cfg, trainer_ranks=1, rollout_servers=1, run_dir=str(tmp_path), python="py")
+    (srv,) = sao.servers
+    assert srv.argv[:5] == ["py", "-m", "megatron_sao.cli", "serve-rollout", cfg]
+    assert f"run.dir={tmp_path}" in srv.argv  # the server materializes models in the run dir
     embedded = build_local_plan(cfg, trainer_ranks=1, rollout_servers=0, run_dir=str(tmp_path))
     assert embedded.servers == [] and not any("server_urls" in a for a in embedded.trainer.argv)
 
@@ -153,7 +166,7 @@ def test_local_plan_refuses_bad_input(tmp_path):
     cfg = str(RECIPES / "online_style.yaml")
     with pytest.raises(ValueError, match="--trainer-ranks must be >= 1"):
         build_local_plan(cfg, trainer_ranks=0, rollout_servers=1, run_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="2 ports for 1 rollout servers"):
-        build_local_plan(cfg, trainer_ranks=1, rollout_servers=1, run_dir=str(tmp_path), ports=[1, 2])
+    with pytest.raises(ValueError, match="--server must be vllm or sao"):
+        build_local_plan(cfg, trainer_ranks=1, rollout_servers=1, run_dir=str(tmp_path), server="sglang")
     with pytest.raises(ConfigError, match="run.total_stepz"):
         build_local_plan(cfg, trainer_ranks=1, rollout_servers=1, run_dir=str(tmp_path), overrides=["run.total_stepz=1"])

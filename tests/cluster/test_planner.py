@@ -23,7 +23,7 @@ def test_recipes_load_and_fit_80gib(path, qwen_long):
     p = plan(cfg, qwen_long, PlanOptions(gpu_mem_gib=80))
     assert p.fits, p.problems
     assert p.trainer_peak < 80 * mem.GIB
-    assert cfg.model.dtype == "bfloat16" and cfg.critic.freeze == ["attention"]
+    assert cfg.model.dtype == "bfloat16" and cfg.critic.freeze == ["attention", "embeddings", "router", "norms"]
 
 
 def test_aime_recipe_has_paper_settings():
@@ -41,7 +41,7 @@ def test_aime_memory_by_hand(qwen_long):
     p = plan(load_config(AIME), qwen_long)
     L = p.layout
     assert (L.world, L.dp, L.edp) == (32, 8, 1)
-    h, v = 2048, 151936
+    h, v = 2048, 152064  # vocab 151936 padded to a multiple of 128 * tp = 512, as the model is built
     attention = h * (4096 + 1024) + 4096 * h
     dense_layer = attention / 4 + 256 + 2 * h + 128 * h  # TP-split attention; replicated norms + router
     dense = 48 * dense_layer + 2 * v * h / 4 + h  # + embedding and LM head (vocab-parallel), final norm
@@ -59,7 +59,8 @@ def test_aime_memory_by_hand(qwen_long):
     assert p.actor.activations == pytest.approx(48 * per_layer)
     assert p.actor.activations_recompute == pytest.approx(48 * 2 * s * h / 4 + per_layer)
     assert p.actor.logits == pytest.approx(s * v / 4 * 6) and p.critic.logits == 0
-    assert p.recompute_needed
+    assert p.recompute_needed and p.recompute  # the recipe sets parallel.recompute: full
+    assert p.trainer_peak == pytest.approx(p.trainer_static + p.actor.activations_recompute + p.actor.logits)
     # vLLM TP=4: bf16 weights / 4; KV of one token = 2 * 48 layers * 1 kv head * 128 * 2 bytes.
     assert p.rollout_weights == pytest.approx(p.total_params * 2 / 4)
     assert p.kv_bytes_per_token == 24576
@@ -83,10 +84,10 @@ def test_impossible_layouts_are_refused(overrides, field, fragment, qwen_long):
     assert any(i.field == field and fragment in i.reason for i in err.value.issues), err.value.issues
 
 
-def test_vocab_must_divide_by_tp(qwen_dict):
-    with pytest.raises(LayoutError) as err:
-        plan(load_config(AIME), {**qwen_dict, "vocab_size": 151937, "max_position_embeddings": 262144})
-    assert [i.field for i in err.value.issues] == ["parallel.tp"] and "vocab_size" in str(err.value)
+def test_vocab_tp_does_not_divide_is_padded(qwen_dict):
+    # 151937 is odd: Megatron pads it to a multiple of 128 * tp (= 512 at tp 4) instead of refusing.
+    p = plan(load_config(AIME), {**qwen_dict, "vocab_size": 151937, "max_position_embeddings": 262144})
+    assert p.fits and p.padded_vocab == 152064
 
 
 def test_context_longer_than_the_model_is_refused(qwen_dict):
@@ -127,3 +128,25 @@ def test_main_exit_codes(capsys, tmp_path, qwen_dict):
     assert "parallel.tpp" in capsys.readouterr().err
     assert main([AIME, "--json", "--hf-config", str(hf)]) == 0
     assert json.loads(capsys.readouterr().out)["fits"] is True
+
+
+def test_the_trainer_refuses_on_gpus_what_the_planner_says_runs_out_of_memory(tmp_path, monkeypatch):
+    """A job started without the sbatch preflight (SAO_SKIP_PLAN=1 in the sbatch script, or a
+    hand-written torchrun) is refused by the trainer before it builds a model, naming the field."""
+    from types import SimpleNamespace
+
+    from megatron_sao.config import ConfigError
+    from megatron_sao.trainer.components import check_trainer_memory
+
+    no_recompute = load_config(AIME, ["parallel.recompute=none"])
+    world = no_recompute.cluster.trainer_nodes * no_recompute.cluster.gpus_per_node
+    gpu = SimpleNamespace(backend="nccl", world_size=world, device=None)
+    monkeypatch.delenv("SAO_SKIP_PLAN", raising=False)
+    with pytest.raises(ConfigError, match="parallel.recompute: without activation recompute"):
+        check_trainer_memory(no_recompute, tmp_path, gpu, gpu_mem_gib=80, transformer_engine=True)
+    check_trainer_memory(load_config(AIME), tmp_path, gpu, gpu_mem_gib=80, transformer_engine=True)  # as written: fits
+    with pytest.raises(ConfigError, match="cluster.trainer_nodes"):  # a GPU node without TE: unfused s x s attention
+        check_trainer_memory(load_config(AIME), tmp_path, gpu, gpu_mem_gib=80, transformer_engine=False)
+    check_trainer_memory(no_recompute, tmp_path, SimpleNamespace(backend="gloo", world_size=world, device=None))
+    monkeypatch.setenv("SAO_SKIP_PLAN", "1")
+    check_trainer_memory(no_recompute, tmp_path, gpu, gpu_mem_gib=80, transformer_engine=True)

@@ -1,11 +1,14 @@
-"""Hostile-code tests of the Python sandbox: each must end in a clear observation, host unharmed."""
+"""The Python sandbox in this process's default mode: limits end in a clear observation, host unharmed.
+
+Hostile programs in every mode (root and non-root, namespaces and process mode) are in
+test_sandbox_hostile.py."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import socket
-import subprocess
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -14,33 +17,12 @@ import pytest
 from megatron_sao.envs.sandbox import SandboxLimits, SandboxPool, SandboxResult, run_python
 
 pytestmark = pytest.mark.timeout(60)
-IS_ROOT = os.geteuid() == 0
 
 
 def run(code: str, **limits) -> SandboxResult:
     base = dict(wall_time_s=5.0, cpu_time_s=3, memory_mb=512)
     base.update(limits)
     return asyncio.run(run_python(code, SandboxLimits(**base)))
-
-
-def live_pids_of_uid(uid: int) -> list[int]:
-    """Non-zombie processes owned by ``uid`` (zombies are dead and only wait for init)."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            status = (d / "status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith("Z"):
-            pids.append(int(d.name))
-    return pids
-
-
-def sandbox_uid(res: SandboxResult) -> int:
-    return int(next(x for x in res.isolation if x.startswith("uid="))[4:])
 
 
 def test_passing_program():
@@ -92,14 +74,16 @@ def test_file_size_limit():
     assert res.exit_code == 1 and "File too large" in res.stderr
 
 
-def test_write_outside_workdir_is_denied_and_host_untouched():
+def test_write_outside_workdir_never_reaches_the_host():
     target = Path(f"/tmp/evil_x_{uuid.uuid4().hex}")
-    res = run(f"open({str(target)!r}, 'w').write('pwned')")
-    assert "writing outside the working directory is not allowed" in res.as_observation()
+    res = run(f"open({str(target)!r}, 'w').write('pwned')\nopen('/usr/evil', 'w')")
     assert not target.exists()
+    if "rootfs=private" in res.isolation:  # /tmp is the call's own tmpfs; the rest is read-only
+        assert "Read-only file system" in res.stderr
+    else:
+        assert "writing outside the working directory is not allowed" in res.as_observation()
 
 
-@pytest.mark.skipif(not IS_ROOT, reason="as non-root, spawning is denied outright (see next test)")
 def test_shell_write_to_tmp_lands_in_private_tmpfs():
     target = Path(f"/tmp/evil_sh_{uuid.uuid4().hex}")
     res = run(f"import os\nos.system('echo pwned > {target}')\nprint(open({str(target)!r}).read(), end='')")
@@ -108,19 +92,20 @@ def test_shell_write_to_tmp_lands_in_private_tmpfs():
     assert not target.exists()
 
 
-def test_workdir_is_private_and_removed():
+def test_workdir_is_private_and_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the call's host directory goes
     res = run("import os\nopen('scratch.txt', 'w').write('ok')\nprint(os.getcwd())\n"
               "print(oct(os.stat('.').st_mode & 0o777))")
     cwd, mode = res.stdout.split()
     assert mode == "0o700"
-    assert not Path(cwd).exists()
+    assert list(tmp_path.iterdir()) == []  # nothing of the call is left on the host
 
 
 def test_trainer_environment_is_invisible(monkeypatch):
     monkeypatch.setenv("SAO_TEST_SECRET", "hunter2-top-secret")
     res = run("import os\nprint(sorted(os.environ))\nprint(open('/proc/self/environ').read())")
     assert "hunter2" not in res.stdout
-    assert res.stdout.splitlines()[0] == "['HOME', 'LANG', 'PATH']"
+    assert res.stdout.splitlines()[0] == "['HOME', 'LANG', 'PATH', 'TMPDIR']"
 
 
 def test_socket_to_localhost_fails_with_clear_error():
@@ -137,25 +122,6 @@ def test_socket_to_localhost_fails_with_clear_error():
             server.accept()  # nothing ever reached the listener
     finally:
         server.close()
-
-
-@pytest.mark.skipif(not IS_ROOT, reason="needs root to run the child under a private uid")
-def test_fork_bomb_is_contained_and_cleaned_up():
-    code = ("import os\nwhile True:\n    try:\n        os.fork()\n"
-            "    except OSError:\n        pass\n")
-    res = run(code, max_processes=8, cpu_time_s=2, wall_time_s=2.0)
-    assert not res.ok and res.killed_reason is not None
-    assert live_pids_of_uid(sandbox_uid(res)) == []
-    assert subprocess.run(["true"]).returncode == 0  # the host can still start processes
-
-
-@pytest.mark.skipif(not IS_ROOT, reason="needs root to run the child under a private uid")
-def test_daemon_that_escapes_the_session_is_killed():
-    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    os.close(1); os.close(2)\n"
-            "    time.sleep(300)\nprint('parent done')")
-    res = run(code, wall_time_s=5.0)
-    assert res.ok and res.stdout == "parent done\n"
-    assert live_pids_of_uid(sandbox_uid(res)) == []
 
 
 def test_concurrency_cap_is_respected():
@@ -189,3 +155,90 @@ def test_bad_limits_and_inputs_are_rejected():
         SandboxLimits(memory_mb=-1)
     with pytest.raises(TypeError, match="code must be str"):
         asyncio.run(run_python(b"print(1)"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_seccomp_program_assembles_for_both_cluster_architectures(machine):
+    from megatron_sao.envs.sandbox_child import syscall_filter
+
+    ns = syscall_filter.build(machine=machine)
+    same_uid = syscall_filter.build(same_uid=True, pgid=4242, machine=machine)
+    assert len(ns) % 8 == 0 and len(same_uid) > len(ns)  # the same-uid filter adds the signal checks
+    with pytest.raises(OSError, match="no seccomp syscall table"):
+        syscall_filter.build(machine="riscv64")
+
+
+def test_cgroup_v2_call_group_gets_memory_and_pids_limits(tmp_path, monkeypatch):
+    """cgroup v2 is not writable on this CI host (v1 is, and the hostile tests use it): the v2 file
+    protocol is checked against a directory laid out like /sys/fs/cgroup."""
+    from megatron_sao.envs.sandbox_cgroup import CgroupFactory
+
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids io\n")
+    (tmp_path / "cgroup.subtree_control").write_text("")
+    factory = CgroupFactory.detect(mounts=[(str(tmp_path), "cgroup2", {"rw"})])
+    assert factory is not None and factory.kind == "cgroup2"
+    assert (tmp_path / "cgroup.subtree_control").read_text() == "+memory +pids"
+    orig_mkdir = type(tmp_path).mkdir
+
+    def mkdir_with_files(self, *a, **kw):  # the kernel creates a group's interface files
+        orig_mkdir(self, *a, **kw)
+        for name in ("memory.max", "memory.swap.max", "pids.max", "cgroup.procs", "cgroup.subtree_control"):
+            (self / name).write_text("")
+    monkeypatch.setattr(type(tmp_path), "mkdir", mkdir_with_files)
+    call = factory.create(256 << 20, 10)
+    monkeypatch.undo()
+    d = call.dirs[0]
+    assert d.parent == tmp_path / "sao-sandbox"
+    assert (d / "memory.max").read_text() == str(256 << 20) and (d / "pids.max").read_text() == "10"
+    assert (d / "memory.swap.max").read_text() == "0" and call.procs_files == [str(d / "cgroup.procs")]
+
+
+def test_same_uid_opt_in_comes_from_the_config():
+    from megatron_sao.config import load_config
+    from megatron_sao.envs import sandbox
+
+    cfg = load_config(None, ["env.sandbox_allow_same_uid=true"])
+    sandbox.configure_default_pool(allow_same_uid=cfg.env.sandbox_allow_same_uid)
+    try:
+        assert sandbox.default_pool().allow_same_uid
+    finally:
+        sandbox.configure_default_pool()
+    assert not sandbox.default_pool().allow_same_uid
+
+
+def test_landlock_confines_file_access_and_signals_without_audit_hooks(tmp_path):
+    """Process mode's kernel-enforced layer, checked on its own (no audit hook in this child)."""
+    from megatron_sao.envs.sandbox_child import landlock
+
+    version = landlock.abi()
+    if version < 1:
+        pytest.skip("this kernel has no Landlock (process mode then reports no-landlock)")
+    outside = tmp_path / "answers.txt"
+    outside.write_text("42")
+    work = tmp_path / "work"
+    work.mkdir()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child restricts itself and reports what it could do
+        os.close(r)
+        libc_prctl = __import__("ctypes").CDLL(None).prctl
+        libc_prctl(38, 1, 0, 0, 0)  # no_new_privs
+        enforced = landlock.restrict(str(work), [os.path.dirname(os.__file__)])
+        seen = [enforced]
+        for what, fn in [("read outside", lambda: open(outside).read()),
+                         ("write inside", lambda: (work / "x").write_text("ok")),
+                         ("signal parent", lambda: os.kill(os.getppid(), 0))]:
+            try:
+                fn()
+                seen.append(f"{what}: allowed")
+            except OSError as e:
+                seen.append(f"{what}: {type(e).__name__}")
+        os.write(w, "\n".join(seen).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    lines = os.read(r, 4096).decode().splitlines()
+    assert lines[0].startswith(f"landlock=abi{version}:fs")
+    assert "read outside: PermissionError" in lines and "write inside: allowed" in lines
+    if version >= 6:
+        assert "signal parent: PermissionError" in lines

@@ -54,7 +54,8 @@ def test_actor_round_trip_bit_exact(hf, tmp_path, arch, layout):
     tp, pp, ep = layout
     mg = convert_hf_to_megatron(hf[arch], tmp_path / "mg", tp=tp, pp=pp, ep=ep, progress=False)
     meta = json.loads((mg / "megatron_sao_checkpoint.json").read_text())
-    assert meta["parallel"] == {"tp": tp, "pp": pp, "ep": ep, "etp": tp} and meta["role"] == "actor"
+    # etp unset: the trainer's rule (experts whole when ep >= tp), written into the metadata
+    assert meta["parallel"] == {"tp": tp, "pp": pp, "ep": ep, "etp": 1 if ep >= tp else tp} and meta["role"] == "actor"
     back = convert_megatron_to_hf(mg, tmp_path / "back", progress=False)
     _assert_same_checkpoint(hf[arch], back)
 
@@ -81,7 +82,10 @@ def test_layout_slicing_tp2_pp2_ep2(hf, tmp_path):
     assert torch.equal(qkv, torch.cat([src[p + "q_proj.weight"][32:], src[p + "k_proj.weight"][16:],
                                        src[p + "v_proj.weight"][16:]]))
     assert torch.equal(dense["decoder.layers.1.self_attention.linear_proj.weight"], src[p + "o_proj.weight"][:, 32:])
-    assert torch.equal(dense["output_layer.weight"], src["lm_head.weight"][64:])
+    # vocab 128 is padded to 256 rows at TP 2 (a multiple of 128 * TP): rank 1 holds padding only.
+    assert torch.equal(dense["output_layer.weight"], torch.zeros(128, 64))
+    dense0 = load_file(str(mg / "pp_001" / "tp_00.safetensors"))
+    assert torch.equal(dense0["output_layer.weight"], src["lm_head.weight"])
     assert "embedding.word_embeddings.weight" not in dense and not any(".layers.0." in k for k in dense)
     # EP rank 1 of stage 0 holds experts 2 and 3 of layer 0, whole (etp=1), fc1 = [gate; up].
     experts = load_file(str(mg / "pp_000" / "ep_001_etp_00.safetensors"))
@@ -90,13 +94,56 @@ def test_layout_slicing_tp2_pp2_ep2(hf, tmp_path):
     e = "model.layers.0.mlp.experts.3."
     assert torch.equal(fc1, torch.cat([src[e + "gate_proj.weight"], src[e + "up_proj.weight"]]))
     assert not (mg / "pp_000" / "ep_001_etp_01.safetensors").exists()
-    # with etp=2 (default = tp) rank 1's fc1 shard is [gate_1; up_1], not a slice of [gate; up].
-    mg2 = convert_hf_to_megatron(hf["qwen3_moe"], tmp_path / "mg2", tp=2, ep=2, progress=False)
+    # with etp=2 rank 1's fc1 shard is [gate_1; up_1], not a slice of [gate; up].
+    mg2 = convert_hf_to_megatron(hf["qwen3_moe"], tmp_path / "mg2", tp=2, ep=2, etp=2, progress=False)
     fc1_r1 = load_file(str(mg2 / "pp_000" / "ep_001_etp_01.safetensors"))[
         "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"]
     assert torch.equal(fc1_r1, torch.cat([src[e + "gate_proj.weight"][16:], src[e + "up_proj.weight"][16:]]))
     reader = MegatronCheckpointReader(mg2)
     assert torch.equal(reader.full_tensor("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"), fc1)
+
+
+@pytest.fixture(scope="module")
+def hf_v50257(tmp_path_factory):
+    """GPT-2's vocabulary size (odd: no TP divides it): an untied Llama and a tied Qwen3, 4 KV heads."""
+    from megatron_sao.models.presets import tiny_hf_config, tiny_hf_model
+
+    root = tmp_path_factory.mktemp("hf_v50257")
+    out = {}
+    for i, arch in enumerate(("llama", "qwen3")):
+        cfg = tiny_hf_config(arch, vocab_size=50257, num_key_value_heads=4, num_hidden_layers=2)
+        tiny_hf_model(cfg, seed=10 + i).save_pretrained(root / arch)
+        out[arch] = root / arch
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_vocab_50257_round_trip_padded_as_megatron(hf_v50257, tmp_path, arch, tp):
+    """Vocab 50257 at TP 1/2/4: shards hold padded_vocab_size(50257, tp) rows (50304 / 50432 / 50688,
+    Megatron-LM's multiple of 128 * tp) with zero padding on the last rank; back to HF bit for bit."""
+    padded = {1: 50304, 2: 50432, 4: 50688}[tp]
+    mg = convert_hf_to_megatron(hf_v50257[arch], tmp_path / "mg", tp=tp, progress=False)
+    shards = [load_file(str(mg / "pp_000" / f"tp_{r:02d}.safetensors")) for r in range(tp)]
+    src = _tensors(hf_v50257[arch])
+    heads = ["embedding.word_embeddings.weight"] + ([] if arch == "qwen3" else ["output_layer.weight"])
+    for name in heads:
+        rows = [sh[name] for sh in shards]
+        assert all(r.shape == (padded // tp, 64) for r in rows), name
+        full = torch.cat(rows)
+        hf_name = "model.embed_tokens.weight" if name.startswith("embedding") else "lm_head.weight"
+        assert torch.equal(full[:50257], src[hf_name]) and not full[50257:].any(), name
+    assert MegatronCheckpointReader(mg).full_tensor("embedding.word_embeddings.weight").shape == (50257, 64)
+    _assert_same_checkpoint(hf_v50257[arch], convert_megatron_to_hf(mg, tmp_path / "back", progress=False))
+
+
+def test_vocab_shard_from_another_vocab_is_named(hf_v50257):
+    from megatron_sao.checkpoint.sharding import RankLayout, shard_tensor
+    from megatron_sao.models.hf_config import model_spec_from_hf
+
+    spec = model_spec_from_hf(hf_v50257["llama"])
+    with pytest.raises(ValueError, match=r"embedding\.word_embeddings\.weight has 50256 vocabulary rows"):
+        shard_tensor("embedding.word_embeddings.weight", torch.zeros(50256, 64), RankLayout(tp=2, tp_rank=0), spec)
 
 
 def _copy(src, dst):
@@ -136,7 +183,7 @@ def test_unsupported_arch_and_bad_layout(hf, tmp_path):
     (bad / "config.json").write_text(json.dumps(dict(cfg, model_type="gpt2")))
     with pytest.raises(ValueError, match="model_type='gpt2'"):
         convert_hf_to_megatron(bad, tmp_path / "out", progress=False)
-    with pytest.raises(ValueError, match="num_kv_heads"):
+    with pytest.raises(ValueError, match="num_key_value_heads"):
         convert_hf_to_megatron(hf["llama"], tmp_path / "out", tp=4, progress=False)
     _no_leftovers(tmp_path, "out")
 

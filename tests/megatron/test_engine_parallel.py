@@ -50,6 +50,22 @@ def test_tp2_pp2_ep2_at_once_on_four_ranks(tmp_path):
     assert not r["skipped"] and r["same_on_ranks"] and r["lp_changed"] > 0.1
 
 
+def test_vocab_50257_at_tp4_and_tp2_on_four_ranks(tmp_path):
+    """GPT-2's vocabulary (50257: no TP divides it) padded as Megatron does: exact log-probs vs HF at
+    TP 4 and TP 2 (the padding logits never enter the softmax), HF export strips the padding bit for
+    bit, and both layouts train the same step."""
+    out = _launch(tmp_path, 4, ["tp4_v50257", "tp2sp_v50257"])
+    for name in ("tp4_v50257", "tp2sp_v50257"):
+        r = out[name]
+        assert r["logprobs_vs_hf"] <= 1e-5, r
+        assert r["export_missing"] == [] and r["export_extra"] == [] and r["export_max_abs_diff"] == 0.0, r
+        assert not r["skipped"] and r["same_on_ranks"] and r["lp_changed"] > 0.1, r
+    r = out["tp2sp_v50257"]
+    assert r["vs_first"] == "tp4_v50257"
+    assert r["loss_diff_vs_first"] <= 1e-5 and r["grad_norm_diff_vs_first"] <= 1e-5, r
+    assert r["lp_after_diff_vs_first"] <= 1e-4, r
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout(results, layout):
     r = results[layout]

@@ -23,6 +23,22 @@ from models_hf_dirs import make_hf_dirs  # noqa: E402
 
 TOL = 1e-5
 ARCHS = ("qwen3_moe", "qwen3", "llama")
+VOCAB = {"qwen3_moe": 128, "qwen3": 160, "llama": 192}
+
+
+def _padded(arch: str, tp: int) -> int:
+    from megatron_sao.models.vocab import padded_vocab_size
+
+    return padded_vocab_size(VOCAB[arch], tp)
+
+
+def _check_vocab(r: dict, arch: str, tp: int) -> None:
+    """Exact logits on the real columns and exact log-probs with the padding masked; leaving the
+    padding in the softmax would be visibly wrong (so the mask is what makes them exact)."""
+    assert r["shape"][-1] == VOCAB[arch] and r["padded_width"] == _padded(arch, tp), r
+    assert r["max_diff"] <= TOL and r["logprob_diff"] <= TOL, r
+    if r["padded_width"] > VOCAB[arch]:
+        assert r["unmasked_logprob_diff"] > 1e-3, r
 
 
 def _free_port() -> int:
@@ -63,9 +79,10 @@ def test_single_rank_logits_loss_grads_critic_freeze(dirs):
     results = _launch(1, root, "single", ckpt)
     for arch in ARCHS:
         (logits,) = _by(results, check="logits", arch=arch, case="tp1")
-        assert logits["max_diff"] <= TOL, logits
+        _check_vocab(logits, arch, tp=1)
         (lg,) = _by(results, check="loss_grads", arch=arch)
         assert lg["loss_diff"] <= TOL and lg["grad_max_diff"] <= TOL, lg
+        assert lg["padding_grad"] == 0.0, lg  # masked padding rows get no gradient
         assert lg["unmapped_hf_grads"] == [], lg  # every HF grad has a Megatron counterpart
         assert lg["max_grad"] > 1e-3, lg  # grads are not trivially zero
         (cv,) = _by(results, check="critic_values", arch=arch, case="tp1")
@@ -78,7 +95,7 @@ def test_single_rank_logits_loss_grads_critic_freeze(dirs):
         assert cf["n_frozen"] == (5 if arch != "llama" else 3) * {"qwen3_moe": 2, "qwen3": 2, "llama": 4}[arch], cf
         assert "no_such_param" in cf["empty_error"], cf
     (from_ckpt,) = _by(results, check="logits", case="from_megatron_ckpt_tp1")
-    assert from_ckpt["max_diff"] <= TOL, from_ckpt
+    _check_vocab(from_ckpt, "qwen3_moe", tp=1)
 
 
 def test_two_ranks_tp_sp_pp_ep(dirs):
@@ -91,9 +108,10 @@ def test_two_ranks_tp_sp_pp_ep(dirs):
             found = _by(results, check="logits", arch=arch, case=case)
             assert found, (arch, case, results)
             for r in found:
-                assert r["max_diff"] <= TOL, r
-                assert r["shape"][-1] == {"qwen3_moe": 128, "qwen3": 160, "llama": 192}[arch], r
+                _check_vocab(r, arch, tp=2 if case.startswith("tp2") else 1)
     (cv,) = _by(results, check="critic_values", arch="qwen3_moe", case="tp2_sp")
     assert cv["shape"] == [2, 16, 1] and cv["max_diff"] <= TOL, cv
     found = _by(results, check="logits", case="from_megatron_ckpt_tp2_ep2_etp1")
-    assert found and all(r["max_diff"] <= TOL for r in found), found
+    assert found, results
+    for r in found:
+        _check_vocab(r, "qwen3_moe", tp=2)

@@ -20,7 +20,7 @@ EXPERIMENTS = {  # experiment -> (figures, labels that must appear in results.md
     "main": (["main_comparison.png"], ["sft (start)", "grpo", "grpo_dis", "sao"]),
     "ablations": (["ablations.png"], ["k1", "attention_trained", "running_mean", "no_value_pretrain",
                                       "step_gae_avg", "step_gae_last"]),
-    "staleness": (["staleness_curves.png", "staleness_final_eval.png"], ["grpo_ppo_clip", "grpo_dis", "sao"]),
+    "staleness": (["staleness_curves.png", "staleness_final_eval.png"], ["grpo", "grpo_dis", "sao"]),
     "online": (["online_style_shift.png"], ["sao", "running_mean"]),
     "throughput": (["throughput.png"], ["sync", "async", "async / sync"]),
 }

@@ -11,7 +11,7 @@ from test_agent_loop_fakes import CountingEnv, ScriptedEngine, lp, qwen_shape_to
 from megatron_sao.envs.base import StepResult
 from megatron_sao.rollout.agent_loop import AgentLoopConfig, EngineActivity, run_episode, run_many
 from megatron_sao.rollout.chat import ChatFormatter
-from megatron_sao.rollout.engine import SamplingParams
+from megatron_sao.rollout.protocol import SamplingParams
 from megatron_sao.tokenizers import build_char_tokenizer, char_token_id
 
 TOK = build_char_tokenizer()
@@ -90,38 +90,64 @@ def test_qwen_shape_trajectory_has_no_drift():
     assert traj.tokens.tolist() + enc("\n", tok) == enc(tok.apply_chat_template(conv, tokenize=False), tok)
 
 
-def test_truncation_by_turns_bootstraps_from_the_critic():
-    traj = play(ScriptedEngine(calls), CountingEnv(done_after=100), cfg(max_turns=2))
-    assert traj.status == "truncated" and traj.bootstrap == "critic" and traj.reward == 0.0
-    assert traj.info["end_reason"] == "max_turns" and traj.num_turns == 2
-    assert traj.action_mask[-1]  # the state to bootstrap ends with the last action
+def _critic_trained_positions(traj) -> set[int]:
+    """Positions t whose value V[t] (state ending with token t) gets a critic target: the GAE pairs
+    the action token at t+1 with V[t] (trainer/targets.py values_for_actions)."""
+    return {t for t in range(traj.length - 1) if traj.action_mask[t + 1]}
 
 
+def test_truncation_by_turns_bootstraps_from_a_state_the_critic_is_trained_on():
+    short = play(ScriptedEngine(calls), CountingEnv(done_after=100), cfg(max_turns=2))
+    assert short.status == "truncated" and short.bootstrap == "critic" and short.reward == 0.0
+    assert short.info["end_reason"] == "max_turns" and short.num_turns == 2
+    # The same episode with one more turn: the cut one is a prefix of it up to the observation after
+    # turn 2, and its bootstrap position (the last one) is where the longer episode's critic learns
+    # V(state before action 3). Ending on the stop token, as before, gave a position no trajectory trains.
+    longer = play(ScriptedEngine(calls), CountingEnv(done_after=100), cfg(max_turns=3))
+    assert torch.equal(longer.tokens[:short.length], short.tokens)
+    assert short.spans[-1].kind == "observation" and not short.action_mask[-1]
+    assert short.length - 1 in _critic_trained_positions(longer)
 def test_truncation_by_total_tokens_inside_a_turn():
     prompt_len = len(F.prompt_ids(task().messages))
     long_action = lambda n, p: enc("X" * 50) + [END]  # noqa: E731
     engine = ScriptedEngine(long_action)
     traj = play(engine, CountingEnv(done_after=100), cfg(max_total_tokens=prompt_len + 80, max_new_tokens_per_turn=60))
     assert traj.status == "truncated" and traj.bootstrap == "critic" and traj.info["end_reason"] == "max_total_tokens"
-    assert traj.length == prompt_len + 80
+    assert traj.length == prompt_len + 80 and traj.action_mask[-1]  # mid-action: a state the critic trains
     assert traj.info["finish_reasons"][-1] == "length"
     # the last turn was asked for exactly the tokens left
     assert engine.calls[-1][1].max_new_tokens == prompt_len + 80 - len(engine.calls[-1][0])
 
 
-def test_truncation_when_the_observation_leaves_no_room():
+def test_truncation_when_the_observation_leaves_no_room_for_an_action():
     prompt_len = len(F.prompt_ids(task().messages))
     action = enc("CALL 0") + [END]
     obs = F.observation_ids("tool", "r1", action)
-    c = cfg(max_total_tokens=prompt_len + len(action) + len(obs))  # exactly no token left for turn 2
+    # Exactly no token left for turn 2: the observation still fits, so it closes the trajectory and
+    # the bootstrap state is "before the next action" (trained), not the stop token (never trained).
+    c = cfg(max_total_tokens=prompt_len + len(action) + len(obs))
     traj = play(ScriptedEngine(lambda n, p: action), CountingEnv(done_after=100), c)
     assert traj.status == "truncated" and traj.info["end_reason"] == "max_total_tokens"
+    assert traj.bootstrap == "critic" and traj.length == prompt_len + len(action) + len(obs)
+    assert traj.spans[-1].kind == "observation"
+    # One token less: the observation does not fit; no trained state follows, so the end is terminal.
+    c = cfg(max_total_tokens=prompt_len + len(action) + len(obs) - 1)
+    traj = play(ScriptedEngine(lambda n, p: action), CountingEnv(done_after=100), c)
+    assert traj.status == "truncated" and traj.info["end_reason"] == "max_total_tokens"
+    assert traj.bootstrap == 0.0 and traj.info["bootstrap"] == "no_room_for_observation"
     assert traj.length == prompt_len + len(action) and traj.action_mask[-1]
 
 
-def test_environment_truncation_flag_gives_truncated():
-    traj = play(ScriptedEngine(calls), CountingEnv(done_after=2, truncated=True))
-    assert traj.status == "truncated" and traj.bootstrap == "critic" and traj.info["end_reason"] == "env_truncated"
+def test_environment_truncation_keeps_the_env_reward_and_is_terminal():
+    class PartialCredit(CountingEnv):  # the env's own tool-call limit, with a reward for what was done
+        async def step(self, action_text):
+            res = await super().step(action_text)
+            return StepResult(None, True, 0.25, res.info) if res.done else res
+
+    traj = play(ScriptedEngine(calls), PartialCredit(done_after=2, truncated=True))
+    assert traj.status == "truncated" and traj.info["end_reason"] == "env_truncated"
+    assert traj.reward == 0.25  # was dropped (0.0)
+    assert traj.bootstrap == 0.0 and traj.action_mask[-1]  # no later state exists to value
 
 
 def test_per_turn_length_cut_mid_episode_closes_the_turn_and_continues():
@@ -153,7 +179,7 @@ def test_engine_error_gives_a_failed_trajectory_and_closes_the_env():
     env = CountingEnv()
     traj = play(ScriptedEngine(calls, fail_on_call=1), env)
     assert traj.status == "failed" and traj.reward == 0.0 and traj.error == "ConnectionError: engine went away"
-    assert traj.info["end_reason"] == "error" and env.closed and not traj.trainable
+    assert traj.info["end_reason"] == "engine_error" and env.closed and not traj.trainable
 
 
 def test_env_without_observation_or_too_long_prompt_fails_clearly():

@@ -8,7 +8,8 @@ import pytest
 import torch
 from engine_fixtures import EOS_ID, hf_logprobs, load_checkpoint, make_tiny_model, perturbed
 
-from megatron_sao.rollout.engine import EngineConfig, GenerationResult, SamplingParams, make_engine
+from megatron_sao.rollout.factory import make_engine
+from megatron_sao.rollout.protocol import EngineConfig, GenerationResult, SamplingParams
 from megatron_sao.rollout.hf_engine import HFEngine
 from megatron_sao.rollout.sampling import processed_logprobs
 
@@ -154,12 +155,16 @@ def test_bad_updates_raise_and_change_nothing(model_dirs):
             await engine.update_weights([good[:-1] + [("model.norm.weight", torch.zeros(3))]], 1)
         with pytest.raises(ValueError, match="twice"):
             await engine.update_weights([good, good[:1]], 1)
-        after = engine.model.state_dict()
+        after = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        version_after_failures = engine.version
+        with pytest.raises(RuntimeError, match="outside begin/finish"):
+            await engine.push_weight_bucket(good)
+        await engine.update_weights([good[:3], good[3:]], 4)  # a failed stream leaves nothing behind
         await engine.close()
-        return engine, before, after
+        return engine, before, after, version_after_failures
 
-    engine, before, after = asyncio.run(run())
-    assert engine.version == 0
+    engine, before, after, version_after_failures = asyncio.run(run())
+    assert version_after_failures == 0 and engine.version == 4
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 

@@ -11,7 +11,7 @@ from engine_fixtures import hf_logprobs, load_checkpoint, make_tiny_model, pertu
 
 pytest.importorskip("vllm")
 
-from megatron_sao.rollout.engine import EngineConfig, SamplingParams  # noqa: E402
+from megatron_sao.rollout.protocol import EngineConfig, SamplingParams  # noqa: E402
 from megatron_sao.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from megatron_sao.rollout.weight_sync import WeightSync, WeightSyncError  # noqa: E402
 

@@ -11,7 +11,8 @@ from engine_fixtures import hf_logprobs, load_checkpoint, make_tiny_model, pertu
 
 pytest.importorskip("aiohttp")
 
-from megatron_sao.rollout.engine import EngineConfig, SamplingParams, make_engine  # noqa: E402
+from megatron_sao.rollout.factory import make_engine  # noqa: E402
+from megatron_sao.rollout.protocol import EngineConfig, SamplingParams  # noqa: E402
 from megatron_sao.rollout.hf_engine import HFEngine  # noqa: E402
 from megatron_sao.rollout.server import start_server  # noqa: E402
 from megatron_sao.rollout.vllm_server_client import ServerError, VLLMServerClient  # noqa: E402
@@ -111,7 +112,7 @@ def test_unreachable_server_error_names_the_url():
         client = VLLMServerClient(url, _client_cfg(url, control_timeout_s=2.0, request_timeout_s=2.0))
         try:
             healthy = await client.health()
-            with pytest.raises(ServerError, match=rf"POST {url}/v1/completions failed"):
+            with pytest.raises(ServerError, match=rf"GET {url}/sao/info failed"):
                 await client.generate([1, 2], SamplingParams(max_new_tokens=2))
             return healthy
         finally:
@@ -123,7 +124,7 @@ def test_unreachable_server_error_names_the_url():
 
 
 def test_make_engines_builds_one_client_per_server():
-    from megatron_sao.rollout.engine import make_engines
+    from megatron_sao.rollout.factory import make_engines
 
     clients = make_engines(EngineConfig(backend="vllm_server", server_urls=("http://h1:8000", "http://h2:8000/")))
     assert [c.url for c in clients] == ["http://h1:8000", "http://h2:8000"]
@@ -132,8 +133,51 @@ def test_make_engines_builds_one_client_per_server():
 def test_serve_rollout_cli_refuses_a_non_hf_model_path():
     import argparse
 
-    from megatron_sao.rollout.server import cli_main
+    from megatron_sao.trainer.serve_rollout import main
 
     args = argparse.Namespace(config=None, overrides=["model.path=/nonexistent"], host="127.0.0.1", port=0)
     with pytest.raises(SystemExit, match="neither a built-in model"):
-        cli_main(args)
+        main(args)
+
+
+def test_a_request_spanning_an_update_carries_both_versions(model_dir):
+    """inflight_policy keep through the client: the server labels each token with the weights that
+    sampled it (weight_versions spans of /inference/v1/generate), so DIS divides by the right ones."""
+    new = perturbed(load_checkpoint(model_dir), seed=11)
+
+    async def run():
+        engine, runner, client = await _serve(model_dir)
+        try:
+            await client.connect()
+            assert client.route == "generate" and client.transport == "reload" and client.kind == "sao"
+            task = asyncio.ensure_future(client.generate([5, 6, 7], SamplingParams(max_new_tokens=40, seed=3)))
+            while not (engine._active and len(engine._active[0].token_ids) >= 5):
+                await asyncio.sleep(0.001)
+            await engine.pause()  # freeze it mid-request, then update under it
+            await client.update_weights(_halves(new), 1)
+            await engine.resume()
+            return await task, client.version
+        finally:
+            await client.close()
+            await runner.cleanup()
+            await engine.close()
+
+    out, version = asyncio.run(run())
+    k = out.versions.index(1)
+    assert version == 1 and k >= 5 and out.versions == [0] * k + [1] * (40 - k)
+
+
+def _halves(state):
+    names = list(state)
+    yield [(n, state[n]) for n in names[: len(names) // 2]]
+    yield [(n, state[n]) for n in names[len(names) // 2:]]
+
+
+def test_expand_spans_names_a_bad_label():
+    from megatron_sao.rollout.vllm_server_client import expand_spans
+
+    assert expand_spans([{"version": "2", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 3}], 3, "x") == [2, 2, 3]
+    with pytest.raises(ServerError, match="'default' is not an int"):
+        expand_spans([{"version": "default", "start": 0, "end": 1}], 1, "x")
+    with pytest.raises(ServerError, match="do not cover"):
+        expand_spans([{"version": "1", "start": 0, "end": 1}], 2, "x")

@@ -1,4 +1,5 @@
-"""WeightSync: versioned pushes to several engines, timeouts and errors naming the engine, check mode."""
+"""WeightSync: versioned, streamed pushes to several engines, timeouts and errors naming the engine,
+failed engines left out (strict=False), check mode."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from engine_fixtures import hf_logprobs, load_checkpoint, make_tiny_model, perturbed
 
-from megatron_sao.rollout.engine import SamplingParams
+from megatron_sao.rollout.protocol import SamplingParams
 from megatron_sao.rollout.hf_engine import HFEngine
 from megatron_sao.rollout.weight_sync import WeightSync, WeightSyncError
 
@@ -26,21 +27,40 @@ def _engine(d, name: str) -> HFEngine:
     return HFEngine(AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32), max_model_len=128, name=name)
 
 
-class _SlowEngine:
+class _OkEngine:
+    """The streamed-update surface of an engine, nothing else (the boundary of these tests)."""
+
+    name = "ok-engine"
+
+    def __init__(self) -> None:
+        self.version, self.buckets, self.aborted = 0, 0, False
+
+    async def begin_weight_update(self, version):
+        self.buckets = 0
+
+    async def push_weight_bucket(self, bucket):
+        self.buckets += 1
+
+    async def finish_weight_update(self, version):
+        self.version = version
+
+    async def abort_weight_update(self):
+        self.aborted = True
+
+
+class _SlowEngine(_OkEngine):
     """Stands in for a hung rollout engine."""
 
     name = "slow-engine"
-    version = 0
 
-    async def update_weights(self, buckets, version):
+    async def push_weight_bucket(self, bucket):
         await asyncio.sleep(30)
 
 
-class _BrokenEngine:
+class _BrokenEngine(_OkEngine):
     name = "broken-engine"
-    version = 0
 
-    async def update_weights(self, buckets, version):
+    async def push_weight_bucket(self, bucket):
         raise OSError("connection reset")
 
 
@@ -69,7 +89,7 @@ def test_push_to_two_engines_with_check(moe_dir):
     engines, metrics, outs = asyncio.run(run())
     assert [e.version for e in engines] == [3, 3]
     assert all(o.versions == [3] * len(o.token_ids) for o in outs)
-    assert metrics.version == 3 and len(metrics.per_engine_seconds) == 2
+    assert metrics.version == 3 and len(metrics.per_engine_seconds) == 2 and metrics.buckets == -(-len(new) // 5)
     assert metrics.bytes == sum(t.numel() * t.element_size() for t in new.values())
     assert metrics.bytes_per_s > 0 and metrics.max_abs_logprob_diff <= 1e-4
     assert set(metrics.as_dict()) >= {"weight_sync/seconds", "weight_sync/bytes", "weight_sync/bytes_per_s"}
@@ -98,20 +118,30 @@ def test_timeout_and_failure_name_the_engine(moe_dir):
     state = load_checkpoint(moe_dir)
 
     async def run():
-        with pytest.raises(WeightSyncError, match=r"engine 1 \(slow-engine\) timed out after 0.2s"):
+        with pytest.raises(WeightSyncError, match=r"engine 1 \(slow-engine\): bucket of weight sync v1 timed out after 0.2s"):
             await WeightSync([_OkEngine(), _SlowEngine()], timeout_s=0.2).push(_buckets(state), 1)
-        with pytest.raises(WeightSyncError, match=r"engine 0 \(broken-engine\) failed: OSError: connection reset"):
+        with pytest.raises(WeightSyncError, match=r"engine 0 \(broken-engine\): bucket of weight sync v1 failed: "
+                                                  r"OSError: connection reset"):
             await WeightSync([_BrokenEngine()], timeout_s=5).push(_buckets(state), 1)
 
     asyncio.run(run())
 
 
-class _OkEngine:
-    name = "ok-engine"
-    version = 0
+def test_a_failed_engine_is_left_out_and_reported_when_not_strict(moe_dir):
+    """The rollout side's mode: the healthy engines get the whole update, the failed one none of
+    the buckets after its failure, and the metrics name it (the caller takes it out of service)."""
+    state = load_checkpoint(moe_dir)
+    ok, broken, ok2 = _OkEngine(), _BrokenEngine(), _OkEngine()
 
-    async def update_weights(self, buckets, version):
-        self.version = version
+    async def run():
+        sync = WeightSync([ok, broken, ok2], timeout_s=5, strict=False, labels=["a", "b", "c"])
+        return await sync.push(_buckets(state), 4)
+
+    m = asyncio.run(run())
+    n = -(-len(state) // 5)
+    assert (ok.version, ok2.version, broken.version) == (4, 4, 0) and ok.buckets == ok2.buckets == n
+    assert list(m.failed) == ["b"] and "connection reset" in m.failed["b"] and broken.aborted
+    assert set(m.per_engine_seconds) == {"a", "c"} and m.as_dict()["weight_sync/engines_failed"] == 1
 
 
 def test_bad_arguments_are_refused(moe_dir):

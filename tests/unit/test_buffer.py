@@ -83,3 +83,67 @@ def test_persistence_replays_exactly_what_no_checkpoint_covers(tmp_path):
     assert [t.traj_id for t in again.take(0, 0)] == [ts[2].traj_id, ts[3].traj_id]
     again.put(traj("p6"))  # new files never collide with the restored ones
     assert len(list(tmp_path.glob("*.safetensors"))) == 5
+
+
+def test_drop_policy_trains_a_prompt_after_max_stale_drops():
+    """An episode longer than the staleness bound is stale on every try: after `max_stale_drops`
+    drops of one prompt, its next trajectory is trained on."""
+    dropped = []
+    buf = TrajectoryBuffer(batch_size=1, max_staleness=2, staleness_policy="drop", on_drop=dropped.append,
+                           max_stale_drops=2)
+    for attempt in range(3):
+        buf.put(traj("slow@0", version=0))
+        got = buf.take(step=attempt, current_version=10, timeout=0.05)
+        assert (got is None) == (attempt < 2), attempt
+    assert [t.prompt_id for t in got] == ["slow@0"] and buf.stats.last_lag_histogram == {10: 1}
+    assert buf.stats.dropped_stale == 2 and len(dropped) == 2 and buf.stats.kept_after_drops == 1
+    buf.put(traj("slow@0", version=0))  # the count was spent on the trained trajectory: a new one starts over
+    assert buf.take(step=3, current_version=10, timeout=0.05) is None and buf.stats.dropped_stale == 3
+
+
+def test_a_failed_member_does_not_strand_its_group():
+    buf = TrajectoryBuffer(batch_size=4, max_staleness=9, group_size=2)
+    buf.put(traj("a"))
+    buf.put(traj("a", status="failed"))  # a's other member failed: the group is complete without it
+    buf.put(traj("b"))
+    assert buf.take(0, 0, timeout=0.05) is None  # b still waits for its second member
+    buf.put(traj("b"))
+    batch = buf.take(0, 0, timeout=5)
+    assert sorted(t.prompt_id for t in batch) == ["a", "b", "b"]
+    assert buf.stats.groups_with_failures == 1 and buf.stats.failed == 1
+    buf.put(traj("c", status="failed"))
+    buf.put(traj("c", status="failed"))  # a group with no survivor leaves nothing behind
+    assert buf._failed_members == {}
+
+
+def test_failed_group_members_are_known_after_a_restore(tmp_path):
+    buf = TrajectoryBuffer(batch_size=2, max_staleness=9, group_size=2, directory=tmp_path)
+    buf.put(traj("a", status="failed"))
+    buf.put(traj("a"))
+    again = TrajectoryBuffer(batch_size=2, max_staleness=9, group_size=2, directory=tmp_path)
+    again.restore()
+    again.put(traj("b"))
+    again.put(traj("b"))
+    assert [t.prompt_id for t in again.take(0, 0, timeout=5)] == ["a"]  # groups complete in finish order
+
+def test_files_a_checkpoint_covers_are_never_trained_again_whatever_the_release_did(tmp_path):
+    """A kill between the checkpoint commit and the release of the trained files: the checkpoint's
+    `covered` list, not the files on disk, decides what resume trains."""
+    buf = TrajectoryBuffer(batch_size=2, max_staleness=9, directory=tmp_path)
+    ts = [traj(f"p{i}") for i in range(6)]
+    for t in ts:
+        buf.put(t)
+    buf.take(step=0, current_version=0)
+    buf.take(step=1, current_version=0)
+    covered = {tid: step for tid, step in buf.covered()}  # what a checkpoint after step 1 records
+    assert covered == {ts[0].traj_id: 0, ts[1].traj_id: 0, ts[2].traj_id: 1, ts[3].traj_id: 1}
+    # ... and the process dies before release_consumed: all six files are still there.
+    (tmp_path / "000000099-deadbeef.safetensors.tmp-1-ab").write_bytes(b"half")  # killed mid-write
+    again = TrajectoryBuffer(batch_size=2, max_staleness=9, directory=tmp_path)
+    assert not list(tmp_path.glob("*.tmp-*"))
+    assert [t.prompt_id for t in again.restore(covered)] == ["p4", "p5"]
+    assert [t.prompt_id for t in again.restore()] == ["p4", "p5"]  # idempotent
+    # The covered files are consumed, released once an older kept checkpoint covers their step.
+    assert again.release_consumed(0) == 2
+    assert len(list(tmp_path.glob("*.safetensors"))) == 4
+    assert sorted(tid for tid, _ in again.covered()) == sorted([ts[2].traj_id, ts[3].traj_id])

@@ -11,7 +11,8 @@ def test_defaults_are_the_paper_settings():
     assert (a.eps_low, a.eps_high, a.critic_steps, a.critic_warmup_steps) == (0.3, 5.0, 2, 10)
     assert (a.policy_alpha, a.critic_lambda, a.gamma) == (1.5, 1.0, 1.0)
     assert cfg.actor.optim.lr == 1e-6 and cfg.critic.optim.lr == 5e-6
-    assert cfg.critic.freeze == ["attention"]
+    assert cfg.critic.freeze == ["attention", "embeddings", "router", "norms"]
+    assert cfg.buffer.staleness_policy == "keep"  # every finished trajectory is trained on
 
 
 def test_presets_and_precedence(tmp_path):
@@ -38,9 +39,19 @@ def test_presets_and_precedence(tmp_path):
     (["algorithm.advantage=step_avg", "algorithm.name=running_mean"], "algorithm.advantage"),
     (["preset=physics"], "preset: unknown preset"),
     (["trainer.policy_lag=-1"], "trainer.policy_lag: must be >= 0"),
-    (["trainer.policy_lag=8", "buffer.max_staleness=4"], "buffer.max_staleness: must be >= trainer.policy_lag"),
+    (["trainer.policy_lag=8", "buffer.max_staleness=4", "buffer.staleness_policy=drop"],
+     "buffer.max_staleness: must be >= trainer.policy_lag"),
+    (["buffer.max_stale_drops=-1"], "buffer.max_stale_drops: must be >= 0"),
+    (["rollout.temperature=0.7"], "rollout.temperature: must be 1.0 for algorithm.name=sao"),
+    (["rollout.top_p=0.9", "algorithm.name=grpo_dis", "algorithm.group_size=2"],
+     "rollout.top_p: must be 1.0 for algorithm.name=grpo_dis"),
+    (["rollout.temperature=0.6", "algorithm.name=running_mean"], "rollout.temperature: must be 1.0"),
+    (["rollout.temperature=0.6", "algorithm.name=grpo_rollout_ratio", "algorithm.group_size=2"],
+     "rollout.temperature: must be 1.0"),
     (["run.seed=1.5"], "run.seed: expected an integer"),
     (["algorithm.eps_low"], "expected key.path=value"),
+    (["parallel.etp=0"], "parallel.etp: must be >= 1"),
+    (["model.dtype=float16"], "model.dtype: float16 training needs loss scaling"),
 ])
 def test_errors_name_the_key(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -69,3 +80,28 @@ def test_float_written_without_a_dot_is_a_number():
     assert cfg.actor.optim.lr == 2e-4 and cfg.critic.optim.lr == 1e-3
     with pytest.raises(ConfigError, match="actor.optim.lr: expected a number, got 'fast'"):
         load_config(None, ["actor.optim.lr=fast"])
+
+
+def test_sampling_settings_are_free_for_the_algorithm_that_ignores_rollout_logprobs():
+    # Vanilla GRPO takes its ratio against the learner's own log-probs: the sampler's are not used.
+    cfg = load_config(None, ["algorithm.name=grpo", "algorithm.group_size=2", "rollout.temperature=0.7",
+                             "rollout.top_p=0.95"])
+    assert (cfg.rollout.temperature, cfg.rollout.top_p) == (0.7, 0.95)
+    assert not cfg.algorithm.uses_rollout_logprobs and cfg.algorithm.uses_groups
+    assert load_config(None, ["algorithm.name=grpo_rollout_ratio", "algorithm.group_size=2"]).algorithm.uses_groups
+
+
+@pytest.mark.parametrize("key, value", [("run.log_every", 5), ("critic.value_head_init", "zero"),
+                                        ("buffer.max_pending", 64), ("trainer.global_batch_tokens", 4096)])
+def test_removed_keys_still_load_with_a_warning_naming_them(tmp_path, key, value):
+    """Old configs and run snapshots carry keys that were validated but never read."""
+    from megatron_sao.config import RemovedConfigKey
+
+    section, name = key.split(".")
+    p = tmp_path / "old.yaml"
+    p.write_text(f"{section}:\n  {name}: {value}\n")
+    with pytest.warns(RemovedConfigKey, match=rf"{key}: removed from the config schema and ignored"):
+        cfg = load_config(p)
+    assert not hasattr(getattr(cfg, section), name)
+    with pytest.warns(RemovedConfigKey, match=key):
+        load_config(None, [f"{key}={value}"])

@@ -1,5 +1,6 @@
 """Per-algorithm targets: value alignment, bootstrap from the critic, baselines."""
 
+import pytest
 import torch
 
 from megatron_sao.algorithms import RunningMeanBaseline, skip_observation_gae
@@ -50,3 +51,33 @@ def test_running_mean_baseline_lags_behind():
     assert torch.allclose(t1.advantages[b1.action_mask], torch.ones(6))  # baseline started at 0
     t2 = compute_targets(b1, None, algo, base)
     assert torch.allclose(t2.advantages[b1.action_mask], torch.zeros(6))  # window now holds 1, 1
+
+
+def test_step_level_ablation_uses_the_adaptive_lambda_over_its_turns():
+    """Step-level GAE changes only the granularity: lambda is SAO's adaptive one over the chain it
+    runs on (turns), not a fixed 1."""
+    from megatron_sao.algorithms import step_level_gae
+
+    batch = collate_padded([_traj("a", 1.0), _traj("b", 0.0)])
+    state_values = torch.tensor([[0.1, 0.4, -0.3, 0.9, 0.2, 0.5], [0.3, -0.2, 0.6, 0.1, 0.7, -0.4]])
+    algo = AlgorithmConfig(advantage="step_avg", policy_alpha=1.5)
+    t = compute_targets(batch, state_values, algo)
+    v = values_for_actions(state_values) * batch.action_mask
+    lam = torch.full((2,), 1 - 1 / (1.5 * 2))  # two turns per trajectory
+    want, _ = step_level_gae(batch.rewards, v, batch.action_mask, batch.turn_ids, 1.0, lam, "turn_avg")
+    assert torch.allclose(t.advantages, want)
+    with_one, _ = step_level_gae(batch.rewards, v, batch.action_mask, batch.turn_ids, 1.0, 1.0, "turn_avg")
+    assert not torch.allclose(t.advantages, with_one)  # the old fixed lambda = 1 gives other advantages
+    assert t.metrics["policy_lambda_mean"] == pytest.approx(float(lam[0]))
+
+
+def test_critic_targets_do_not_depend_on_the_policy_algorithm():
+    """What `sao value-pretrain` fits: the same returns whatever algorithm.name says."""
+    from megatron_sao.trainer.targets import critic_targets
+
+    batch = collate_padded([_traj("a", 1.0), _traj("a", 0.0, status="truncated")])
+    state_values = torch.arange(12, dtype=torch.float32).reshape(2, 6) / 10
+    sao = compute_targets(batch, state_values, AlgorithmConfig())
+    for name in ("sao", "grpo", "grpo_rollout_ratio", "grpo_dis", "running_mean"):
+        v, _, returns = critic_targets(batch, state_values, AlgorithmConfig(name=name))
+        assert torch.equal(returns, sao.returns) and torch.equal(v, sao.old_values)

@@ -6,9 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
 
 from megatron_sao.trajectory import (
-    Span, Trajectory, TrajectoryBuilder, TrajectoryError, collate_packed, collate_padded,
+    Span, Trajectory, TrajectoryBuilder, TrajectoryError, TrajectoryFileError, collate_packed, collate_padded,
     load_trajectories, save_trajectories, trajectories_equal,
 )
 
@@ -139,3 +140,44 @@ def test_property_builder_round_trip(segments, reward):
         p = os.path.join(d, "t.safetensors")
         save_trajectories(p, [t])
         assert trajectories_equal(load_trajectories(p)[0], t)
+
+
+def _raw_file(path, trajs, **edit):
+    """A trajectory file written the way save_trajectories does, with some tensors replaced."""
+    from safetensors.torch import save_file
+    save_trajectories(path, trajs)
+    with safe_open(str(path), "pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    tensors.update(edit)
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda t: {"versions": t["versions"][:-1]}, "length mismatch: versions has"),
+    (lambda t: {"offsets": t["offsets"] + torch.tensor([0, 0, 5])}, "offsets run from 0 to"),
+    (lambda t: {"offsets": torch.tensor([0, 20, 20])}, "empty or decreasing"),
+    (lambda t: {"offsets": t["offsets"][:2]}, "2 offsets for 2 trajectories"),
+    (lambda t: {"action_mask": t["action_mask"].float()}, "tensor 'action_mask' is torch.float32"),
+])
+def test_load_rejects_structurally_broken_files_naming_the_file(tmp_path, edit, needle):
+    good = tmp_path / "good.safetensors"
+    trajs = [_two_turn(), _two_turn()]
+    save_trajectories(good, trajs)
+    with safe_open(str(good), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    bad = _raw_file(tmp_path / "bad.safetensors", trajs, **edit(t))
+    with pytest.raises(TrajectoryFileError, match=needle) as e:
+        load_trajectories(bad)
+    assert str(bad) in str(e.value)
+
+
+def test_load_names_a_truncated_file_and_the_tensor_cut_off(tmp_path):
+    path = tmp_path / "t.safetensors"
+    save_trajectories(path, [_two_turn()])
+    data = path.read_bytes()
+    path.write_bytes(data[:-8])
+    with pytest.raises(TrajectoryFileError, match=r"t.safetensors: truncated: tensor '\w+' needs bytes"):
+        load_trajectories(path)
+    with pytest.raises(TrajectoryFileError, match="no such file"):
+        load_trajectories(tmp_path / "missing.safetensors")

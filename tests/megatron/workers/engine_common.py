@@ -19,9 +19,9 @@ from megatron_sao.models.hf_config import model_spec_from_hf  # noqa: E402
 from megatron_sao.models.presets import tiny_hf_config, tiny_hf_model  # noqa: E402
 
 
-def tiny_model_dir(path: str):
-    """(spec, HF model) of the tiny Qwen3-MoE; rank 0 saves it to `path` if absent."""
-    cfg = tiny_hf_config("qwen3_moe")
+def tiny_model_dir(path: str, arch: str = "qwen3_moe", **overrides):
+    """(spec, HF model) of a tiny model (default the Qwen3-MoE); rank 0 saves it to `path` if absent."""
+    cfg = tiny_hf_config(arch, **overrides)
     hf = tiny_hf_model(cfg, seed=0)
     rank = int(os.environ.get("RANK", 0))
     if rank == 0 and not os.path.isfile(os.path.join(path, "config.json")):

@@ -1,10 +1,12 @@
 """Multi-rank engine checks over several layouts in ONE launch.
 
 Usage: torchrun --nproc_per_node 2 engine_parallel.py <tmp_dir> [layout ...]
-Layouts (world size 2): dp2, tp2sp, ep2, pp2, tp2sp_ep2; (world size 4): tp2sp_pp2_ep2. For each layout: actor log-probs vs the
-HF model, HF export vs the source safetensors (rank 0), one DIS-free NLL train step (loss, grad
-norm, post-step log-probs) and critic values; rank 0 prints RESULT lines and compares every
-layout's train step and values with the first layout's.
+Layouts (world size 2): dp2, tp2sp, ep2, pp2, tp2sp_ep2; (world size 4): tp2sp_pp2_ep2, and
+tp4_v50257 / tp2sp_v50257 (a Llama with GPT-2's odd vocabulary, 50257 rows padded to 50688 / 50432).
+For each layout: actor log-probs vs the HF model, HF export vs the source safetensors (rank 0), one
+DIS-free NLL train step (loss, grad norm, post-step log-probs) and critic values; rank 0 prints
+RESULT lines and compares every layout's train step and values with the first layout's of the same
+model.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from megatron_sao.megatron.optimizer import OptimConfig  # noqa: E402
 from megatron_sao.megatron.parallel import destroy_parallel, init_parallel  # noqa: E402
 from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
 
+# Model of a layout (default qwen3_moe): HF config overrides of the tiny preset.
+MODELS = {"qwen3_moe": dict(arch="qwen3_moe"),
+          "llama_v50257": dict(arch="llama", vocab_size=50257, num_key_value_heads=4, num_hidden_layers=2)}
+LAYOUT_MODEL = {"tp4_v50257": "llama_v50257", "tp2sp_v50257": "llama_v50257"}
 LAYOUTS = {
     "dp2": ParallelSizes(),
     "tp2sp": ParallelSizes(tp=2, sequence_parallel=True),  # experts TP-sharded (etp = tp)
@@ -33,24 +39,30 @@ LAYOUTS = {
     "tp2sp_ep2": ParallelSizes(tp=2, ep=2, sequence_parallel=True, etp=1),
     # world size 4: all three at once (EP=2 over the TP ranks, experts whole: etp=1)
     "tp2sp_pp2_ep2": ParallelSizes(tp=2, pp=2, ep=2, sequence_parallel=True, etp=1),
+    # world size 4, vocab 50257: no TP divides it; Megatron-style padding (models/vocab.py)
+    "tp4_v50257": ParallelSizes(tp=4),
+    "tp2sp_v50257": ParallelSizes(tp=2, sequence_parallel=True),
 }
 
 tmp = sys.argv[1]
 names = sys.argv[2:] or list(LAYOUTS)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-hf_dir = os.path.join(tmp, "hf")
-spec, hf = tiny_model_dir(hf_dir)
-batch = make_batch(spec.vocab_size)
-ref_lp = hf_logprobs(hf, batch)
-disk = {}
-for f in sorted(os.listdir(hf_dir)):
-    if f.endswith(".safetensors"):
-        disk.update(load_file(os.path.join(hf_dir, f)))
 opt = OptimConfig(lr=1e-2, clip_grad=1.0)
-first = None
+models, firsts = {}, {}
 for name in names:
     sizes = LAYOUTS[name]
+    model_name = LAYOUT_MODEL.get(name, "qwen3_moe")
+    if model_name not in models:
+        hf_dir = os.path.join(tmp, "hf" if model_name == "qwen3_moe" else model_name)
+        spec, hf = tiny_model_dir(hf_dir, **MODELS[model_name])
+        batch = make_batch(spec.vocab_size)
+        disk = {}
+        for f in sorted(os.listdir(hf_dir)):
+            if f.endswith(".safetensors"):
+                disk.update(load_file(os.path.join(hf_dir, f)))
+        models[model_name] = (hf_dir, spec, batch, hf_logprobs(hf, batch), disk)
+    hf_dir, spec, batch, ref_lp, disk = models[model_name]
     ctx = init_parallel(sizes)
     actor = MegatronEngine(spec, sizes, opt, role="actor", init=InitSource.from_hf(hf_dir), micro_batch_size=2, ctx=ctx)
     lp = actor.logprobs(batch)
@@ -68,7 +80,7 @@ for name in names:
     same_on_ranks = all(torch.equal(g, lp_after) for g in gathered)
     if rank == 0:
         cur = {"loss": step.loss, "grad_norm": step.grad_norm, "lp_after": lp_after, "values": values}
-        first = first or dict(cur, name=name)
+        first = firsts.setdefault(model_name, dict(cur, name=name))
         emit(name, {
             "ctx": ctx.describe(),
             "logprobs_vs_hf": (lp - ref_lp).abs().max().item(),

@@ -16,10 +16,10 @@ from engine_common import emit, hf_logprobs, make_batch, mse_loss, nll_loss, tin
 
 from megatron_sao.megatron.engine import InitSource, MegatronEngine  # noqa: E402
 from megatron_sao.megatron.forward import token_logprobs  # noqa: E402
-from megatron_sao.megatron.optimizer import OptimConfig, sub_optimizers  # noqa: E402
+from megatron_sao.megatron.optimizer import OptimConfig, model_main_param_pairs, sub_optimizers  # noqa: E402
 from megatron_sao.megatron.parallel import init_parallel  # noqa: E402
 from megatron_sao.models.freeze import CRITIC_FROZEN_ATTENTION  # noqa: E402
-from megatron_sao.models.gpt import build_gpt_model, causal_attention_mask, transformer_config_from_spec  # noqa: E402
+from megatron_sao.models.gpt import build_gpt_model, transformer_config_from_spec  # noqa: E402
 from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
 
 tmp = sys.argv[1]
@@ -47,7 +47,8 @@ def max_diff(a, b):
 # 1. logprobs == HF log_softmax
 eng = actor()
 lp = eng.logprobs(batch)
-emit("hf_logprobs", {"max_abs_diff": (lp - hf_logprobs(hf, batch)).abs().max().item(), "shape": list(lp.shape)})
+ref_lp_hf = hf_logprobs(hf, batch)
+emit("hf_logprobs", {"max_abs_diff": (lp - ref_lp_hf).abs().max().item(), "shape": list(lp.shape)})
 
 # 2. one engine step == torch AdamW on a twin model (same weights), with clipping active
 # A fresh config: the engine's carries DDP hooks, which the MoE layer's deepcopy cannot pickle.
@@ -56,7 +57,7 @@ twin.load_state_dict(eng.module.state_dict(), strict=False)
 before = snapshot(eng)
 res = eng.train_step(batch, nll_loss)
 pos = torch.arange(batch["tokens"].shape[1])[None].expand_as(batch["tokens"])
-ref_lp = token_logprobs(twin(batch["tokens"], pos, causal_attention_mask(batch["tokens"].shape[1])), batch["tokens"])
+ref_lp = token_logprobs(twin(batch["tokens"], pos, None), batch["tokens"])
 mask = batch["action_mask"].float()
 ref_loss = -(ref_lp * mask).sum() / mask.sum()
 ref_loss.backward()
@@ -146,4 +147,31 @@ for name, b in (("left_pad", bad), ("packed", dict(batch, cu_seqlens=torch.tenso
     except (ValueError, NotImplementedError) as e:
         errors[name] = f"{type(e).__name__}: {e}"
 emit("errors", errors)
+# 8. attention is causal by mask type: the engine hands the model attention_mask=None in every call
+masks = []
+hook = eng0.module.register_forward_pre_hook(lambda mod, args, kwargs: masks.append(
+    args[2] if len(args) > 2 else kwargs.get("attention_mask", "absent")), with_kwargs=True)
+eng0.logprobs(batch)
+eng0.train_step(batch, nll_loss)
+hook.remove()
+from megatron.core.transformer.attention import SelfAttention  # noqa: E402
+
+emit("attention_mask", {"calls": len(masks), "all_none": all(m is None for m in masks),
+                        "engine_mask_cache": hasattr(eng0, "_masks"),
+                        "mask_types": sorted({m.attn_mask_type.name for m in eng0.module.modules()
+                                              if isinstance(m, SelfAttention)})})
+
+# 9. bf16 mixed precision: bf16 engine vs the fp32 HF model; one step on fp32 main params
+eng16 = actor(params_dtype=torch.bfloat16)
+lp16 = eng16.logprobs(batch)
+diff = (lp16 - ref_lp_hf).abs()[batch["attention_mask"]]
+pairs = [pair for o in sub_optimizers(eng16.optimizer) for pair in model_main_param_pairs(o)]
+main_before = [m.detach().clone() for _, m in pairs]
+r16 = [eng16.train_step(batch, nll_loss) for _ in range(3)]
+emit("bf16", {"logprob_max_abs_diff": diff.max().item(), "logprob_mean_abs_diff": diff.mean().item(),
+              "config_bf16": eng16.config.bf16, "config_params_dtype": str(eng16.config.params_dtype),
+              "model_param_dtypes": sorted({str(p.dtype) for p in eng16.module.parameters()}),
+              "main_param_dtypes": sorted({str(m.dtype) for _, m in pairs}),
+              "main_params_moved": max((m - b).abs().max().item() for (_, m), b in zip(pairs, main_before)),
+              "losses": [r.loss for r in r16], "skipped": [r.skipped for r in r16]})
 print("ENGINE_SINGLE DONE", flush=True)

@@ -7,6 +7,10 @@ parallel (2 ranks): logits at TP=2+SP, EP=2, PP=2 and TP=2+EP=2 (ETP=1) for qwen
          PP=2 for the dense models; critic values at TP=2+SP.
 Both modes: the qwen3_moe Megatron checkpoint (saved at another layout, e.g. TP2/PP2/EP2) loaded
 with load_megatron_checkpoint_into_model gives the HF logits.
+Vocabularies are padded as Megatron does (models/vocab.py): the models are built with
+padded_vocab_size(V, TP) rows (qwen3_moe 128 -> 256 at TP 2: TP rank 1 holds only padding; qwen3
+160 -> 256; llama 192 -> 256), logits are compared on the real V columns, and the engine's log-probs
+(padding masked out of the vocab-parallel softmax) against HF log_softmax.
 Prints one `RESULT {json}` line per check (TP rank 0 of the last pipeline stage).
 """
 
@@ -26,7 +30,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from megatron_sao.checkpoint.converters import get_converter  # noqa: E402
 from megatron_sao.checkpoint.converters.qwen3_moe import unfuse_experts  # noqa: E402
 from megatron_sao.checkpoint.load import load_hf_into_model, load_megatron_checkpoint_into_model  # noqa: E402
-from megatron_sao.checkpoint.sharding import local_to_global_name  # noqa: E402
+from megatron_sao.checkpoint.sharding import local_to_global_name, unshard_tensor  # noqa: E402
+from megatron_sao.megatron.forward import token_logprobs  # noqa: E402
 from megatron_sao.models.freeze import apply_freeze, critic_frozen_attention_patterns  # noqa: E402
 from megatron_sao.models.gpt import build_gpt_model, transformer_config_from_spec  # noqa: E402
 from megatron_sao.models.hf_config import model_spec_from_hf  # noqa: E402
@@ -54,6 +59,12 @@ def hf_reference(hf_dir, tokens, labels=None):
     return hf, out.logits.float(), out.hidden_states[-1].float()
 
 
+def hf_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The engine's convention: log p(tokens[t] | <t) at position t, 0 at t = 0."""
+    lp = torch.log_softmax(logits.float(), dim=-1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+
+
 def check_logits(arch, hf_dir, spec, par: ParallelSizes, case: str, ckpt_dir=None):
     tokens, _, pos = H.batch(spec.vocab_size)
     _, ref, _ = hf_reference(hf_dir, tokens)
@@ -63,10 +74,17 @@ def check_logits(arch, hf_dir, spec, par: ParallelSizes, case: str, ckpt_dir=Non
         model, layout = build(spec, par, ckpt_dir=ckpt_dir)
     out = H.forward_only(model, tokens, pos)
     if out is not None:
-        logits = H.gather_vocab(out)
+        padded = H.gather_vocab(out)
+        logits = padded[..., :spec.vocab_size]
+        # Collective over TP (every TP rank calls it); clones: the vocab-parallel CE works in place.
+        lp = token_logprobs(out.clone(), tokens, spec.vocab_size)
+        unmasked = token_logprobs(out.clone(), tokens, None)  # the padding left in the softmax
         if layout.tp_rank == 0:
+            ref_lp = hf_token_logprobs(ref, tokens)
             H.report(check="logits", arch=arch, case=case, rank=torch.distributed.get_rank(), shape=list(logits.shape),
-                     max_diff=(logits - ref).abs().max().item())
+                     padded_width=padded.shape[-1], max_diff=(logits - ref).abs().max().item(),
+                     logprob_diff=(lp - ref_lp).abs().max().item(),
+                     unmasked_logprob_diff=(unmasked - ref_lp).abs().max().item())
 
 
 def check_critic_values(arch, hf_dir, spec, par: ParallelSizes, case: str):
@@ -87,22 +105,32 @@ def check_loss_and_grads(arch, hf_dir, spec):
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").train()
     model, layout = build(spec, ParallelSizes(), hf_dir=hf_dir)
     model.train()
-    mloss = model(tokens, pos, H.causal_attention_mask(H.SEQ), labels=labels).float().mean()
+    # The engine's loss path: log-probs over the real vocabulary (padding masked), not GPTModel's labels=.
+    logits = model(tokens, pos, None)
+    mlp = token_logprobs(logits, torch.cat([tokens[:, :1], labels[:, :-1]], dim=1), spec.vocab_size)
+    mloss = -mlp[:, 1:].mean()
     mloss.backward()
-    hloss = F.cross_entropy(hf(input_ids=tokens).logits.float().reshape(-1, spec.vocab_size), labels.reshape(-1))
+    hlogits = hf(input_ids=tokens).logits.float()[:, :-1]
+    hloss = F.cross_entropy(hlogits.reshape(-1, spec.vocab_size), labels[:, :-1].reshape(-1))
     hloss.backward()
     conv = get_converter(spec)
     hf_grads = dict(unfuse_experts({n: p.grad for n, p in hf.named_parameters()}, spec))
     if spec.tie_word_embeddings:
         hf_grads.pop("lm_head.weight", None)  # same tensor as embed_tokens
     worst, worst_name, mapped = 0.0, "", set()
+    padding_grad = 0.0
     for name, p in model.named_parameters():
-        for hf_name, g in conv.mcore_to_hf(local_to_global_name(name, layout, spec), p.grad, spec):
+        global_name = local_to_global_name(name, layout, spec)
+        grad = unshard_tensor(global_name, [p.grad], spec)  # strips the vocabulary padding rows
+        if grad.shape != p.grad.shape:
+            padding_grad = max(padding_grad, p.grad[spec.vocab_size:].abs().max().item())
+        for hf_name, g in conv.mcore_to_hf(global_name, grad, spec):
             mapped.add(hf_name)
             d = (g - hf_grads[hf_name]).abs().max().item()
             if d > worst:
                 worst, worst_name = d, hf_name
     H.report(check="loss_grads", arch=arch, loss_diff=abs(mloss.item() - hloss.item()), grad_max_diff=worst,
+             padding_grad=padding_grad,
              worst=worst_name, unmapped_hf_grads=sorted(set(hf_grads) - mapped),
              max_grad=max(g.abs().max().item() for g in hf_grads.values()))
 

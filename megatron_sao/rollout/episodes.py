@@ -1,25 +1,31 @@
-"""The rollout driver: keeps single-rollout episodes in flight on rank 0 and feeds the buffer.
+"""The episode driver: keeps single-rollout episodes in flight on every server and feeds the buffer.
 
-It runs an asyncio loop in a background thread (DESIGN.md, Processes). Each unit of work is one
-episode of one prompt: `(pos, k)` = position `pos` in the prompt stream and sample `k` (k is always
-0 for SAO's single rollout; GRPO runs k = 0..group_size-1 of the same prompt).
+It runs an asyncio loop in a background thread of the trainer's rank 0 (docs/architecture.md,
+Processes). Each unit of work is one episode of one prompt (``prompts.Unit``), placed on a server by
+the ``ServerPool`` and kept there for all its turns.
 
 Admission control (after AReaL's bound on how far rollouts run ahead of training): an episode may
-start only while `started_units < (steps_done + ahead + 1) * batch_size`, where `steps_done` counts
-batches the trainer has finished (including weight sync). `ahead = 0` is the synchronous mode
-(one batch, then a barrier); the asynchronous mode uses `ahead = max_staleness`, so no trajectory is
-started more than `max_staleness` steps before it is trained on, and the buffer's staleness check
-rarely has anything to drop. Units handed back by the buffer (dropped as stale) go to the *front* of
-the queue: a long trajectory that went stale is retried next, not starved.
+start only while ``started_units < (steps_done + ahead + 1) * batch_size``, where ``steps_done`` counts
+batches the trainer has finished (including weight sync). ``ahead = 0`` is the synchronous mode (one
+batch, then a barrier); the asynchronous mode uses ``ahead = max_staleness``, so no trajectory is
+started more than ``max_staleness`` steps before it is trained on. Units handed back by the buffer
+(dropped as stale) go to the *front* of the queue: a long trajectory that went stale is retried next.
 
-Data position for resume: `next_pos` plus the units in flight; the trainer checkpoints both, and on
-resume re-runs in-flight units whose trajectory did not reach the buffer's directory.
+Server failures: a health check runs every ``health_interval_s``, and right away when an episode's
+generate raised (``end_reason == "engine_error"``). A server that fails it is taken out of service; its
+in-flight episodes are cancelled and re-run from their first turn on the remaining servers (counted in
+``rollout/episodes_rerun``), never handed to the buffer half-done. With no server left the driver stops
+with an error naming every server and why it died (the episode that found the last one dead is
+recorded as a failed trajectory; the cancelled ones stay queued for a resume); the trainer writes a
+checkpoint and exits.
+Episodes that fail on a healthy server are ordinary failed trajectories, and the circuit breaker stops
+the run when they keep coming (``max(8, concurrency)`` in a row with no healthy server, or four times
+that with healthy ones).
 
-Each episode's task carries `meta["policy_step"]`: the trainer steps finished when it started
-(`step_offset + steps_done`; `step_offset` is the step a resumed run starts from). Non-stationary
-environments read it (the style-shift task picks its preferred style by it), so the reward follows
-the trainer's progress, not wall time or how far the rollouts ran ahead. It is recorded in
-`traj.info["policy_step"]` as well.
+Data position for resume: ``next_pos`` plus the units in flight; the trainer checkpoints both, and on
+resume re-runs in-flight units whose trajectory did not reach the buffer's directory. Each episode's
+task carries ``meta["policy_step"]``: the trainer steps finished when it started (``step_offset +
+steps_done``), which non-stationary environments read; it is also recorded in ``traj.info``.
 """
 
 from __future__ import annotations
@@ -33,44 +39,22 @@ from typing import Any, Callable
 
 from megatron_sao.envs.base import Task
 from megatron_sao.rollout.agent_loop import AgentLoopConfig, EngineActivity, run_one
+from megatron_sao.rollout.prompts import PromptStream, Unit, unit_of
+from megatron_sao.rollout.server_pool import ServerPool, ServerSlot
 from megatron_sao.trajectory import Trajectory
-
-Unit = tuple[int, int]  # (position in the prompt stream, sample index)
-
-
-def unit_of(traj: Trajectory) -> Unit:
-    return int(traj.info["data_pos"]), int(traj.info.get("sample", 0))
-
-
-class PromptStream:
-    """An endless, seeded stream of tasks: epoch e visits a permutation of the dataset."""
-
-    def __init__(self, tasks, seed: int):
-        if len(tasks) == 0:
-            raise ValueError("the training task source is empty")
-        self.tasks, self.seed = tasks, seed
-        self._perms: dict[int, list[int]] = {}
-
-    def __getitem__(self, pos: int) -> Task:
-        import random
-
-        n = len(self.tasks)
-        epoch, i = divmod(pos, n)
-        if epoch not in self._perms:
-            perm = list(range(n))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(perm)
-            self._perms = {epoch: perm}  # keep only the current epoch
-        return self.tasks[self._perms[epoch][i]]
 
 
 class RolloutDriver:
-    def __init__(self, engine, env_factory: Callable[[Task], Any], stream: PromptStream, formatter,
+    def __init__(self, pool, env_factory: Callable[[Task], Any], stream: PromptStream, formatter,
                  loop_cfg: AgentLoopConfig, on_done: Callable[[Trajectory], None], *, batch_size: int,
                  ahead: int, concurrency: int, group_size: int = 1, next_pos: int = 0,
-                 requeue: list[Unit] | None = None, skip: set[Unit] | None = None, step_offset: int = 0):
-        self.engine, self.env_factory, self.stream, self.formatter = engine, env_factory, stream, formatter
+                 requeue: list[Unit] | None = None, skip: set[Unit] | None = None, step_offset: int = 0,
+                 health_interval_s: float = 10.0, health_timeout_s: float = 30.0):
+        self.pool = pool if isinstance(pool, ServerPool) else ServerPool([pool])
+        self.env_factory, self.stream, self.formatter = env_factory, stream, formatter
         self.loop_cfg, self.on_done = loop_cfg, on_done
         self.batch_size, self.ahead, self.concurrency, self.group_size = batch_size, ahead, concurrency, group_size
+        self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.next_pos = next_pos
         self._queue: collections.deque[Unit] = collections.deque(requeue or [])
         self._skip = set(skip or ())  # units whose trajectory is already in the buffer (resume)
@@ -85,6 +69,10 @@ class RolloutDriver:
         self.failure_threshold = max(8, concurrency)
         self.error: BaseException | None = None
         self._lock = threading.Lock()
+        self._running: dict[Unit, tuple[asyncio.Task, ServerSlot]] = {}
+        self._rerun: set[Unit] = set()  # cancelled because their server died: run them again
+        self._tasks: set[asyncio.Task] = set()
+        self._closing = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop: asyncio.Event | None = None
@@ -111,11 +99,16 @@ class RolloutDriver:
         self._thread.start()
         ready.wait()
 
+    def submit(self, coro):
+        """Schedule a coroutine on the driver's loop from another thread; return its concurrent Future."""
+        if self.loop is None or not self._thread.is_alive():
+            coro.close()
+            raise RuntimeError(f"the rollout driver is not running (error: {self.error!r})")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
     def call(self, coro, timeout: float | None = None):
         """Run a coroutine on the driver's loop from the trainer thread and wait for its result."""
-        if self.loop is None or not self._thread.is_alive():
-            raise RuntimeError(f"the rollout driver is not running (error: {self.error!r})")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return self.submit(coro).result(timeout)
 
     def step_finished(self) -> None:
         with self._lock:
@@ -123,8 +116,12 @@ class RolloutDriver:
         self._poke()
 
     def requeue(self, traj: Trajectory) -> None:
+        self._requeue_unit(unit_of(traj))
+
+    def _requeue_unit(self, unit: Unit) -> None:
         with self._lock:
-            self._queue.appendleft(unit_of(traj))
+            self.in_flight.discard(unit)
+            self._queue.appendleft(unit)
             self.started -= 1  # it will be started again and must not use up the admission budget
         self._poke()
 
@@ -163,15 +160,37 @@ class RolloutDriver:
                 return todo[0]
 
     async def _run_unit(self, unit: Unit) -> None:
+        slot = self.pool.place()
+        if slot is None:  # every server died since admission; the error is already set
+            self._requeue_unit(unit)
+            return
         pos, k = unit
         with self._lock:
             policy_step = self.step_offset + self.steps_done
         task = self.stream[pos]
         task = dataclasses.replace(task, prompt_id=f"{task.prompt_id}@{pos}",
                                    meta={**task.meta, "data_pos": pos, "sample": k, "policy_step": policy_step})
-        traj = await run_one(self.engine, self.env_factory, task, self.formatter, self.loop_cfg,
-                             activity=self.activity)
-        traj.info.update(data_pos=pos, sample=k, policy_step=policy_step)
+        engine = self.pool.pin(slot)
+        self._running[unit] = (asyncio.current_task(), slot)
+        finished = False
+        try:
+            traj = await run_one(engine, self.env_factory, task, self.formatter, self.loop_cfg, activity=self.activity)
+            if traj.info.get("end_reason") == "engine_error" and not await self.pool.check(slot, self.health_timeout_s):
+                await self._server_failed(slot, f"unhealthy after a generate failed ({traj.error})")
+                if self.pool.alive():
+                    self._rerun_unit(unit)
+                    return
+                # No server left: the run stops; the failure is recorded like any failed episode.
+            finished = True
+        except asyncio.CancelledError:
+            if unit in self._rerun:  # its server died: run it again elsewhere, from the start
+                self._rerun_unit(unit)
+                return
+            raise
+        finally:
+            self._running.pop(unit, None)
+            self.pool.unpin(slot, finished)
+        traj.info.update(data_pos=pos, sample=k, policy_step=policy_step, server=slot.label)
         with self._lock:
             self.in_flight.discard(unit)
             self.finished += 1
@@ -187,16 +206,50 @@ class RolloutDriver:
         if not traj.trainable:
             await self._check_failing(traj)
 
+    def _rerun_unit(self, unit: Unit) -> None:
+        self._rerun.discard(unit)
+        self.pool.reruns += 1
+        self._requeue_unit(unit)
+
+    async def _server_failed(self, slot: ServerSlot, reason: str) -> None:
+        """Take ``slot`` out of service and re-run its episodes; stop when no server is left."""
+        if not self.pool.mark_dead(slot, reason):
+            return
+        me = asyncio.current_task()
+        for unit, (task, s) in list(self._running.items()):
+            if s is slot and task is not me:
+                self._rerun.add(unit)
+                task.cancel()
+        if not self.pool.alive() and self.error is None:
+            self.error = RuntimeError("every rollout server is out of service (the rollout engine is unhealthy): "
+                                      f"{self.pool.describe_dead()}")
+            self._stop.set()
+
+    def servers_failed(self, failed: dict[int, str]) -> None:
+        """Thread-safe: take servers out of service (e.g. after a failed weight update)."""
+        async def go():
+            for i, reason in failed.items():
+                await self._server_failed(self.pool.slots[i], reason)
+        self.call(go())
+
+    async def _monitor_health(self) -> None:
+        while not self._stop.is_set():
+            await asyncio.sleep(self.health_interval_s)
+            live = self.pool.alive()
+            ok = await asyncio.gather(*(self.pool.check(s, self.health_timeout_s) for s in live))
+            for slot, healthy in zip(live, ok):
+                if not healthy:
+                    await self._server_failed(slot, f"health check failed (every {self.health_interval_s:g}s)")
+
     async def _check_failing(self, traj: Trajectory) -> None:
         """Stop instead of spinning when episodes keep failing: a dead engine would otherwise turn
         the whole prompt stream into failed trajectories. The trainer sees `.error` and stops."""
         n = self.failed_in_a_row
         if n < self.failure_threshold or self.error is not None:
             return
-        try:
-            healthy = await asyncio.wait_for(self.engine.health(), timeout=30)
-        except Exception as e:  # noqa: BLE001 - an engine that cannot answer is unhealthy
-            healthy, traj.info["health_error"] = False, repr(e)
+        live = self.pool.alive()
+        healthy = [s for s, ok in zip(live, await asyncio.gather(*(self.pool.check(s, self.health_timeout_s)
+                                                                   for s in live))) if ok]
         if not healthy:
             self.error = RuntimeError(f"the rollout engine is unhealthy after {n} failed episodes in a row "
                                       f"(last error: {traj.error})")
@@ -205,12 +258,21 @@ class RolloutDriver:
         if self.error is not None:
             self._stop.set()
 
+    async def cancel_episodes(self) -> None:
+        """Stop admitting and cancel every running episode (before the engines are closed)."""
+        self._closing = True
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def _main(self) -> None:
-        tasks: set[asyncio.Task] = set()
+        tasks = self._tasks
+        monitor = asyncio.create_task(self._monitor_health()) if self.health_interval_s > 0 else None
         try:
             while not self._stop.is_set():
                 with self._lock:
-                    admit = self._admit()
+                    admit = self._admit() and not self._closing
                     unit = self._next_unit() if admit else None
                     if unit is not None:
                         self.in_flight.add(unit)
@@ -227,9 +289,9 @@ class RolloutDriver:
                 waiter.cancel()
                 stopper.cancel()
         finally:
-            for t in tasks:
+            for t in [*tasks, *([monitor] if monitor else [])]:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, *([monitor] if monitor else []), return_exceptions=True)
 
     def _on_task_done(self, tasks: set):
         def done(t: asyncio.Task) -> None:
@@ -239,30 +301,3 @@ class RolloutDriver:
                 self._stop.set()
             self._wake.set()
         return done
-
-
-class ReplaySource:
-    """Stands in for the driver when `trainer.replay` names a trajectory file: the file's
-    trajectories enter the buffer in file order, and there is no rollout engine to sync."""
-
-    def __init__(self, path, put: Callable[[Trajectory], None], fresh: bool):
-        from megatron_sao.trajectory import load_trajectories
-
-        trajs = load_trajectories(path)
-        if fresh:  # on resume the buffer directory already holds what is left
-            for t in trajs:
-                put(t)
-        self.error = None
-        self.finished, self.failed, self.in_flight = len(trajs), 0, set()
-
-    def step_finished(self) -> None:
-        pass
-
-    def state(self) -> dict[str, Any]:
-        return {"next_pos": 0, "in_flight": [], "queued": []}
-
-    def engine_idle_fraction(self) -> float:
-        return 0.0
-
-    def stop(self, timeout: float = 0.0) -> None:
-        pass

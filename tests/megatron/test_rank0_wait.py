@@ -1,0 +1,46 @@
+"""Rank-0-only phases longer than the process-group timeout do not kill a multi-rank job.
+
+A cluster job's ranks 1..N used to wait for rank 0's first batch (up to rollout.timeout_s = 1800 s)
+inside a broadcast, under a 600 s NCCL timeout. Here: 2 gloo ranks, a 2 s collective timeout and
+rank-0-only phases of 7 s each (batch wait, eval/weight push before the stop agreement, rollout
+start before a barrier).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "rank0_wait.py")
+TORCHRUN = os.path.join(ROOT, ".venv", "bin", "torchrun")
+PG_TIMEOUT_S, PHASE_S = 2.0, 7.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_other_ranks_outwait_a_rank0_phase_longer_than_the_collective_timeout(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(_free_port()), WORKER, str(tmp_path), str(PG_TIMEOUT_S),
+           str(PHASE_S)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "RANK0_WAIT DONE" in proc.stdout
+    res = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    assert res["pg_timeout_s"] == PG_TIMEOUT_S
+    for r in res["ranks"]:
+        assert r["batch"] == [f"trajectory-{i}" for i in range(4)]  # rank 1 got rank 0's batch
+        assert r["stop"] is False
+    rank1 = res["ranks"][1]
+    # rank 1 really waited through each phase, far longer than a collective may take
+    for key in ("batch_wait_s", "stop_wait_s", "barrier_wait_s"):
+        assert rank1[key] >= PHASE_S - 0.5 > 3 * PG_TIMEOUT_S, rank1

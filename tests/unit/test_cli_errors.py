@@ -1,0 +1,95 @@
+"""Bad input through the real `sao` CLI: one line naming the problem, exit 2, no traceback, nothing written."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron_sao.trajectory import TrajectoryBuilder, save_trajectories
+
+pytestmark = pytest.mark.slow
+CONFIG = str(Path(__file__).resolve().parents[1] / "e2e" / "tiny_ci.yaml")
+
+
+def sao(*args, cwd=None):
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.run([sys.executable, "-m", "megatron_sao.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=cwd)
+
+
+def _traj():
+    b = TrajectoryBuilder(prompt_id="p", env="toy_tool")
+    b.add_prompt([5, 6, 7])
+    b.add_action([10, 11], [-0.5, -0.25], 0)
+    return b.finish("terminated", reward=1.0)
+
+
+def _replay(path, **edit):
+    save_trajectories(path, [_traj() for _ in range(40)])
+    if edit:
+        with safe_open(str(path), "pt") as f:
+            tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        save_file({**tensors, **{k: fn(tensors) for k, fn in edit.items()}}, str(path), metadata=meta)
+    return path
+
+
+def _truncated(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 40])
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A real HF checkpoint of the built-in CI model, its weights file cut short."""
+    from megatron_sao.trainer.components import materialize_builtin_model
+
+    d = materialize_builtin_model("tiny_qwen3_moe_ci", tmp_path_factory.mktemp("hf") / "model", seed=0)
+    _truncated(d / "model.safetensors")
+    return d
+
+
+def _cases(tmp: Path, hf: Path):
+    run = tmp / "run"
+    occupied = tmp / "occupied"
+    occupied.mkdir()
+    (occupied / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    return {
+        "misspelled key": (["train", CONFIG, f"run.dir={run}", "run.totl_steps=3"], "run.totl_steps", run),
+        "wrong type": (["train", CONFIG, f"run.dir={run}", "run.total_steps=abc"], "run.total_steps", run),
+        "negative batch size": (["train", CONFIG, f"run.dir={run}", "buffer.batch_size=-1"], "buffer.batch_size", run),
+        "missing config": (["train", str(tmp / "nope.yaml"), f"run.dir={run}"], "nope.yaml does not exist", run),
+        "missing model": (["train", CONFIG, f"run.dir={run}", "model.path=/nonexistent/model"], "model.path", run),
+        "replay length mismatch": (["train", CONFIG, f"run.dir={run}",
+                                    f"trainer.replay={_replay(tmp / 'len.safetensors', versions=lambda t: t['versions'][:-3])}"],
+                                   "len.safetensors: length mismatch", run),
+        "replay offsets past the end": (["train", CONFIG, f"run.dir={run}",
+                                         f"trainer.replay={_replay(tmp / 'off.safetensors', offsets=lambda t: t['offsets'] + (t['offsets'] > 0) * 7)}"],
+                                        "off.safetensors: offsets run from 0 to", run),
+        "replay truncated": (["train", CONFIG, f"run.dir={run}",
+                              f"trainer.replay={_truncated(_replay(tmp / 'cut.safetensors'))}"],
+                             "cut.safetensors: truncated: tensor", run),
+        "replay too short": (["train", CONFIG, f"run.dir={run}", "run.total_steps=20",
+                              f"trainer.replay={_replay(tmp / 'short.safetensors')}"], "holds 40 trainable", run),
+        "run directory in use": (["train", CONFIG, f"run.dir={occupied}"], "already holds a training run", occupied),
+        "sft config error": (["sft", CONFIG, f"run.dir={run}", "sft.steps=many"], "sft.steps", run),
+        "convert truncated safetensors": (["convert", "hf-to-megatron", "--hf-dir", str(hf), "--out-dir", str(tmp / "mc"),
+                                           "--no-progress"], "model.safetensors: truncated: tensor '", tmp / "mc"),
+    }
+
+
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, hf_dir):
+    for name, (args, needle, written) in _cases(tmp_path, hf_dir).items():
+        before = sorted(p.name for p in written.iterdir()) if written.exists() else None
+        p = sao(*args)
+        lines = [line for line in p.stderr.splitlines() if line.strip()]
+        assert p.returncode == 2, f"{name}: exit {p.returncode}\n{p.stderr[-3000:]}"
+        assert "Traceback" not in p.stderr and len(lines) == 1, f"{name}:\n{p.stderr[-3000:]}"
+        assert needle in lines[0], f"{name}: {lines[0]!r}"
+        after = sorted(p.name for p in written.iterdir()) if written.exists() else None
+        assert after == before, f"{name}: {written} changed: {before} -> {after}"

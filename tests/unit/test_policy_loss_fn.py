@@ -1,0 +1,71 @@
+"""The policy loss closures the trainer hands to the engine: which log-probs each GRPO takes its
+ratio against, and the lag-0 mismatch measured from the train step's own log-probs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_sao.algorithms import logprob_mismatch
+from megatron_sao.config import AlgorithmConfig
+from megatron_sao.trainer.losses import policy_loss_fn
+
+torch.set_num_threads(1)
+
+
+def micro_batch(rollout_shift: float = 0.0, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.tensor([[False, True, True, True, False], [False, False, True, True, True]])
+    logprobs = (-torch.rand(2, 5, generator=g, dtype=torch.float64) - 0.1).requires_grad_()
+    rollout = torch.where(mask, logprobs.detach() - 0.5 + rollout_shift * torch.rand(2, 5, generator=g), 0)
+    mb = {"action_mask": mask, "rollout_logprobs": rollout.to(torch.float64),
+          "advantages": torch.where(mask, torch.randn(2, 5, generator=g, dtype=torch.float64), 0)}
+    return logprobs, mb
+
+
+def loss_and_grad(name: str, logprobs, mb):
+    fn = policy_loss_fn(AlgorithmConfig(name=name))
+    lp = logprobs.detach().clone().requires_grad_()
+    loss, metrics = fn(lp, mb, torch.tensor(6.0, dtype=torch.float64))
+    loss.backward()
+    return loss.detach(), lp.grad, metrics
+
+
+def test_vanilla_grpo_ratio_is_against_the_learners_own_logprobs():
+    """One update per batch: the pre-update policy is this forward's, so the ratio is 1 and the
+    gradient is the plain policy gradient -A * d log p / D, whatever the sampler recorded."""
+    logprobs, mb = micro_batch()
+    loss, grad, metrics = loss_and_grad("grpo", logprobs, mb)
+    _, other_mb = micro_batch(rollout_shift=3.0)
+    loss2, grad2, _ = loss_and_grad("grpo", logprobs, {**mb, "rollout_logprobs": other_mb["rollout_logprobs"]})
+    assert torch.equal(loss, loss2) and torch.equal(grad, grad2)  # no staleness correction
+    assert torch.allclose(grad, -mb["advantages"] * mb["action_mask"] / 6.0)
+    assert metrics["ratio_max"] == 1.0 and metrics["clip_count"] == 0
+
+
+def test_grpo_rollout_ratio_keeps_the_previous_behaviour():
+    """The named variant takes the PPO ratio against the rollout log-probs (here all r = e^0.5 > 1.28:
+    positive advantages are clipped)."""
+    logprobs, mb = micro_batch()
+    _, grad, metrics = loss_and_grad("grpo_rollout_ratio", logprobs, mb)
+    _, vanilla_grad, _ = loss_and_grad("grpo", logprobs, mb)
+    assert not torch.allclose(grad, vanilla_grad)
+    assert metrics["ratio_mean"] == pytest.approx(float(torch.exp(torch.tensor(0.5))))
+    assert metrics["clip_count"] == int(((mb["advantages"] > 0) & mb["action_mask"]).sum())
+
+
+@pytest.mark.parametrize("name", ["sao", "grpo", "grpo_rollout_ratio", "grpo_dis", "running_mean"])
+def test_lag0_mismatch_comes_from_the_loss_forward(name):
+    from megatron_sao.trainer.losses import lag0_mismatch
+
+    logprobs, mb = micro_batch(rollout_shift=1.0)
+    lag0 = mb["action_mask"] & torch.tensor([[True, True, False, True, True], [True] * 5])
+    loss_fn = policy_loss_fn(AlgorithmConfig(name=name))
+    _, metrics = loss_fn(logprobs, {**mb, "lag0_mask": lag0}, torch.tensor(6.0))
+    want = logprob_mismatch(logprobs.detach(), mb["rollout_logprobs"], lag0)
+    assert metrics["lag0_count"] == int(lag0.sum())
+    assert lag0_mismatch({k: float(v) for k, v in metrics.items()}) == pytest.approx(float(want), rel=1e-12)
+    _, without = loss_fn(logprobs, mb, torch.tensor(6.0))
+    assert "lag0_count" not in without and lag0_mismatch({}) is None
+    _, none_lag0 = loss_fn(logprobs, {**mb, "lag0_mask": torch.zeros_like(lag0)}, torch.tensor(6.0))
+    assert lag0_mismatch({k: float(v) for k, v in none_lag0.items()}) is None

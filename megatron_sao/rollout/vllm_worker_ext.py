@@ -2,8 +2,8 @@
 
 Why a worker extension: AsyncLLM always runs its EngineCore in a separate process, and vLLM only
 pickles callables or tensors in ``collective_rpc`` with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``. A named
-method taking plain ``bytes`` (a safetensors blob) needs neither; the CPU MoE fix it applies after a
-reload is ``cpu_moe_repack``. This module is imported inside the vLLM worker process; it must not import the rest of
+method taking plain ``bytes`` (a safetensors blob) needs neither; the CPU fixes it applies after a
+reload are ``cpu_moe_repack`` (fused-MoE experts) and ``cpu_lm_head_repack`` (a tied LM head). This module is imported inside the vLLM worker process; it must not import the rest of
 megatron_sao (``vllm_gloo_engine`` and ``transfer_group`` import only torch and vLLM).
 
 Importing it registers the CPU weight-transfer backend ``"sao_gloo"`` (``vllm_gloo_engine``): vLLM
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from megatron_sao.rollout import vllm_gloo_engine
+from megatron_sao.rollout.cpu_lm_head_repack import repack_cpu_lm_heads
 from megatron_sao.rollout.cpu_moe_repack import expert_modules, repack_cpu_moe
 
 vllm_gloo_engine.register()
@@ -31,8 +32,9 @@ class SAOWorkerExtension:
         for blob in blobs:
             state.update(load(bytes(blob)))
         self.reload_weights(weights_iterator=list(state.items()))  # type: ignore[attr-defined]
-        repacked = repack_cpu_moe(self.model_runner.model, expert_modules(state))  # type: ignore[attr-defined]
-        return {"tensors": len(state), "moe_layers_repacked": repacked}
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        repacked = repack_cpu_moe(model, expert_modules(state))
+        return {"tensors": len(state), "moe_layers_repacked": repacked, "lm_heads_repacked": repack_cpu_lm_heads(model)}
 
     def sao_param_checksum(self, name: str) -> float:
         """Sum of one vLLM parameter (vLLM-internal name), to confirm an update landed (debug aid)."""

@@ -131,7 +131,9 @@ class SAOTrainer:
         try:
             while self.step < self.total:
                 # Sorted by length so each micro-batch only pays for its own longest trajectory.
+                tw = time.monotonic()
                 trajs = sorted(self._next_batch(), key=lambda t: t.length)
+                wait_s = time.monotonic() - tw
                 self._before_train()
                 t0 = time.monotonic()
                 batch = collate_padded(trajs, pad_id=0)
@@ -139,7 +141,7 @@ class SAOTrainer:
                                    policy_loss=self.policy_loss, critic_loss=self.critic_loss, version=self.version,
                                    train_actor=self.step >= self.warmup,  # critic warm-up: the actor waits
                                    baseline=self.baseline, check=self._check_finite)
-                m = {"step": self.step, "version": self.version, **outcome.metrics}
+                m = {"step": self.step, "version": self.version, "time/wait_batch_s": wait_s, **outcome.metrics}
                 if outcome.actor_updated:
                     self.version += 1
                     m["time/weight_sync_s"] = self._sync_weights()
@@ -485,7 +487,9 @@ class SAOTrainer:
             m.update(self.rollout.metrics())  # per server: episodes, weight version, health, sync check
         due = self.cfg.run.eval_every and (self.step % self.cfg.run.eval_every == 0 or self.step == self.total)
         if due and self.rollout is not None and self.colocated is None:  # colocated: evaluated in _after_train
+            te = time.monotonic()
             m["eval/accuracy"] = self.evaluate()
+            m["time/eval_s"] = time.monotonic() - te
         self.run_dir.log_metrics(m, tensorboard=self.cfg.run.tensorboard)
         self.run_dir.log_batch(m["step"], trajs)
         self.console.update(m)

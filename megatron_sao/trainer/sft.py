@@ -45,6 +45,11 @@ def load_demonstrations(cfg: SAOConfig) -> list[list[dict]]:
         from megatron_sao.envs.style_shift import make_demonstrations
 
         return make_demonstrations(cfg.sft.demonstrations, seed=cfg.run.seed, **_style_kwargs(cfg))
+    if cfg.env.name == "arith_python":
+        from megatron_sao.envs.arith_python import make_demonstrations
+
+        kw = {k: v for k, v in cfg.env.task_kwargs.items() if k in ("max_ops", "kinds", "system_prompt")}
+        return make_demonstrations(cfg.sft.demonstrations, seed=cfg.run.seed, error_rate=cfg.sft.error_rate, **kw)
     raise ValueError(f"sft.data: env {cfg.env.name!r} has no demonstration generator; give a jsonl file")
 
 

@@ -71,9 +71,11 @@ def sao_step(batch: TrajectoryBatch, actor: MegatronEngine, critic: MegatronEngi
     # 3. K critic steps on the fixed returns.
     if critic is not None:
         fields["returns"] = targets.returns
+        t0 = time.monotonic()
         for _ in range(algo.critic_steps):
             result = critic.train_step(fields, critic_loss)
             check(result, "critic")
+        m["time/critic_train_s"] = time.monotonic() - t0
         m.update(step_metrics("critic", result))
 
     # 4. After the warm-up: one actor step. The loss also measures the train/rollout log-prob
@@ -81,7 +83,9 @@ def sao_step(batch: TrajectoryBatch, actor: MegatronEngine, critic: MegatronEngi
     if not train_actor:
         return StepOutcome(actor_updated=False, metrics=m)
     fields["lag0_mask"] = batch.action_mask & (batch.versions == version)
+    t0 = time.monotonic()
     result = actor.train_step(fields, policy_loss)
+    m["time/actor_train_s"] = time.monotonic() - t0
     check(result, "actor")
     if (mismatch := lag0_mismatch(result.metrics)) is not None:
         m["logprob_mismatch_lag0"] = mismatch

@@ -1,4 +1,5 @@
-"""Tiny random Qwen3 (dense) and Qwen3-MoE checkpoints with a char-level tokenizer, for engine tests.
+"""Tiny random Qwen3 (dense, and dense with tied embeddings) and Qwen3-MoE checkpoints with a char-level
+tokenizer, for engine tests.
 
 head_dim is 32 because vLLM's CPU attention has no kernel for 16. Everything is fp32 so log-probs can be
 compared with a transformers forward to 1e-4.
@@ -29,13 +30,15 @@ def _tokenizer():
 
 
 def make_tiny_model(root: str | os.PathLike, kind: str, seed: int = 0) -> Path:
-    """Save a random ``kind`` ("dense" | "moe") model + tokenizer under ``root/kind``; return the dir."""
+    """Save a random ``kind`` ("dense" | "tied" | "moe") model + tokenizer under ``root/kind``; return the
+    dir. "tied" is "dense" with tied input/output embeddings (no ``lm_head.weight`` in the checkpoint), as
+    SmolLM2 and the small Llama/Qwen models have."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     common = dict(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, max_position_embeddings=512, bos_token_id=EOS_ID, eos_token_id=EOS_ID,
-        pad_token_id=EOS_ID, tie_word_embeddings=False, rope_theta=10000.0,
+        pad_token_id=EOS_ID, tie_word_embeddings=kind == "tied", rope_theta=10000.0,
     )
     torch.manual_seed(seed)
     if kind == "moe":
@@ -44,10 +47,10 @@ def make_tiny_model(root: str | os.PathLike, kind: str, seed: int = 0) -> Path:
             decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[], **common,
         )
         model = Qwen3MoeForCausalLM(cfg)
-    elif kind == "dense":
+    elif kind in ("dense", "tied"):
         model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=128, **common))
     else:
-        raise ValueError(f"kind must be 'dense' or 'moe', got {kind!r}")
+        raise ValueError(f"kind must be 'dense', 'tied' or 'moe', got {kind!r}")
     # Random init is small; larger weights make the distribution peaky enough that tests see real changes.
     with torch.no_grad():
         for p in model.parameters():

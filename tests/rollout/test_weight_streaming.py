@@ -187,7 +187,8 @@ def _fake_trainer(live: LiveBuckets, policy_lag: int = 0):
     driver = types.SimpleNamespace(call=lambda coro, timeout=None: asyncio.run(coro))
     actor = types.SimpleNamespace(export_hf_weights=lambda nbytes: iter(live))
     fake = types.SimpleNamespace(cfg=cfg, actor=actor, rollout=rollout, driver=driver, rank0=True, version=1,
-                                 _lagged=deque(), ctx=types.SimpleNamespace(world_size=1), step=7)
+                                 _lagged=deque(), ctx=types.SimpleNamespace(world_size=1), step=7,
+                                 colocated=None)  # not the colocated placement
     for name in ("_push", "_lagged_snapshot", "_weight_check_reference", "_broadcast"):
         if hasattr(SAOTrainer, name):
             setattr(fake, name, types.MethodType(getattr(SAOTrainer, name), fake))

@@ -54,6 +54,7 @@ t.ctx, t.rank0, t.step, t.version, t.wait_s, t._stop_requested = ctx, ctx.rank =
 t.cfg = SimpleNamespace(rollout=SimpleNamespace(timeout_s=10 * phase_s), buffer=SimpleNamespace(batch_size=4))
 t.buffer = SlowBuffer() if t.rank0 else None
 t.driver = SimpleNamespace(error=None, finished=0, failed=0, in_flight=[])
+t.colocated = None  # not the colocated placement: no rollout phase before the batch
 
 out = {}
 t0 = time.monotonic()

@@ -192,16 +192,19 @@ def plot(curves: dict[int, dict], base_acc: float, out: Path) -> None:
 
 def report(curves: dict[int, dict], base_acc: float, stages: dict, out: Path, command: str) -> dict:
     summary = {"command": command, "base_accuracy": base_acc, "stages": stages, "seeds": {}}
+    steps = sorted({x for c in curves.values() for x, _ in c["eval"]})
     lines = ["# SmolLM2-135M-Instruct learning curve", "", f"Command: `{command}`", "",
              f"Instruct model without SFT, held-out accuracy: {base_acc:.3f}", "",
-             "| seed | " + " | ".join(f"step {x}" + (" (SFT)" if x == 0 else "") for x, _ in curves[min(curves)]["eval"])
-             + " | gain |", "| --- | " + " | ".join("---" for _ in curves[min(curves)]["eval"]) + " | --- |"]
+             "| seed | " + " | ".join(f"step {x}" + (" (SFT)" if x == 0 else "") for x in steps)
+             + " | gain |", "| --- | " + " | ".join("---" for _ in steps) + " | --- |"]
     for seed, c in sorted(curves.items()):
         ys = [y for _, y in c["eval"]]
+        by_step = dict(c["eval"])  # a run that ended early has no value at the later steps
         summary["seeds"][seed] = {"eval": c["eval"], "gain": ys[-1] - ys[0], "timing_median_s": timing_split(c["metrics"]),
                                   "logprob_mismatch_lag0_median": statistics.median(
                                       [m["logprob_mismatch_lag0"] for m in c["metrics"] if "logprob_mismatch_lag0" in m] or [float("nan")])}
-        lines.append(f"| {seed} | " + " | ".join(f"{y:.3f}" for y in ys) + f" | {ys[-1] - ys[0]:+.3f} |")
+        lines.append(f"| {seed} | " + " | ".join(f"{by_step[x]:.3f}" if x in by_step else "-" for x in steps)
+                     + f" | {ys[-1] - ys[0]:+.3f} |")
     lines += ["", "Stages (wall seconds, peak memory of the process tree, 1-minute load average during the stage):", ""]
     for name, s in stages.items():
         lines.append(f"- {name}: {s.get('wall_s')} s, {s.get('peak_mem_gib')} GiB, load {s.get('load1_mean')}"

@@ -42,20 +42,22 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _colocated_run(tmp_path_factory, name: str, *overrides: str) -> Path:
+    run = tmp_path_factory.mktemp(name) / "run"
+    sao("train", CONFIG, f"run.dir={run}", *COLOCATED, *overrides, torchrun=2, timeout=900)
+    return run
+
+
 @pytest.fixture(scope="module")
 def tp1(tmp_path_factory):
-    run = tmp_path_factory.mktemp("colocated_tp1") / "run"
-    sao("train", CONFIG, f"run.dir={run}", *COLOCATED, "cluster.rollout_tp=1", "trainer.mode=sync",
-        "run.total_steps=2", "algorithm.critic_warmup_steps=0", torchrun=2, timeout=900)
-    return run
+    return _colocated_run(tmp_path_factory, "colocated_tp1", "cluster.rollout_tp=1", "trainer.mode=sync",
+                          "run.total_steps=2", "algorithm.critic_warmup_steps=0")
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
-    run = tmp_path_factory.mktemp("colocated_tp2") / "run"
-    sao("train", CONFIG, f"run.dir={run}", *COLOCATED, "cluster.rollout_tp=2", "run.total_steps=2",
-        "run.save_every=1", "run.eval_every=1", torchrun=2, timeout=900)
-    return run
+    return _colocated_run(tmp_path_factory, "colocated_tp2", "cluster.rollout_tp=2", "run.total_steps=2",
+                          "run.save_every=1", "run.eval_every=1")
 
 
 def _build(trace: list[dict]) -> dict[int, dict]:

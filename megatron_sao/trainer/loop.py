@@ -485,8 +485,8 @@ class SAOTrainer:
             m["rollout/policy_step_min"], m["rollout/policy_step_max"] = min(started), max(started)
         if self.rollout is not None:
             m.update(self.rollout.metrics())  # per server: episodes, weight version, health, sync check
-        due = self.cfg.run.eval_every and (self.step % self.cfg.run.eval_every == 0 or self.step == self.total)
-        if due and self.rollout is not None and self.colocated is None:  # colocated: evaluated in _after_train
+        # Colocated runs evaluate in _after_train (the engines need a phase of their own).
+        if self._eval_due(self.step) and self.rollout is not None and self.colocated is None:
             te = time.monotonic()
             m["eval/accuracy"] = self.evaluate()
             m["time/eval_s"] = time.monotonic() - te

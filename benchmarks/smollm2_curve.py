@@ -19,7 +19,9 @@ A stage whose final artefact exists is not run again (delete WORK to start over)
 
 Measured per stage: wall seconds, the peak memory of the whole process tree (trainer + vLLM engine
 core + sandboxes, sampled every second, proportional set size where the kernel reports it, so shared
-pages count once), CPU seconds per part of the tree (the trainer process, which also runs the agent
+pages count once; a sandbox launch caught between fork and exec is not counted twice), the peak rise of
+the machine's memory in use over the stage (total - available: a cross-check that does not depend on
+walking the tree, but counts anything else the machine runs), CPU seconds per part of the tree (the trainer process, which also runs the agent
 loop; vLLM's engine core and worker; everything else: sandboxes), and the 1-minute load average
 sampled every second (RUN_DIR/STAGE_load.jsonl; each training step's timing is reported with the mean
 load during that step: other users of the machine inflate timings). Written to OUT: curve.png,
@@ -67,13 +69,21 @@ def sample_tree(root: int, cpu: dict[int, tuple[str, float]]) -> int:
         procs += procs[0].children(recursive=True)
     except psutil.Error:
         return 0
-    total = 0
-    for p in procs:
+    total, rss = 0, {}
+    now = time.time()
+    for p in procs:  # parents come before their children (children(recursive=True) walks down)
         try:
             mi = p.memory_full_info() if hasattr(p, "memory_full_info") else p.memory_info()
+            rss[p.pid] = mi.rss
+            parent_rss = rss.get(p.ppid(), 0)
+            # A sandbox launch between fork/vfork and exec shares the trainer's address space (vfork) or
+            # shows it whole: counting it again doubled the peak (8 GiB of trainer counted twice).
+            if parent_rss and now - p.create_time() < 5.0 and abs(mi.rss - parent_rss) < 0.02 * parent_rss:
+                continue
             total += getattr(mi, "pss", None) or mi.rss
             t = p.cpu_times()
-            part = cpu[p.pid][0] if p.pid in cpu else _part(p, root)
+            # re-read while "other": vLLM's processes start as plain `python -c` and rename themselves
+            part = cpu[p.pid][0] if cpu.get(p.pid, ("other",))[0] != "other" else _part(p, root)
             cpu[p.pid] = (part, t.user + t.system)
         except psutil.Error:
             continue
@@ -94,11 +104,17 @@ def run_stage(stage: str, config: str, overrides: list[str], run_dir: Path, log:
     load_log = run_dir / f"{stage}_load.jsonl"
     with open(log, "a") as f, open(load_log, "a") as lf:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-        peak, loads, cpu = [0], [], {}
+        import psutil
+
+        def used() -> int:  # the machine's memory in use (page cache excluded): a cross-check of the tree sum
+            vm = psutil.virtual_memory()
+            return vm.total - vm.available
+        peak, loads, cpu, used0, peak_used = [0], [], {}, used(), [0]
 
         def sample() -> None:
             while proc.poll() is None:
                 peak[0] = max(peak[0], sample_tree(proc.pid, cpu))
+                peak_used[0] = max(peak_used[0], used() - used0)
                 loads.append(os.getloadavg()[0])
                 lf.write(json.dumps({"t": time.time(), "load1": loads[-1]}) + "\n")
                 lf.flush()
@@ -111,7 +127,8 @@ def run_stage(stage: str, config: str, overrides: list[str], run_dir: Path, log:
     for part, secs in cpu.values():
         cpu_s[part] = round(cpu_s.get(part, 0.0) + secs, 1)
     res = {"stage": stage, "cmd": " ".join(cmd), "rc": rc, "wall_s": round(time.monotonic() - t0, 1),
-           "peak_mem_gib": round(peak[0] / 2 ** 30, 2), "cpu_s": cpu_s, "load1_start": load0,
+           "peak_mem_gib": round(peak[0] / 2 ** 30, 2),
+           "peak_machine_used_gib": round(peak_used[0] / 2 ** 30, 2), "cpu_s": cpu_s, "load1_start": load0,
            "load1_end": os.getloadavg()[0], "load1_mean": round(statistics.mean(loads), 2) if loads else load0}
     if rc != 0:
         raise SystemExit(f"smollm2_curve: `{' '.join(cmd)}` failed with exit code {rc}; see {log}")
@@ -205,10 +222,16 @@ def report(curves: dict[int, dict], base_acc: float, stages: dict, out: Path, co
                                       [m["logprob_mismatch_lag0"] for m in c["metrics"] if "logprob_mismatch_lag0" in m] or [float("nan")])}
         lines.append(f"| {seed} | " + " | ".join(f"{by_step[x]:.3f}" if x in by_step else "-" for x in steps)
                      + f" | {ys[-1] - ys[0]:+.3f} |")
-    lines += ["", "Stages (wall seconds, peak memory of the process tree, 1-minute load average during the stage):", ""]
+    lines += ["", "Stages (wall seconds; peak memory of the process tree; peak rise of the machine's memory in use; "
+              "1-minute load average during the stage):", ""]
     for name, s in stages.items():
-        lines.append(f"- {name}: {s.get('wall_s')} s, {s.get('peak_mem_gib')} GiB, load {s.get('load1_mean')}"
-                     + (" (cached from an earlier invocation)" if s.get("cached") else ""))
+        lines.append(f"- {name}: {s.get('wall_s')} s, {s.get('peak_mem_gib')} GiB, machine +{s.get('peak_machine_used_gib')} GiB, "
+                     f"load {s.get('load1_mean')}" + (" (cached from an earlier invocation)" if s.get("cached") else ""))
+    for seed in curves:  # what a user of the recipe runs: sft, then train (the base eval is the curve's extra)
+        sft, train = stages.get("sft", {}), stages.get(f"train seed {seed}", {})
+        if sft.get("wall_s") and train.get("wall_s"):
+            lines.append(f"- the recipe for seed {seed} (sft + train): {(sft['wall_s'] + train['wall_s']) / 60:.1f} min, "
+                         f"peak {max(sft['peak_mem_gib'], train['peak_mem_gib'])} GiB")
     lines += ["", "CPU seconds per part of the process tree (trainer process incl. the agent loop; vLLM engine "
               "core + worker; other = sandboxes):", ""]
     for name, s in stages.items():

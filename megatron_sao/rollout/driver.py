@@ -12,7 +12,9 @@ every server on the driver's loop while it produces the next one. It waits until
 every server before it asks for bucket k+2, so at most two buckets exist at a time (the rest of the
 model is never materialized: 57 GiB of bf16 for Qwen3-30B-A3B would not fit next to the trainer state).
 A server that fails its update is taken out of service like a dead one (logged, counted; its episodes
-re-run elsewhere); a weight check that fails, or no server left, stops the run.
+re-run elsewhere); a weight check that fails, or no server left, stops the run. A dead server that
+answers its health check again is included in the next update and revived if it takes all of it
+(``ServerPool.revive``), so every server that generates holds the same version.
 """
 
 from __future__ import annotations
@@ -113,10 +115,11 @@ class RolloutSide:
         live = [s.index for s in self.pool.alive()]
         if not live:
             raise RuntimeError(f"no rollout server left to update: {self.pool.describe_dead()}")
+        rejoin = [s.index for s in self.pool.rejoinable()]  # dead servers that answer again (server_pool)
         wait_s = self.cfg.sync_timeout_s + 60.0  # each step is bounded per server inside WeightSync
         it = iter(buckets)
         try:
-            self.driver.call(self.sync.begin(version, live), timeout=wait_s)
+            self.driver.call(self.sync.begin(version, live + rejoin, probation=rejoin), timeout=wait_s)
             in_flight = None
             for bucket in it:  # bucket k+1 is produced here while bucket k is on its way
                 if in_flight is not None:
@@ -137,13 +140,28 @@ class RolloutSide:
                 pass
             raise
         self.last_sync = metrics
+        if rejoin:
+            self._settle_rejoins(rejoin, metrics, version)
         if metrics.failed:
             failed = {self.sync.labels.index(label): f"weight update v{version} failed: {err}"
                       for label, err in metrics.failed.items()}
+            failed = {i: why for i, why in failed.items() if i not in rejoin}
             self.driver.servers_failed(failed)
             if self.driver.error is not None:
                 raise WeightSyncError(f"weight sync v{version}: no rollout server left ({self.pool.describe_dead()})")
         return metrics
+
+    def _settle_rejoins(self, rejoin: list[int], metrics: SyncMetrics, version: int) -> None:
+        """Revive each rejoining server that took the whole update; refuse the others for good."""
+        async def go():
+            for i in rejoin:
+                slot = self.pool.slots[i]
+                why = metrics.failed.get(slot.label)
+                if why is None:
+                    self.pool.revive(slot, version)
+                else:
+                    self.pool.refuse_rejoin(slot, why)
+        self.driver.call(go())
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, tasks: list, env_factory: Callable, loop_cfg: AgentLoopConfig) -> list[Trajectory]:

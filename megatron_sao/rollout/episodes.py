@@ -18,6 +18,8 @@ in-flight episodes are cancelled and re-run from their first turn on the remaini
 with an error naming every server and why it died (the episode that found the last one dead is
 recorded as a failed trajectory; the cancelled ones stay queued for a resume); the trainer writes a
 checkpoint and exits.
+A dead server stays under health checks; one that answers again rejoins through the next weight update
+(``ServerPool.revive``: never at an old weight version).
 Episodes that fail on a healthy server are ordinary failed trajectories, and the circuit breaker stops
 the run when they keep coming (``max(8, concurrency)`` in a row with no healthy server, or four times
 that with healthy ones).
@@ -33,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import logging
 import threading
 import time
 from typing import Any, Callable
@@ -42,6 +45,8 @@ from megatron_sao.rollout.agent_loop import AgentLoopConfig, EngineActivity, run
 from megatron_sao.rollout.prompts import PromptStream, Unit, unit_of
 from megatron_sao.rollout.server_pool import ServerPool, ServerSlot
 from megatron_sao.trajectory import Trajectory
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutDriver:
@@ -235,11 +240,17 @@ class RolloutDriver:
     async def _monitor_health(self) -> None:
         while not self._stop.is_set():
             await asyncio.sleep(self.health_interval_s)
-            live = self.pool.alive()
-            ok = await asyncio.gather(*(self.pool.check(s, self.health_timeout_s) for s in live))
-            for slot, healthy in zip(live, ok):
-                if not healthy:
+            # Dead servers too: one that answers again may rejoin at the next weight update (server_pool).
+            slots = [s for s in self.pool.slots if s.alive or s.rejoin_refused is None]
+            ok = await asyncio.gather(*(self.pool.check(s, self.health_timeout_s) for s in slots))
+            for slot, healthy in zip(slots, ok):
+                if slot.alive and not healthy:
                     await self._server_failed(slot, f"health check failed (every {self.health_interval_s:g}s)")
+                elif not slot.alive:
+                    if healthy and not slot.healthy_again:
+                        logger.info("rollout server %s answers its health check again; it rejoins at the next "
+                                    "weight update", slot.label)
+                    slot.healthy_again = healthy
 
     async def _check_failing(self, traj: Trajectory) -> None:
         """Stop instead of spinning when episodes keep failing: a dead engine would otherwise turn

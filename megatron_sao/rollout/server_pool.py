@@ -13,6 +13,14 @@ queueing inside vLLM against the request timeout.
 A server marked dead (failed health check, failed weight update) gets no new episodes; the driver
 re-runs its in-flight episodes elsewhere. Nothing here falls back silently: every death is logged
 with its reason and counted in ``metrics()``.
+
+Re-admission: the driver keeps health-checking dead servers; one that answers again (a restarted
+`vllm serve`, a node that came back from an overload) is marked ``healthy_again``. It is not given
+episodes on that alone, since it holds an older weight version: the next weight update includes it, and
+only a server that takes the whole update (and passes the weight check, when on) is revived
+(``revive``), at the same version as every other live server. A server whose rejoin fails stays out
+for the rest of the run: a server that hangs in the update would otherwise cost a sync timeout every
+step.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ class ServerSlot:
     cap: int | None  # max generate requests in flight (max_num_seqs); None = unbounded
     alive: bool = True
     dead_reason: str | None = None
+    healthy_again: bool = False  # dead, but its health check passes: a candidate for the next update
+    rejoin_refused: str | None = None  # why its rejoin failed (it is not tried again)
     outstanding: int = 0  # generate requests sent or waiting for a slot
     in_flight: int = 0  # generate requests sent (<= cap)
     max_in_flight: int = 0  # the most ever seen at once (a check that the cap held)
@@ -100,6 +110,7 @@ class ServerPool:
             raise ValueError(f"{len(labels)} labels for {len(engines)} engines")
         self.slots = [ServerSlot(i, e, label, max_num_seqs) for i, (e, label) in enumerate(zip(engines, labels))]
         self.deaths = 0
+        self.revivals = 0
         self.reruns = 0  # episodes re-run on another server after theirs died
 
     @property
@@ -129,11 +140,27 @@ class ServerPool:
         """Take ``slot`` out of service; True if it was alive (the caller re-runs its episodes)."""
         if not slot.alive:
             return False
-        slot.alive, slot.dead_reason = False, reason
+        slot.alive, slot.dead_reason, slot.healthy_again = False, reason, False
         self.deaths += 1
         logger.error("rollout server %s is out of service (%s); %d of %d servers left", slot.label, reason,
                      len(self.alive()), len(self.slots))
         return True
+
+    def rejoinable(self) -> list[ServerSlot]:
+        """Dead servers whose health check passes again and whose rejoin was never refused."""
+        return [s for s in self.slots if not s.alive and s.healthy_again and s.rejoin_refused is None]
+
+    def revive(self, slot: ServerSlot, version: int) -> None:
+        """Back in service after it took the whole update to ``version`` (see the module docstring)."""
+        logger.warning("rollout server %s is back in service at weight version %d (it was out: %s)",
+                       slot.label, version, slot.dead_reason)
+        slot.alive, slot.dead_reason, slot.healthy_again = True, None, False
+        self.revivals += 1
+
+    def refuse_rejoin(self, slot: ServerSlot, reason: str) -> None:
+        slot.rejoin_refused, slot.healthy_again = reason, False
+        logger.error("rollout server %s answered its health check again but failed to rejoin (%s); it stays "
+                     "out of service for the rest of the run", slot.label, reason)
 
     async def check(self, slot: ServerSlot, timeout_s: float) -> bool:
         """One health check; an engine that does not answer in time is unhealthy."""
@@ -150,6 +177,7 @@ class ServerPool:
         return {
             "rollout/servers_alive": len(self.alive()),
             "rollout/server_deaths": self.deaths,
+            "rollout/server_revivals": self.revivals,
             "rollout/episodes_rerun": self.reruns,
             "rollout/episodes_by_server": {s.label: s.finished for s in self.slots},
             "rollout/episodes_started_by_server": {s.label: s.started for s in self.slots},

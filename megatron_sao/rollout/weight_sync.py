@@ -79,17 +79,21 @@ class WeightSync:
         self.timeout_s = float(timeout_s)
         self.check, self.atol, self.strict = check, atol, strict
         self._active: list[int] | None = None  # engines in the update in progress
+        self._probation: set[int] = set()  # rejoining engines: a failed check leaves them out, not the run
         self._metrics: SyncMetrics | None = None
         self._t0 = 0.0
 
     # ------------------------------------------------------------------ one update, streamed
-    async def begin(self, version: int, only: Iterable[int] | None = None) -> None:
-        """Start ``version`` on every engine (or the indices in ``only``)."""
+    async def begin(self, version: int, only: Iterable[int] | None = None, probation: Iterable[int] = ()) -> None:
+        """Start ``version`` on every engine (or the indices in ``only``). An engine in ``probation`` (a
+        server rejoining after it was out of service) that fails the weight check is reported in
+        ``SyncMetrics.failed`` like any failed engine, instead of stopping the update."""
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"WeightSync version must be an int >= 0, got {version!r}")
         if self._active is not None:
             raise WeightSyncError(f"weight sync v{version} begun while v{self._metrics.version} is in progress")
         self._active = sorted(set(range(len(self.engines)) if only is None else only))
+        self._probation = set(probation)
         if not self._active:
             raise WeightSyncError(f"weight sync v{version}: no engine to update")
         self._metrics, self._t0 = SyncMetrics(version, 0.0, 0, 0.0), time.perf_counter()
@@ -125,8 +129,15 @@ class WeightSync:
             raise WeightSyncError(f"weight sync v{version} failed: " + "; ".join(f"{k}: {v}" for k, v in m.failed.items()))
         if self.check:
             for i in active:
-                m.logprob_diff[self.labels[i]] = await self.verify(
-                    self.engines[i], check_tokens, reference_logprobs, self.atol, prompt_len=check_prompt_len, index=i)
+                try:
+                    m.logprob_diff[self.labels[i]] = await self.verify(
+                        self.engines[i], check_tokens, reference_logprobs, self.atol, prompt_len=check_prompt_len,
+                        index=i)
+                except (WeightSyncError, asyncio.TimeoutError) as e:
+                    if i not in self._probation:
+                        raise
+                    m.failed[self.labels[i]] = f"weight check: {type(e).__name__}: {e}"
+                    m.per_engine_seconds.pop(self.labels[i], None)
         return m
 
     async def abort(self) -> None:

@@ -12,6 +12,7 @@ new weights afterwards.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 import types
@@ -61,6 +62,10 @@ class LiveBuckets:
     def __iter__(self):
         for k, names in enumerate(self.chunks):
             self.events.append(("produced", k))
+            # Count what code holds, not what waits for the cyclic collector: with gc disabled during the
+            # push a sent bucket outlives its send (reachable only from reference cycles, which the HTTP
+            # reload path's serialization leaves behind), and the count depended on when gc last ran.
+            gc.collect()
             bucket = [(n, self.state[n].clone()) for n in names]
             with self.lock:
                 self.live[k] = len(bucket)

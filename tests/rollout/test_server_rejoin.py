@@ -1,0 +1,160 @@
+"""A rollout server that died and answers again rejoins the run, but only through a whole weight update.
+
+Scripted servers (the boundary: generate, health, the streamed-update surface and `score`); the
+RolloutSide, its driver, server pool, weight sync, agent loop, environment and chat formatting are
+real. What a 32-GPU job meets and the one-server demo never does: a `vllm serve` that is restarted
+or comes back from an overload mid-run. Before this, such a server stayed out for the rest of the run.
+"""
+
+import asyncio
+
+import torch
+from test_driver import ThreeTurns, wait_for
+
+from megatron_sao.envs.toy_tool import ToyToolTasks
+from megatron_sao.rollout.agent_loop import AgentLoopConfig
+from megatron_sao.rollout.chat import ChatFormatter
+from megatron_sao.rollout.driver import RolloutSide, RolloutSideConfig
+from megatron_sao.rollout.prompts import PromptStream
+from megatron_sao.rollout.protocol import GenerationResult, SamplingParams
+from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
+
+CHECK_TOKENS, CHECK_PROMPT_LEN = [5, 6, 7, 8, 9], 2
+REFERENCE = [-1.0, -2.0, -3.0]  # what the trainer computed for CHECK_TOKENS[2:] under the new weights
+
+
+class ScriptedServer:
+    """One rollout server: answers `=0` (a one-turn toy answer), reports health, takes weight updates.
+    `down` makes it fail generate and health (a crashed or overloaded server); `bad_update` makes it
+    refuse the weight update; `wrong_weights` makes its weight check disagree with the trainer."""
+
+    def __init__(self, formatter, name: str) -> None:
+        self.name, self.version, self.calls = name, 0, 0
+        self.ids = formatter.encode("=0") + [formatter.stop_token_ids[0]]
+        self.down = self.bad_update = self.wrong_weights = False
+        self.updates: list[int] = []  # versions it completed
+        self._pending = None
+
+    async def generate(self, prompt_ids, sampling):
+        await asyncio.sleep(0.02)
+        if self.down:
+            raise ConnectionError(f"{self.name}: connection refused")
+        self.calls += 1
+        return GenerationResult(list(self.ids), [-0.5] * len(self.ids), [self.version] * len(self.ids), "stop")
+
+    async def health(self):
+        return not self.down
+
+    async def begin_weight_update(self, version):
+        self._pending = version
+
+    async def push_weight_bucket(self, bucket):
+        if self.bad_update:
+            raise OSError(f"{self.name}: transfer group gone (the server process restarted)")
+
+    async def finish_weight_update(self, version):
+        self.version, self._pending = version, None
+        self.updates.append(version)
+
+    async def abort_weight_update(self):
+        self._pending = None
+
+    async def score(self, token_ids, start):
+        return [x + (0.5 if self.wrong_weights else 0.0) for x in REFERENCE]
+
+    async def close(self):
+        pass
+
+
+def make_side(n=2, check=False):
+    fmt = ChatFormatter(build_char_tokenizer())
+    servers = [ScriptedServer(fmt, f"http://srv{i}") for i in range(n)]
+    done = []
+    cfg = RolloutSideConfig(batch_size=4, ahead=0, concurrency=4, sync_timeout_s=5.0, check_weights=check,
+                            health_interval_s=0.05, health_timeout_s=1.0)
+    side = RolloutSide(servers, lambda task: ThreeTurns(), PromptStream(ToyToolTasks(80, seed=0), seed=0), fmt,
+                       AgentLoopConfig(max_turns=5, max_total_tokens=512, max_new_tokens_per_turn=32,
+                                       sampling=SamplingParams(max_new_tokens=32)),
+                       done.append, cfg, labels=[s.name for s in servers])
+    return side, servers, done
+
+
+def buckets():
+    yield [("w", torch.zeros(4))]
+    yield [("b", torch.zeros(2))]
+
+
+def push(side, version, check):
+    kw = dict(check_tokens=CHECK_TOKENS, check_prompt_len=CHECK_PROMPT_LEN, reference_logprobs=REFERENCE) if check else {}
+    return side.push_weights(buckets(), version, **kw)
+
+
+def kill_and_recover(side, servers, done):
+    """srv1 goes down mid-batch (its episodes move to srv0), then answers its health check again."""
+    assert wait_for(lambda: servers[1].calls >= 1)
+    servers[1].down = True
+    assert wait_for(lambda: not side.pool.slots[1].alive)
+    servers[1].down = False
+    assert wait_for(lambda: side.pool.slots[1].healthy_again)
+    assert not side.pool.slots[1].alive  # healthy is not enough: it still holds version 0
+    assert wait_for(lambda: len(done) == 4, timeout=30)
+
+
+def test_a_server_that_answers_again_rejoins_at_the_current_version():
+    side, servers, done = make_side(check=True)
+    side.start()
+    try:
+        kill_and_recover(side, servers, done)
+        m = push(side, 1, check=True)
+        assert not m.failed and set(m.logprob_diff) == {"http://srv0", "http://srv1"}
+        side.step_finished()
+        calls_before = servers[1].calls
+        assert wait_for(lambda: len(done) == 8, timeout=30)
+        metrics = side.metrics()
+    finally:
+        side.close()
+    assert side.error is None
+    assert servers[1].updates == [1] and servers[1].version == servers[0].version == 1
+    assert servers[1].calls > calls_before  # it generates again
+    late = [t for t in done[4:] if t.info["server"] == "http://srv1"]
+    # Its episodes after the rejoin carry only new-version tokens.
+    assert late and all(set(t.versions[t.action_mask].tolist()) == {1} for t in late)
+    assert metrics["rollout/servers_alive"] == 2 and metrics["rollout/server_deaths"] == 1
+    assert metrics["rollout/server_revivals"] == 1
+    assert metrics["rollout/version_by_server"] == {"http://srv0": 1, "http://srv1": 1}
+
+
+def test_a_rejoin_that_fails_its_update_leaves_the_server_out_and_the_run_going():
+    side, servers, done = make_side()
+    side.start()
+    try:
+        kill_and_recover(side, servers, done)
+        servers[1].bad_update = True
+        m = push(side, 1, check=False)
+        assert "http://srv1" in m.failed and "transfer group gone" in m.failed["http://srv1"]
+        side.step_finished()
+        assert wait_for(lambda: len(done) == 8, timeout=30)
+        assert wait_for(lambda: side.pool.slots[1].rejoin_refused is not None)
+        m2 = push(side, 2, check=False)  # a refused server is not tried again
+    finally:
+        side.close()
+    assert side.error is None and not m2.failed
+    assert servers[0].version == 2 and servers[1].version == 0 and not side.pool.slots[1].alive
+    assert not side.pool.slots[1].healthy_again  # not a candidate any more, though it answers
+    assert {t.info["server"] for t in done[4:]} == {"http://srv0"}
+    assert side.metrics()["rollout/server_revivals"] == 0
+
+
+def test_a_rejoining_server_with_wrong_weights_is_refused_not_the_run():
+    side, servers, done = make_side(check=True)
+    side.start()
+    try:
+        kill_and_recover(side, servers, done)
+        servers[1].wrong_weights = True
+        m = push(side, 1, check=True)
+    finally:
+        side.close()
+    assert side.error is None
+    assert "weight check failed" in m.failed["http://srv1"] and "http://srv1" not in m.logprob_diff
+    assert side.pool.slots[1].rejoin_refused and not side.pool.slots[1].alive
+    assert m.logprob_diff == {"http://srv0": 0.0}

@@ -35,6 +35,10 @@ class RunConfig:
     total_steps: int = 100  # actor steps (critic warm-up steps count separately)
     save_every: int = 50
     eval_every: int = 25
+    # A whole evaluation, on rank 0 while the other ranks wait at the Rank0Gate (whose heartbeat keeps
+    # them waiting as long as rank 0 lives): past it the evaluation is abandoned and logged, training
+    # goes on, and a rollout tier that is really stuck stops the run at the next batch wait.
+    eval_timeout_s: float = 3600.0
     tensorboard: bool = True
     console: Literal["rich", "plain", "none"] = "rich"
     max_consecutive_nonfinite: int = 3  # NaN/inf steps in a row before the run stops with a checkpoint
@@ -376,6 +380,7 @@ def validate(cfg: SAOConfig) -> SAOConfig:
     _check(cfg.run.total_steps >= 0, "run.total_steps", "must be >= 0")
     for k in ("save_every", "eval_every"):
         _check(getattr(cfg.run, k) >= 0, f"run.{k}", "must be >= 0")
+    _check(cfg.run.eval_timeout_s > 0, "run.eval_timeout_s", "must be > 0")
     for role in ("actor", "critic"):
         o = getattr(cfg, role).optim
         _check(o.lr >= 0, f"{role}.optim.lr", f"must be >= 0, got {o.lr}")

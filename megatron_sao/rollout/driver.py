@@ -20,6 +20,7 @@ answers its health check again is included in the next update and revived if it 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -164,9 +165,18 @@ class RolloutSide:
         self.driver.call(go())
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, tasks: list, env_factory: Callable, loop_cfg: AgentLoopConfig) -> list[Trajectory]:
-        """Run ``tasks`` (one episode each, in task order) over the live servers, on the driver's loop."""
-        return self.driver.call(self.evaluation(tasks, env_factory, loop_cfg))
+    def evaluate(self, tasks: list, env_factory: Callable, loop_cfg: AgentLoopConfig,
+                 timeout_s: float | None = None) -> list[Trajectory]:
+        """Run ``tasks`` (one episode each, in task order) over the live servers, on the driver's loop.
+        Past ``timeout_s`` its episodes are cancelled (their servers unpinned) and TimeoutError raised."""
+        fut = self.driver.submit(self.evaluation(tasks, env_factory, loop_cfg))
+        try:
+            return fut.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"evaluation of {len(tasks)} tasks did not finish within {timeout_s:g}s "
+                               f"(run.eval_timeout_s); servers alive: {len(self.pool.alive())} of "
+                               f"{len(self.pool.slots)}") from None
 
     def evaluation(self, tasks: list, env_factory: Callable, loop_cfg: AgentLoopConfig):
         """The coroutine ``evaluate`` runs, for a caller that submits it and serves the engines meanwhile

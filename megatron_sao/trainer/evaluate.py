@@ -46,7 +46,7 @@ def summarize(tasks, trajs, out_path: str | Path | None) -> dict[str, Any]:
 def run_eval(cfg: SAOConfig, rollout, out_path=None) -> dict[str, Any]:
     """Evaluate on the configured eval tasks with a running ``RolloutSide`` (every live server)."""
     tasks = C.eval_tasks(cfg)
-    trajs = rollout.evaluate(tasks, C.env_factory(cfg), eval_loop_config(cfg))
+    trajs = rollout.evaluate(tasks, C.env_factory(cfg), eval_loop_config(cfg), timeout_s=cfg.run.eval_timeout_s)
     return summarize(tasks, trajs, out_path)
 
 

@@ -488,7 +488,11 @@ class SAOTrainer:
         # Colocated runs evaluate in _after_train (the engines need a phase of their own).
         if self._eval_due(self.step) and self.rollout is not None and self.colocated is None:
             te = time.monotonic()
-            m["eval/accuracy"] = self.evaluate()
+            try:
+                m["eval/accuracy"] = self.evaluate()
+            except TimeoutError as e:  # abandoned, not fatal: a stuck rollout tier stops the next batch wait
+                logger.error("step %d: %s; training goes on", self.step, e)
+                m["eval/timed_out"] = 1.0
             m["time/eval_s"] = time.monotonic() - te
         self.run_dir.log_metrics(m, tensorboard=self.cfg.run.tensorboard)
         self.run_dir.log_batch(m["step"], trajs)

@@ -158,3 +158,37 @@ def test_a_rejoining_server_with_wrong_weights_is_refused_not_the_run():
     assert "weight check failed" in m.failed["http://srv1"] and "http://srv1" not in m.logprob_diff
     assert side.pool.slots[1].rejoin_refused and not side.pool.slots[1].alive
     assert m.logprob_diff == {"http://srv0": 0.0}
+
+
+class HungServer(ScriptedServer):
+    """Alive (its health check passes, so nothing marks it dead) but never finishes a generate call."""
+
+    async def generate(self, prompt_ids, sampling):
+        self.calls += 1
+        await asyncio.sleep(3600)
+
+
+def test_an_evaluation_on_a_hung_server_times_out_and_frees_its_slots():
+    fmt = ChatFormatter(build_char_tokenizer())
+    side, _, _ = make_side()
+    hung = HungServer(fmt, "http://hung")
+    side.pool.slots[0].engine = side.pool.slots[1].engine = hung  # every server alive but stuck
+    side.start()
+    pinned = lambda: sum(s.episodes for s in side.pool.slots)  # noqa: E731
+    try:
+        assert wait_for(lambda: pinned() == 4)  # the training episodes (concurrency 4) hang too
+        tasks = list(ToyToolTasks(6, seed=3))
+        loop_cfg = AgentLoopConfig(max_turns=2, max_total_tokens=256, max_new_tokens_per_turn=16,
+                                   sampling=SamplingParams(max_new_tokens=16), max_concurrency=4)
+        try:
+            side.evaluate(tasks, lambda task: ThreeTurns(), loop_cfg, timeout_s=0.5)
+        except TimeoutError as e:
+            msg = str(e)
+        else:
+            raise AssertionError("a hung evaluation returned")
+        # Cancelled, not left running: the slots its episodes pinned are released.
+        assert wait_for(lambda: pinned() == 4, timeout=5)
+    finally:
+        side.close()
+    assert "evaluation of 6 tasks did not finish within 0.5s (run.eval_timeout_s)" in msg
+    assert hung.calls >= 8 and side.error is None  # 4 training + 4 evaluation requests were sent

@@ -31,6 +31,7 @@ def test_presets_and_precedence(tmp_path):
     (["bogus=1"], "bogus: unknown key"),
     (["algorithm.eps_low=1.5"], "algorithm.eps_low: must be in"),
     (["algorithm.critic_steps=0"], "algorithm.critic_steps"),
+    (["run.eval_timeout_s=0"], "run.eval_timeout_s: must be > 0"),
     (["algorithm.critic_steps=two"], "algorithm.critic_steps: expected an integer"),
     (["rollout.backend=tgi"], "rollout.backend: 'tgi' is not one of"),
     (["rollout.backend=vllm_server"], "rollout.server_urls"),

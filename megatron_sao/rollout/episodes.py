@@ -240,17 +240,22 @@ class RolloutDriver:
     async def _monitor_health(self) -> None:
         while not self._stop.is_set():
             await asyncio.sleep(self.health_interval_s)
-            # Dead servers too: one that answers again may rejoin at the next weight update (server_pool).
-            slots = [s for s in self.pool.slots if s.alive or s.rejoin_refused is None]
-            ok = await asyncio.gather(*(self.pool.check(s, self.health_timeout_s) for s in slots))
-            for slot, healthy in zip(slots, ok):
-                if slot.alive and not healthy:
+            live = self.pool.alive()
+            # Dead servers too, at the same time: one that answers again may rejoin at the next weight
+            # update (server_pool). Live results are acted on first, whatever a hung dead one does.
+            dead = [s for s in self.pool.slots if not s.alive and s.rejoin_refused is None]
+            dead_ok = asyncio.gather(*(self.pool.check(s, self.health_timeout_s) for s in dead))
+            ok = await asyncio.gather(*(self.pool.check(s, self.health_timeout_s) for s in live))
+            for slot, healthy in zip(live, ok):
+                if not healthy:
                     await self._server_failed(slot, f"health check failed (every {self.health_interval_s:g}s)")
-                elif not slot.alive:
-                    if healthy and not slot.healthy_again:
-                        logger.info("rollout server %s answers its health check again; it rejoins at the next "
-                                    "weight update", slot.label)
-                    slot.healthy_again = healthy
+            for slot, healthy in zip(dead, await dead_ok):
+                if slot.alive or slot.rejoin_refused is not None:
+                    continue  # revived or refused by a weight update meanwhile
+                if healthy and not slot.healthy_again:
+                    logger.info("rollout server %s answers its health check again; it rejoins at the next "
+                                "weight update", slot.label)
+                slot.healthy_again = healthy
 
     async def _check_failing(self, traj: Trajectory) -> None:
         """Stop instead of spinning when episodes keep failing: a dead engine would otherwise turn

@@ -59,6 +59,16 @@ def _part(proc, root: int) -> str:
     return "vllm" if ("vllm" in text or "enginecore" in text or "worker" in text) else "other"
 
 
+def _peek(pid: int) -> tuple[tuple, int] | None:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return tuple(p.cmdline()), p.memory_info().rss
+    except psutil.Error:
+        return None
+
+
 def sample_tree(root: int, cpu: dict[int, tuple[str, float]]) -> int:
     """Bytes held by a process and all its descendants (PSS if available, else RSS); updates each
     process's CPU seconds (user + system) in `cpu` (pid -> (part, seconds))."""
@@ -69,16 +79,20 @@ def sample_tree(root: int, cpu: dict[int, tuple[str, float]]) -> int:
         procs += procs[0].children(recursive=True)
     except psutil.Error:
         return 0
-    total, rss = 0, {}
+    total, seen = 0, {}
     now = time.time()
-    for p in procs:  # parents come before their children (children(recursive=True) walks down)
+    for p in procs:
         try:
             mi = p.memory_full_info() if hasattr(p, "memory_full_info") else p.memory_info()
-            rss[p.pid] = mi.rss
-            parent_rss = rss.get(p.ppid(), 0)
-            # A sandbox launch between fork/vfork and exec shares the trainer's address space (vfork) or
-            # shows it whole: counting it again doubled the peak (8 GiB of trainer counted twice).
-            if parent_rss and now - p.create_time() < 5.0 and abs(mi.rss - parent_rss) < 0.02 * parent_rss:
+            cmd = tuple(p.cmdline())
+            seen[p.pid] = (cmd, mi.rss)
+            parent = seen.get(p.ppid()) or _peek(p.ppid())
+            # A sandbox launch between fork/vfork and exec is a clone of the trainer: with vfork it
+            # reports the trainer's whole address space as its own. Counting it doubled the peak
+            # (seed 1 of the curve: 22.5 GiB for ~16 GiB in use), so a child that still runs its
+            # parent's command line, or that is young and as large as its parent, is its parent.
+            if parent and (cmd == parent[0] or (now - p.create_time() < 5.0
+                                                and abs(mi.rss - parent[1]) < 0.02 * parent[1])):
                 continue
             total += getattr(mi, "pss", None) or mi.rss
             t = p.cpu_times()

@@ -3,12 +3,12 @@ LR schedule) on one rank and on two (TP=2+SP+EP=2, PP=2), and vanilla GRPO's upd
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
+from result_lines import parse_tagged
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "algo_engine.py")
@@ -24,8 +24,7 @@ def _run(cmd) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "ALGO_ENGINE DONE" in proc.stdout
-    return {tag: json.loads(payload) for _, tag, payload in
-            (line.split(" ", 2) for line in proc.stdout.splitlines() if line.startswith("RESULT "))}
+    return parse_tagged(proc.stdout)
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 
 import pytest
+from result_lines import parse_tagged
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "engine_parallel.py")
@@ -20,12 +20,7 @@ def _launch(tmp, nproc: int, layouts: list[str]) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "ENGINE_PARALLEL DONE" in proc.stdout
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            _, tag, payload = line.split(" ", 2)
-            out[tag] = json.loads(payload)
-    return out
+    return parse_tagged(proc.stdout)
 
 
 @pytest.fixture(scope="module")

@@ -16,3 +16,9 @@ def parse_tagged(out: str) -> dict[str, object]:
     """Every `RESULT <tag> <json>` anywhere in ``out``, by tag (a later one with the same tag wins)."""
     dec = json.JSONDecoder()
     return {m.group(1): dec.raw_decode(out, m.end())[0] for m in re.finditer(r"RESULT (\S+) (?=[\[{\"\d-])", out)}
+
+
+def parse_untagged(out: str) -> list:
+    """Every `RESULT <json>` (no tag) anywhere in ``out``, in order."""
+    dec = json.JSONDecoder()
+    return [dec.raw_decode(out, m.end())[0] for m in re.finditer(r"RESULT (?=[\[{])", out)]

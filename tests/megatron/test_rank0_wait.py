@@ -8,11 +8,11 @@ start before a barrier).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 
 import pytest
+from result_lines import parse_untagged
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "rank0_wait.py")
@@ -28,7 +28,7 @@ def test_other_ranks_outwait_a_rank0_phase_longer_than_the_collective_timeout(tm
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "RANK0_WAIT DONE" in proc.stdout
-    res = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    res = parse_untagged(proc.stdout)[0]
     assert res["pg_timeout_s"] == PG_TIMEOUT_S
     for r in res["ranks"]:
         assert r["batch"] == [f"trajectory-{i}" for i in range(4)]  # rank 1 got rank 0's batch

@@ -144,9 +144,8 @@ class RolloutSide:
         if rejoin:
             self._settle_rejoins(rejoin, metrics, version)
         if metrics.failed:
-            failed = {self.sync.labels.index(label): f"weight update v{version} failed: {err}"
-                      for label, err in metrics.failed.items()}
-            failed = {i: why for i, why in failed.items() if i not in rejoin}
+            failed = {i: f"weight update v{version} failed: {err}" for label, err in metrics.failed.items()
+                      if (i := self.sync.labels.index(label)) not in rejoin}  # rejoins: settled above
             self.driver.servers_failed(failed)
             if self.driver.error is not None:
                 raise WeightSyncError(f"weight sync v{version}: no rollout server left ({self.pool.describe_dead()})")

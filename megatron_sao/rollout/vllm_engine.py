@@ -18,7 +18,8 @@ In-flight requests across ``update_weights`` (``EngineConfig.inflight_policy``):
 * ``abort``: ``pause_generation(mode="abort")`` ends every in-flight request; ``generate`` returns its
   partial tokens with ``finish_reason="abort"`` and the agent loop decides what to do.
 
-The CPU weight path needs a *complete* update (every checkpoint tensor), see ``vllm_weight_transport``.
+Weights arrive through ``vllm_weight_transport`` (a transfer group: NCCL on GPU, gloo on CPU); the CPU
+fix-ups after a load (MoE expert prepack, tied LM head) need a *complete* update (every checkpoint tensor).
 Updates are streamed bucket by bucket (``begin_weight_update`` / ``push_weight_bucket`` /
 ``finish_weight_update``); each bucket is checked on arrival and completeness at the end.
 """
@@ -27,13 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import typing
 import uuid
 from pathlib import Path
 
+import torch
+
 from megatron_sao.rollout.protocol import EngineConfig, GenerationResult, SamplingParams, StreamedUpdate, WeightBucket
-from megatron_sao.rollout.vllm_weight_transport import NCCLTransport, WeightTransport, make_transport
+from megatron_sao.rollout.vllm_weight_transport import GroupTransport, WeightTransport, make_transport
 
 _WORKER_EXTENSION = "megatron_sao.rollout.vllm_worker_ext.SAOWorkerExtension"
 
@@ -86,6 +90,8 @@ def validate_full_update(buckets: list[WeightBucket], expected: dict[str, tuple[
         check_bucket(bucket, expected, seen, owner)
     check_complete(seen, expected, owner)
 
+logger = logging.getLogger(__name__)
+
 
 class VLLMEngine(StreamedUpdate):
     """``RolloutEngine`` over an in-process ``AsyncLLM``. Construct inside or outside an event loop."""
@@ -117,12 +123,12 @@ class VLLMEngine(StreamedUpdate):
         )
         if cfg.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
-        if cfg.tensor_parallel_size == 1 and not isinstance(self.transport, NCCLTransport):
+        if cfg.tensor_parallel_size == 1 and not torch.cuda.is_available():
             # One process fewer to start (the worker runs inside EngineCore): on a small CPU box
             # each extra vLLM process costs tens of seconds of imports.
             kwargs["distributed_executor_backend"] = "uni"
-        if isinstance(self.transport, NCCLTransport):
-            kwargs["weight_transfer_config"] = {"backend": "nccl"}
+        if isinstance(self.transport, GroupTransport):
+            kwargs["weight_transfer_config"] = {"backend": self.transport.engine_backend}
         kwargs.update(cfg.extra_engine_args)
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self._started = False
@@ -224,8 +230,10 @@ class VLLMEngine(StreamedUpdate):
     async def finish_weight_update(self, version: int) -> None:
         """Check completeness, make the update live, stamp ``version``, resume.
 
-        If the push itself fails after validation, the workers may hold a partial update: the version
-        is not advanced and the error propagates; the caller should restart the engine or push again.
+        An update refused at its first bucket leaves the weights untouched. One that fails later (a
+        missing tensor, a transfer error) is aborted: the version is not advanced, the error
+        propagates, and the workers may hold a partial update (some layers new) until a complete one
+        is pushed; the server pool keeps such a server out of service until then.
         """
         try:
             check_complete(self._seen, self._expected, self.name)
@@ -234,6 +242,12 @@ class VLLMEngine(StreamedUpdate):
             await self.transport.finish(self.llm, version)
             await self.llm.update_weight_version(str(version))
             self.version = version
+        except BaseException:
+            try:
+                await self.transport.abort(self.llm)
+            except Exception as e:  # the original error is the one to report
+                logger.warning("%s: abort after a failed update failed too: %s", self.name, e)
+            raise
         finally:
             await self._end_update()
         self.last_update_s = time.perf_counter() - self._t_update
@@ -241,8 +255,10 @@ class VLLMEngine(StreamedUpdate):
     async def abort_weight_update(self) -> None:
         if not self._update_lock.locked():
             return
-        await self.transport.abort(self.llm)
-        await self._end_update()
+        try:
+            await self.transport.abort(self.llm)
+        finally:
+            await self._end_update()
 
     async def _pause_for_update(self) -> None:
         mode = "abort" if self.cfg.inflight_policy == "abort" else "keep"

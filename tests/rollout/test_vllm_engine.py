@@ -27,21 +27,22 @@ class _Harness:
         self.loop = asyncio.new_event_loop()
         self.dirs = {k: make_tiny_model(root, k) for k in (*KINDS, "tied")}
         self.state = {k: None for k in self.dirs}  # None = weights on disk; else the last pushed state dict
-        self.engines: dict[str, VLLMEngine] = {}
+        self.engines: dict[tuple[str, str], VLLMEngine] = {}
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
 
-    def engine(self, kind: str) -> VLLMEngine:
-        if kind not in self.engines:
+    def engine(self, kind: str, transport: str = "auto") -> VLLMEngine:
+        """``auto`` is the gloo transfer group on CPU (the GPU path's calls); ``reload`` the bytes path."""
+        if (kind, transport) not in self.engines:
             cfg = EngineConfig(backend="vllm", model_path=str(self.dirs[kind]), max_model_len=512,
-                               kv_cache_memory_bytes=32 << 20, max_batch_size=8)
+                               kv_cache_memory_bytes=32 << 20, max_batch_size=8, weight_transport=transport)
 
             async def make():
                 return VLLMEngine(cfg)
 
-            self.engines[kind] = self.run(make())
-        return self.engines[kind]
+            self.engines[(kind, transport)] = self.run(make())
+        return self.engines[(kind, transport)]
 
     def ref(self, kind: str, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> list[float]:
         return hf_logprobs(self.dirs[kind], self.state[kind], prompt, tokens, temperature)
@@ -109,13 +110,17 @@ def test_temperature_records_processed_logprobs(h):
     assert _max_diff(out.logprobs, h.ref("dense", [5, 6, 7], out.token_ids)) > 1e-2  # not the raw ones
 
 
-@pytest.mark.parametrize("kind", (*KINDS, "tied"))
-def test_update_weights_then_logprobs_match_new_weights(h, kind):
-    engine = h.engine(kind)
-    new = perturbed(load_checkpoint(h.dirs[kind]), seed=21)
+@pytest.mark.parametrize("kind,transport", [*((k, "auto") for k in (*KINDS, "tied")), ("tied", "reload")])
+def test_update_weights_then_logprobs_match_new_weights(h, kind, transport):
+    engine = h.engine(kind, transport)
+    assert type(engine.transport).__name__ == ("ReloadTransport" if transport == "reload" else "GroupTransport")
+    if transport == "auto":  # the CPU build runs the GPU path's transfer-group calls, over gloo
+        assert engine.transport.backend == "gloo" and engine.transport.engine_backend == "sao_gloo"
+    new = perturbed(load_checkpoint(h.dirs[kind]), seed=21 if transport == "auto" else 22)
     sync = WeightSync([engine], timeout_s=120)
     metrics = h.run(sync.push([list(new.items())], version=engine.version + 1))
-    h.state[kind] = new
+    if transport == "auto":
+        h.state[kind] = new
     assert metrics.bytes == sum(t.numel() * t.element_size() for t in new.values()) and metrics.bytes_per_s > 0
     if kind == "moe":  # the CPU expert repack ran on every MoE layer
         assert engine.transport.last_result[0]["moe_layers_repacked"] == 2
@@ -124,28 +129,39 @@ def test_update_weights_then_logprobs_match_new_weights(h, kind):
         assert engine.transport.last_result[0]["lm_heads_repacked"] == 2  # embed_tokens and the tied lm_head
     out = h.run(engine.generate([5, 6, 7], SamplingParams(max_new_tokens=16, seed=3)))
     assert out.versions == [engine.version] * len(out.token_ids)
-    assert _max_diff(out.logprobs, h.ref(kind, [5, 6, 7], out.token_ids)) <= 1e-4
+    assert _max_diff(out.logprobs, hf_logprobs(h.dirs[kind], new, [5, 6, 7], out.token_ids)) <= 1e-4
     assert _max_diff(out.logprobs, hf_logprobs(h.dirs[kind], None, [5, 6, 7], out.token_ids)) > 1e-2
     # check mode: engine log-probs on fixed tokens vs the trainer's reference (here: transformers)
     tokens = [5, 6, 7] + out.token_ids
-    diff = h.run(sync.verify(engine, tokens, h.ref(kind, [5, 6, 7], out.token_ids), atol=1e-4, prompt_len=3))
+    diff = h.run(sync.verify(engine, tokens, hf_logprobs(h.dirs[kind], new, [5, 6, 7], out.token_ids), atol=1e-4, prompt_len=3))
     assert diff <= 1e-4
     stale = hf_logprobs(h.dirs[kind], None, [5, 6, 7], out.token_ids)
     with pytest.raises(WeightSyncError, match="weight check failed on engine 0"):
         h.run(sync.verify(engine, tokens, stale, atol=1e-4, prompt_len=3))
 
 
-def test_bad_updates_are_refused_before_anything_is_sent(h):
+def test_bad_updates_are_refused_and_a_complete_update_recovers(h):
+    """A bad first bucket is refused before the workers see anything; a missing tensor is found only at
+    the end of a streamed update (a partial load), and the next complete update makes the engine whole."""
     engine = h.engine("moe")
     version = engine.version
     state = load_checkpoint(h.dirs["moe"])
+    before = h.run(engine.generate([5, 6, 7], SamplingParams(max_new_tokens=8, seed=5)))
     with pytest.raises(KeyError, match="unknown weight name"):
         h.run(engine.update_weights([list(state.items()) + [("model.bogus.weight", torch.zeros(2))]], version + 1))
-    with pytest.raises(ValueError, match="missing"):
-        h.run(engine.update_weights([list(state.items())[:-1]], version + 1))
     with pytest.raises(ValueError, match="shape"):
         h.run(engine.update_weights([[(n, t[..., :1] if n == "model.norm.weight" else t) for n, t in state.items()]], version + 1))
-    assert engine.version == version
+    again = h.run(engine.generate([5, 6, 7], SamplingParams(max_new_tokens=8, seed=5)))
+    assert again.token_ids == before.token_ids and _max_diff(again.logprobs, before.logprobs) <= 1e-6  # untouched
+    new = perturbed(state, seed=55)
+    with pytest.raises(ValueError, match="missing"):
+        h.run(engine.update_weights([[(n, new[n]) for n in list(new)[:-1]]], version + 1))
+    assert engine.version == version and h.run(engine.health())
+    h.run(engine.update_weights([list(new.items())], version + 1))
+    h.state["moe"] = new
+    out = h.run(engine.generate([5, 6, 7], SamplingParams(max_new_tokens=16, seed=3)))
+    assert out.versions == [version + 1] * len(out.token_ids)
+    assert _max_diff(out.logprobs, h.ref("moe", [5, 6, 7], out.token_ids)) <= 1e-4
 
 
 def test_keep_policy_versions_span_the_update(h):

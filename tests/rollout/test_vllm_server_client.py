@@ -181,3 +181,93 @@ def test_expand_spans_names_a_bad_label():
         expand_spans([{"version": "default", "start": 0, "end": 1}], 1, "x")
     with pytest.raises(ServerError, match="do not cover"):
         expand_spans([{"version": "1", "start": 0, "end": 1}], 2, "x")
+
+
+class _VLLMSessionRules:
+    """The control plane of a `vllm serve` worker's weight-update session, as vLLM 0.32 enforces it
+    (gpu_worker.py): start while a session is active, or finish without one, is an error; one bucket's
+    receive fails as a worker error would. Only what these routes need; the data plane is not here."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.calls: list[tuple[str, object]] = []
+        self.fail_next_update = False
+
+    def app(self):
+        from aiohttp import web
+
+        async def route(request: web.Request) -> web.Response:
+            body = await request.json() if request.can_read_body else None
+            self.calls.append((request.path, body))
+            if request.path == "/start_weight_update":
+                if self.active:
+                    return web.json_response({"error": "start_weight_update called while a weight update is "
+                                                       "already active. Call finish_weight_update first."}, status=500)
+                self.active = True
+            elif request.path == "/update_weights" and self.fail_next_update:
+                self.fail_next_update = False
+                return web.json_response({"error": "receive failed"}, status=500)
+            elif request.path == "/finish_weight_update":
+                if not self.active:
+                    return web.json_response({"error": "finish_weight_update called without a matching "
+                                                       "start_weight_update."}, status=500)
+                self.active = False
+            return web.json_response({"ok": True})
+
+        app = web.Application()
+        for path in ("/pause", "/resume", "/start_weight_update", "/update_weights", "/finish_weight_update"):
+            app.router.add_post(path, route)
+        return app
+
+
+class _NoDataPlane:
+    """Stands in for the transfer group: this test is about the HTTP session, not the broadcast."""
+
+    def broadcast(self, tensor, src=0):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_an_aborted_vllm_update_leaves_the_session_so_the_server_can_take_the_next_one():
+    """Before: abort only resumed, the workers' update session stayed open, and every later update
+    (a rejoin on probation included) was refused with 'already active'."""
+    from aiohttp import web
+
+    rules = _VLLMSessionRules()
+    bucket = [("model.norm.weight", torch.ones(4))]
+
+    async def run():
+        runner = web.AppRunner(rules.app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        client = VLLMServerClient(url, EngineConfig(backend="vllm_server", server_urls=(url,), weight_transport="gloo",
+                                                    control_timeout_s=5.0))
+        client.kind, client.transport, client.route, client._group = "vllm", "gloo", "generate", _NoDataPlane()
+        try:
+            await client.begin_weight_update(1)
+            rules.fail_next_update = True
+            with pytest.raises(ServerError, match="update_weights"):
+                await client.push_weight_bucket(bucket)
+            await client.abort_weight_update()
+            aborted = list(rules.calls)
+            rules.calls.clear()
+            await client.update_weights([bucket], 2)  # the next complete update goes through
+            return aborted, client.version
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    aborted, version = asyncio.run(run())
+    assert [p for p, _ in aborted] == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                                       "/resume"]
+    assert aborted[3][1] == {}  # no weight_version: the label stays the old one
+    assert version == 2 and [p for p, _ in rules.calls] == ["/pause", "/start_weight_update", "/update_weights",
+                                                             "/finish_weight_update", "/resume"]
+    assert rules.calls[3][1] == {"weight_version": "2"} and not rules.active

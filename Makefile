@@ -41,9 +41,12 @@ smollm2: venv
 
 # The README's SmolLM2 learning curve: base eval, SFT, SAO with seeds 1 and 2, plot and numbers in
 # results/smollm2/ (benchmarks/smollm2_curve.py; runs in runs/smollm2/curve, reused when present).
+# Threads: what `sao sft` / `sao train` get when a user types them (torch's default, one per core; 2
+# here), not the OMP_NUM_THREADS=1 this Makefile exports for the tests. CURVE_THREADS=n to change it.
+CURVE_THREADS ?= 2
 smollm2-curve:
 	@test -f runs/smollm2/hf/config.json || $(MAKE) smollm2
-	$(BIN)/python benchmarks/smollm2_curve.py
+	OMP_NUM_THREADS=$(CURVE_THREADS) $(BIN)/python benchmarks/smollm2_curve.py
 
 # The trainer's GPU path on one CUDA machine (bf16 on NCCL, < 8 min on one GPU): figures in
 # $(GPU_CHECK_OUT). Runs on the machine's own python with torch (not .venv's CPU torch); wheels it

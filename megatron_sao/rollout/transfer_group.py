@@ -147,3 +147,22 @@ def broadcast_bucket(group: TransferGroup, tensors: list[torch.Tensor]) -> None:
     for t in sent:
         group.broadcast(t, src=0)
     group.synchronize()
+
+
+async def send_bucket(group: TransferGroup, tensors: list[torch.Tensor], receive) -> None:
+    """Broadcast one bucket while ``receive`` (the awaitable that makes the workers receive it: an
+    HTTP ``/update_weights`` or AsyncLLM's ``update_weights``) runs; return when both are done.
+
+    A receive refused at once (bad names, no update session, a worker error) must not leave this
+    process broadcasting to workers that will never join: it gets a moment to fail first (vLLM's own
+    trainer example does the same)."""
+    import asyncio
+
+    recv = asyncio.ensure_future(receive)
+    await asyncio.wait({recv}, timeout=0.05)
+    if recv.done() and recv.exception() is not None:
+        raise recv.exception()
+    try:
+        await asyncio.to_thread(broadcast_bucket, group, tensors)
+    finally:
+        await recv

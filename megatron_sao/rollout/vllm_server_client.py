@@ -283,19 +283,10 @@ class VLLMServerClient:
             await self._control("POST", "/sao/update_weights", data=blob)
             self.last_update_bytes += len(blob)
             return
-        from megatron_sao.rollout.transfer_group import broadcast_bucket
+        from megatron_sao.rollout.transfer_group import send_bucket
 
-        recv = asyncio.ensure_future(self._control("POST", "/update_weights",
-                                                   json={"update_info": bucket_update_info(bucket)}))
-        # A request refused before any receive (bad names, no session) must not leave us broadcasting
-        # to workers that will never join: give it a moment to fail first (vLLM's trainer does the same).
-        await asyncio.wait({recv}, timeout=0.05)
-        if recv.done() and recv.exception() is not None:
-            raise recv.exception()
-        try:
-            await asyncio.to_thread(broadcast_bucket, self._group, [t for _, t in bucket])
-        finally:
-            await recv
+        await send_bucket(self._group, [t for _, t in bucket],
+                          self._control("POST", "/update_weights", json={"update_info": bucket_update_info(bucket)}))
         self.last_update_bytes += bucket_bytes(bucket)
 
     async def finish_weight_update(self, version: int) -> None:

@@ -149,21 +149,11 @@ class GroupTransport(WeightTransport):
     async def push_bucket(self, llm: object, bucket: WeightBucket) -> int:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        from megatron_sao.rollout.transfer_group import broadcast_bucket
+        from megatron_sao.rollout.transfer_group import send_bucket
 
         await self._start(llm)
-        recv = asyncio.ensure_future(
-            llm.update_weights(WeightTransferUpdateRequest(update_info=bucket_update_info(bucket)))  # type: ignore[attr-defined]
-        )
-        # A receive refused at once (a worker error) must not leave us broadcasting to workers that will
-        # never join (the server client does the same).
-        await asyncio.wait({recv}, timeout=0.05)
-        if recv.done() and recv.exception() is not None:
-            raise recv.exception()
-        try:
-            await asyncio.to_thread(broadcast_bucket, self._group, [t for _, t in bucket])
-        finally:
-            await recv
+        await send_bucket(self._group, [t for _, t in bucket],
+                          llm.update_weights(WeightTransferUpdateRequest(update_info=bucket_update_info(bucket))))  # type: ignore[attr-defined]
         return bucket_bytes(bucket)
 
     async def finish(self, llm: object, version: int) -> None:

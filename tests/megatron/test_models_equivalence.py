@@ -7,9 +7,7 @@ TP2/PP2/EP2 into their own layout. Tolerance: 1e-5 max abs difference in float32
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import subprocess
 import sys
 
@@ -20,6 +18,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(HERE, "workers"))
 
 from models_hf_dirs import make_hf_dirs  # noqa: E402
+from result_lines import parse_untagged  # noqa: E402
 
 TOL = 1e-5
 ARCHS = ("qwen3_moe", "qwen3", "llama")
@@ -61,20 +60,14 @@ def _launch(nproc: int, *args: str) -> list[dict]:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "WORKER DONE" in out, out[-4000:]
-    return parse_results(out)
-
-
-def parse_results(out: str) -> list[dict]:
-    """Every `RESULT {json}` in the output. Not line by line: the ranks share torchrun's stdout, and
-    two ranks' lines can arrive glued on one line ("RESULT {...}RESULT {...}"), which failed this
-    test now and then in CI and under load."""
-    dec = json.JSONDecoder()
-    return [dec.raw_decode(out, m.end())[0] for m in re.finditer(r"RESULT (?=\{)", out)]
+    return parse_untagged(out)
 
 
 def test_results_glued_on_one_line_are_all_read():
+    """The ranks share torchrun's stdout: two ranks' lines can arrive glued on one line, which failed
+    this test now and then in CI and under load when it parsed line by line."""
     out = 'x\nRESULT {"rank": 0, "d": [1, 2]}RESULT {"rank": 1}\nnoise RESULT {"rank": 2}\nRESULT none\n'
-    assert parse_results(out) == [{"rank": 0, "d": [1, 2]}, {"rank": 1}, {"rank": 2}]
+    assert parse_untagged(out) == [{"rank": 0, "d": [1, 2]}, {"rank": 1}, {"rank": 2}]
 
 
 def _by(results, **match):

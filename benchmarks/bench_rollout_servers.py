@@ -15,7 +15,7 @@ whether a flat ratio comes from the servers (the machine) or from the rollout si
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_rollout_servers.py --server sao --servers 1,2,4
 
 ``--server vllm``: real `vllm serve` processes of the CPU build (~2 GiB each; weights over the gloo
-transfer groups); ``--server sao``: rollout/server.py (HF engine, weights over HTTP). Each server is
+transfer groups); ``--server sao``: rollout/engines/http_server.py (HF engine, weights over HTTP). Each server is
 pinned to one core (VLLM_CPU_OMP_THREADS_BIND / OMP_NUM_THREADS=1), so on a machine with C cores
 more than C servers cannot run faster: read the ratios against the core count printed first.
 """
@@ -41,8 +41,8 @@ def _side(cfg, model_dir: Path, urls: list[str], on_done, args):
     """The trainer's rollout side over the servers at `urls` (what build_rollout_side makes, with
     admission wide open: nothing waits for a trainer step here)."""
     from megatron_sao.rollout.chat import ChatFormatter
-    from megatron_sao.rollout.driver import RolloutSide, RolloutSideConfig
-    from megatron_sao.rollout.factory import make_engines
+    from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig
+    from megatron_sao.rollout.engines.factory import make_engines
     from megatron_sao.rollout.prompts import PromptStream
     from megatron_sao.trainer import components as C
 

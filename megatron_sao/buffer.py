@@ -10,7 +10,7 @@ Staleness. The lag of an action token is `current_version - version that sampled
 lag is the largest over its action tokens (pause-keep rollouts can span several versions). At
 `take`, a trajectory whose lag exceeds `max_staleness` is handled by `staleness_policy`:
 - "keep" (default): trained on anyway; the DIS mask removes tokens whose ratio left the trust band.
-  The paper sends every finished trajectory to training; admission control (rollout/episodes.py)
+  The paper sends every finished trajectory to training; admission control (rollout/episode_driver.py)
   still bounds how far rollouts start ahead, so only episodes longer than that bound arrive stale.
 - "drop": removed and counted (`dropped_stale`), and its prompt is handed back through
   `on_drop` so the rollout driver runs it again *first*. An episode longer than the bound is stale

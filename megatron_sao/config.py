@@ -166,7 +166,7 @@ class RolloutConfig:
     # plan passes the same value to both). None: ceil(concurrency / servers) for vllm_server, else unbounded.
     max_num_seqs: Optional[int] = None
     # How weights reach the engines: nccl (GPU), gloo (CPU: the same transfer-group calls), reload
-    # (safetensors bytes; rollout/server.py), auto (nccl with CUDA, else gloo; a server: what it offers).
+    # (safetensors bytes; rollout/engines/http_server.py), auto (nccl with CUDA, else gloo; a server: what it offers).
     weight_transport: Literal["auto", "reload", "nccl", "gloo"] = "auto"
     # nccl / gloo: the trainer rank-0 host as the servers see it, and one port per server (set by the
     # launch plan from cluster.weight_sync_port; no defaults, a wrong guess would hang a rendezvous).

@@ -5,7 +5,7 @@ import hypothesis  # noqa: F401
 
 # The collective-device rule (docs/architecture.md): every process this suite starts - engine
 # workers, torchrun'd trainers, `sao` subprocesses - inherits this, and init_parallel then installs
-# megatron_sao.megatron.collective_guard, which fails any collective a GPU job's NCCL would refuse.
+# megatron_sao.distributed.collective_guard, which fails any collective a GPU job's NCCL would refuse.
 import os  # noqa: E402
 
 os.environ.setdefault("SAO_COLLECTIVE_GUARD", "1")

@@ -26,7 +26,7 @@ SLACK_BYTES = 1 << 30
 
 
 def _generate(shard, vocab: int, n_new: int, seed: int) -> dict:
-    from megatron_sao.rollout.protocol import SamplingParams
+    from megatron_sao.rollout.engines.protocol import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, vocab, (16 + 8 * i,), generator=g).tolist() for i in range(4)]
@@ -51,7 +51,7 @@ def colocated(st) -> dict:
     from megatron_sao.rollout.colocate.cycle import ColocatedRollout
     from megatron_sao.rollout.colocate.layout import EngineLayout
     from megatron_sao.rollout.colocate.vllm_shard import VLLMShard
-    from megatron_sao.rollout.protocol import EngineConfig
+    from megatron_sao.rollout.engines.protocol import EngineConfig
     from megatron_sao.trainer.losses import critic_loss_fn, policy_loss_fn
 
     actor, critic, spec, cuda = st["actor"], st["critic"], st["spec"], st["cuda"]

@@ -292,8 +292,8 @@ def memory(st) -> dict:
 
 
 def generate(st) -> dict:
-    from megatron_sao.rollout.hf_engine import HFEngine
-    from megatron_sao.rollout.protocol import EngineConfig, SamplingParams
+    from megatron_sao.rollout.engines.hf_engine import HFEngine
+    from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams
 
     n_new = st["shape"]["gen_tokens"]
     cfg = EngineConfig(backend="hf", model_path=str(st["hf_dir"]), dtype=str(st["dtype"]).replace("torch.", ""),

@@ -8,7 +8,7 @@ trainer "node" and a rollout "node" that are both 127.0.0.1), then does what `sl
 each node, through `supervisor.Supervisor`: start the rollout servers, wait for every GET /health,
 run the trainer, stop everything when the trainer exits or a server dies. `--server vllm` starts real
 `vllm serve` processes (as `python -m vllm.entrypoints.openai.api_server`: the CPU wheel's `vllm`
-script fails) with the gloo weight transport; `--server sao` starts rollout/server.py (an HF engine
+script fails) with the gloo weight transport; `--server sao` starts rollout/engines/http_server.py (an HF engine
 over the same routes, much faster to start). Ports are free ones of this machine, never the recipe's
 (other runs share it). The exit code is the trainer's; if a server dies first the run fails (1).
 With `--rollout-servers 0` the trainer runs with the config's own (embedded) rollout backend.
@@ -97,7 +97,7 @@ def build_local_plan(config: str, *, trainer_ranks: int, rollout_servers: int, r
     else:
         local += ["cluster.placement=disaggregated"]
         if server == "vllm":
-            local += ["rollout.weight_transport=gloo"]  # the CPU build's data plane (rollout/transfer_group.py)
+            local += ["rollout.weight_transport=gloo"]  # the CPU build's data plane (rollout/vllm_worker/transfer_group.py)
     hosts = [HOST] * (2 if rollout_servers else 1)
     exe = Executables(torchrun=f"{python} -m torch.distributed.run", vllm=f"{python} -m {VLLM_MODULE}",
                       rollout_server=server, python=python)
@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trainer-ranks", type=int, default=2)
     ap.add_argument("--rollout-servers", type=int, default=1)
     ap.add_argument("--server", choices=("vllm", "sao"), default="sao",
-                    help="vllm: real `vllm serve` processes (CPU build); sao: rollout/server.py (HF engine)")
+                    help="vllm: real `vllm serve` processes (CPU build); sao: rollout/engines/http_server.py (HF engine)")
     ap.add_argument("--run-dir", default="runs/local")
     ap.add_argument("--health-timeout-s", type=float, default=300.0)
     ap.add_argument("--grace-s", type=float, default=30.0)

@@ -16,7 +16,7 @@ cluster.rollout_port, and the trainer gets `rollout.backend=vllm_server` plus th
 allocation is the truth for node counts: the plan passes the resulting cluster.* values to the
 trainer as overrides so that the trainer's config describes the job it is actually in.
 
-Every server is used (rollout/driver.py), so the plan also fixes what both sides must agree on:
+Every server is used (rollout/rollout_side.py), so the plan also fixes what both sides must agree on:
 `--max-num-seqs` of each server = the trainer's per-server request cap (`rollout.max_num_seqs`, default
 an even share of rollout.concurrency), and server i's weight-transfer group meets on the first trainer
 host at port `cluster.weight_sync_port + i` (`rollout.weight_transfer_master_address` /
@@ -38,6 +38,7 @@ from typing import Literal, Mapping, Sequence
 from megatron_sao.cluster.hostlist import HostlistError, expand_hostlist
 from megatron_sao.cluster.socket_ifname import GLOO, gloo_ifname_from_env
 from megatron_sao.config import ConfigError, SAOConfig, load_config
+from megatron_sao.rollout.vllm_worker import WORKER_EXTENSION
 
 Role = Literal["trainer", "rollout"]
 
@@ -99,7 +100,7 @@ class LaunchPlan:
 class Executables:
     """Commands used on the nodes (override for containers or non-PATH installs). Each is split like a
     shell word list, so `python -m torch.distributed.run` or `python -m vllm.entrypoints.openai.api_server`
-    (the CPU wheel, whose `vllm` script fails) work too. `rollout_server="sao"` runs rollout/server.py
+    (the CPU wheel, whose `vllm` script fails) work too. `rollout_server="sao"` runs rollout/engines/http_server.py
     (an HF engine over vLLM's routes, a fast-starting CPU stand-in) instead of vLLM."""
 
     torchrun: str = "torchrun"
@@ -111,9 +112,6 @@ class Executables:
         words = shlex.split(self.vllm)
         # The API-server module takes the model as --model; the `vllm` script as `serve MODEL`.
         return [*words, "--model", model] if words[-1].startswith("vllm.entrypoints") else [*words, "serve", model]
-
-
-GLOO_WORKER_EXTENSION = "megatron_sao.rollout.vllm_worker_ext.SAOWorkerExtension"
 
 
 def _pos_int(value: int, name: str) -> int:
@@ -177,7 +175,7 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
     if R:
         r = base.rollout
         if r.weight_transport == "reload" and exe.rollout_server == "vllm":
-            raise LaunchPlanError("rollout.weight_transport=reload works with rollout/server.py only; vllm serve "
+            raise LaunchPlanError("rollout.weight_transport=reload works with rollout/engines/http_server.py only; vllm serve "
                                   "takes nccl (GPU) or gloo (CPU builds)")
         max_seqs = r.max_num_seqs or -(-r.concurrency // len(server_urls))
         sync_ports = [c.weight_sync_port + i for i in range(len(server_urls))]
@@ -220,7 +218,7 @@ def _vllm_process(cfg: SAOConfig, exe: Executables, model_dir: str | None, host:
     c, r = cfg.cluster, cfg.rollout
     gpus = ",".join(str(g) for g in range(i * c.rollout_tp, (i + 1) * c.rollout_tp))
     # The CPU build has no NCCL: its workers take the same rendezvous and routes over gloo, through
-    # a transfer engine our worker extension registers (rollout/vllm_gloo_engine.py).
+    # a transfer engine our worker extension registers (rollout/vllm_worker/gloo_engine.py).
     gloo = r.weight_transport == "gloo"
     transfer = {"backend": "sao_gloo" if gloo else "nccl"}
     argv = [*exe.vllm_argv(model_dir or cfg.model.path),
@@ -237,7 +235,7 @@ def _vllm_process(cfg: SAOConfig, exe: Executables, model_dir: str | None, host:
             "--enable-scale-out",
             "--weight-transfer-config", json.dumps(transfer, separators=(",", ":"))]
     if gloo:
-        argv += ["--worker-extension-cls", GLOO_WORKER_EXTENSION]
+        argv += ["--worker-extension-cls", WORKER_EXTENSION]
     argv += list(r.vllm_serve_args)
     # Dev mode exposes /pause, /resume and the weight-update routes the trainer drives.
     env = {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": gpus}
@@ -246,7 +244,7 @@ def _vllm_process(cfg: SAOConfig, exe: Executables, model_dir: str | None, host:
 
 def _sao_server_process(cfg: SAOConfig, exe: Executables, model_dir: str | None, host: str, i: int, j: int,
                         logs: str, config: str, overrides: Sequence[str]) -> ProcessSpec:
-    """rollout/server.py (an HF engine) in vllm serve's place: same port, routes and health check."""
+    """rollout/engines/http_server.py (an HF engine) in vllm serve's place: same port, routes and health check."""
     c = cfg.cluster
     argv = [*shlex.split(exe.python), "-m", "megatron_sao.cli", "serve-rollout", config, "--host", "0.0.0.0",
             "--port", str(c.rollout_port + i), *overrides, f"run.dir={cfg.run.dir}"]
@@ -307,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--torchrun", default=Executables.torchrun)
     ap.add_argument("--vllm", default=Executables.vllm)
     ap.add_argument("--rollout-server", choices=("vllm", "sao"), default="vllm",
-                    help="what rollout nodes run: vllm serve, or rollout/server.py (HF engine, CPU)")
+                    help="what rollout nodes run: vllm serve, or rollout/engines/http_server.py (HF engine, CPU)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     return ap
 

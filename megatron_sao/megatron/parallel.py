@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_sao.megatron import collective_guard, rank0_gate
+from megatron_sao.distributed import collective_guard, rank0_gate
 from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
 
 logger = logging.getLogger(__name__)

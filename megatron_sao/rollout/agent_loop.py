@@ -37,7 +37,7 @@ turn from the same prefix (the new weights sample the whole turn, so a turn neve
 re-tries are counted in ``info["abort_retries"]`` and capped by ``max_abort_retries``.
 
 ``run_many`` runs a fixed list of tasks with bounded concurrency (evaluation, value pretraining);
-the trainer's long-running producer, with admission control, is ``rollout/episodes.py``.
+the trainer's long-running producer, with admission control, is ``rollout/episode_driver.py``.
 Both hand each trajectory to ``on_done`` as soon as it finishes (single rollout: no grouping, so a
 slow episode never holds back a fast one).
 """
@@ -56,7 +56,7 @@ from typing import Any
 
 from megatron_sao.envs.base import Environment, Task
 from megatron_sao.rollout.chat import ChatFormatter
-from megatron_sao.rollout.protocol import GenerationResult, RolloutEngine, SamplingParams
+from megatron_sao.rollout.engines.protocol import GenerationResult, RolloutEngine, SamplingParams
 from megatron_sao.trajectory import Trajectory, TrajectoryBuilder
 
 EnvFactory = Callable[[Task], "Environment | Awaitable[Environment]"]

@@ -29,7 +29,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from megatron_sao.rollout.protocol import GenerationResult, RolloutEngine, SamplingParams
+from megatron_sao.rollout.engines.protocol import GenerationResult, RolloutEngine, SamplingParams
 
 logger = logging.getLogger(__name__)
 

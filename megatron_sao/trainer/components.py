@@ -191,7 +191,7 @@ def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = N
 def engine_config(cfg: SAOConfig, model_dir: Path):
     """The rollout engines' config: every server of rollout.server_urls, its TP (cluster.rollout_tp),
     and the weight-transfer rendezvous the launch plan assigned."""
-    from megatron_sao.rollout.protocol import EngineConfig
+    from megatron_sao.rollout.engines.protocol import EngineConfig
 
     r = cfg.rollout
     return EngineConfig(
@@ -212,7 +212,7 @@ def rollout_device() -> str:
 
 def build_rollout_engine(cfg: SAOConfig, model_dir: Path):
     """One engine (evaluation of a model dir, value pretraining): the hf / in-process vLLM backends."""
-    from megatron_sao.rollout.factory import make_engine
+    from megatron_sao.rollout.engines.factory import make_engine
 
     return make_engine(engine_config(cfg, model_dir))
 
@@ -233,8 +233,8 @@ def build_rollout_side(cfg: SAOConfig, model_dir: Path, on_done, *, group_size: 
     `colocated` (rank 0 of a colocated run): its engines stand in for servers; each takes an even share
     of rollout.concurrency, the number its vLLM scheduler runs at once (trainer/colocated.py)."""
     from megatron_sao.rollout.chat import ChatFormatter
-    from megatron_sao.rollout.driver import RolloutSide, RolloutSideConfig
-    from megatron_sao.rollout.factory import make_engines
+    from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig
+    from megatron_sao.rollout.engines.factory import make_engines
     from megatron_sao.rollout.prompts import PromptStream
     from megatron_sao.trainer.colocated import engine_max_num_seqs
 
@@ -260,7 +260,7 @@ def build_rollout_side(cfg: SAOConfig, model_dir: Path, on_done, *, group_size: 
 
 def agent_loop_config(cfg: SAOConfig):
     from megatron_sao.rollout.agent_loop import AgentLoopConfig
-    from megatron_sao.rollout.protocol import SamplingParams
+    from megatron_sao.rollout.engines.protocol import SamplingParams
 
     r = cfg.rollout
     max_total = min(r.max_total_tokens, cfg.model.max_seq_len)

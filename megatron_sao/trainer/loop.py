@@ -10,9 +10,9 @@
         _end_step()                  logs (_log, rank 0), agrees on a stop (Ctrl-C / SIGTERM) and saves
 
 Around the loop: build the models and the buffer, _resume() from the newest intact checkpoint,
-_start_rollouts() (rank 0: `rollout/driver.py::RolloutSide`, every server and the episode driver),
+_start_rollouts() (rank 0: `rollout/rollout_side.py::RolloutSide`, every server and the episode driver),
 and at the end save(), the HF export and close(). Rollouts never wait for the trainer except through
-admission control (rollout/episodes.py). Every collective that may follow a phase only rank 0 runs
+admission control (rollout/episode_driver.py). Every collective that may follow a phase only rank 0 runs
 goes through the rank-0 gate (the distributed helpers at the bottom).
 
 Colocated placement (`cluster.placement: colocated`, `trainer/colocated.py`): every rank hosts a vLLM
@@ -509,7 +509,7 @@ class SAOTrainer:
     # rollout start): the others wait for it at the Rank0Gate, outside the collective, so no
     # process-group timeout is spent on it (docs/architecture.md, "Timeouts").
     def _wait_for_rank0(self, what: str) -> None:
-        from megatron_sao.megatron import rank0_gate
+        from megatron_sao.distributed import rank0_gate
 
         waited = rank0_gate.shared().arrive(what)
         if waited > 60:

@@ -1,4 +1,4 @@
-"""``sao serve-rollout CONFIG [overrides] --host H --port P``: ``rollout/server.py`` on the run's model.
+"""``sao serve-rollout CONFIG [overrides] --host H --port P``: ``rollout/engines/http_server.py`` on the run's model.
 
 The glue between a run config and the rollout server lives here, on the trainer side, so that
 ``rollout/`` never imports ``trainer/``: the server serves the same model the trainer starts from
@@ -14,8 +14,8 @@ from pathlib import Path
 
 def main(args: argparse.Namespace) -> int:
     from megatron_sao.config import load_config
-    from megatron_sao.rollout.protocol import EngineConfig
-    from megatron_sao.rollout.server import serve_forever
+    from megatron_sao.rollout.engines.protocol import EngineConfig
+    from megatron_sao.rollout.engines.http_server import serve_forever
     from megatron_sao.trainer.components import resolve_model_dir
     from megatron_sao.trainer.train import wire_stages
 

@@ -58,7 +58,7 @@ def run_value_pretrain(cfg: SAOConfig) -> Path:
     v = cfg.value_pretrain
     trajs = collect_rollouts(cfg, policy_dir, v.rollouts) if ctx.rank == 0 else None
     if ctx.world_size > 1:
-        from megatron_sao.megatron import rank0_gate
+        from megatron_sao.distributed import rank0_gate
 
         rank0_gate.shared().arrive("the rollouts' broadcast")  # rank 0 collected them alone, for minutes
         box = [trajs]

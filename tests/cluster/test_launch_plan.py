@@ -169,7 +169,7 @@ def test_every_server_gets_its_own_transfer_group_and_the_same_cap_as_the_traine
     from pathlib import Path
 
     from megatron_sao.config import load_config
-    from megatron_sao.rollout.transfer_group import Rendezvous
+    from megatron_sao.rollout.vllm_worker.transfer_group import Rendezvous
     from megatron_sao.trainer.components import engine_config, max_num_seqs
 
     hosts = ["t0", "t1", "r0", "r1"]
@@ -197,7 +197,7 @@ def test_every_server_gets_its_own_transfer_group_and_the_same_cap_as_the_traine
 def test_plan_refuses_transfer_ports_on_the_torchrun_port_and_reload_with_vllm():
     with pytest.raises(LaunchPlanError, match="collide with cluster.master_port=29500"):
         build_launch_plan(AIME, ["t0", "r0"], run_dir="/r", trainer_nodes=1, overrides=["cluster.weight_sync_port=29500"])
-    with pytest.raises(LaunchPlanError, match="reload works with rollout/server.py only"):
+    with pytest.raises(LaunchPlanError, match="reload works with rollout/engines/http_server.py only"):
         build_launch_plan(AIME, ["t0", "r0"], run_dir="/r", trainer_nodes=1, overrides=["rollout.weight_transport=reload"])
     plan = build_launch_plan(AIME, ["t0", "r0"], run_dir="/r", trainer_nodes=1, overrides=["rollout.max_num_seqs=12"])
     (serve, _) = [p.argv for p in plan.nodes[1].processes]

@@ -83,7 +83,7 @@ def hf_logprobs(model_dir: str | os.PathLike, state: dict[str, torch.Tensor] | N
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     if state is not None:
-        from megatron_sao.rollout.hf_weights import WeightTargets, apply_update, plan_update
+        from megatron_sao.rollout.engines.hf_weights import WeightTargets, apply_update, plan_update
 
         apply_update(plan_update(WeightTargets(model), [list(state.items())]))
     logits = model(torch.tensor([prompt + tokens])).logits[0].float() / temperature

@@ -11,7 +11,7 @@ from test_agent_loop_fakes import CountingEnv, ScriptedEngine, lp, qwen_shape_to
 from megatron_sao.envs.base import StepResult
 from megatron_sao.rollout.agent_loop import AgentLoopConfig, EngineActivity, run_episode, run_many
 from megatron_sao.rollout.chat import ChatFormatter
-from megatron_sao.rollout.protocol import SamplingParams
+from megatron_sao.rollout.engines.protocol import SamplingParams
 from megatron_sao.tokenizers import build_char_tokenizer, char_token_id
 
 TOK = build_char_tokenizer()
@@ -282,7 +282,7 @@ def test_config_validation():
 
 def test_real_hf_engine_episode_with_a_tiny_random_model():
     """One episode against the real HFEngine (random tiny Qwen3 over the char vocabulary)."""
-    hf_engine = pytest.importorskip("megatron_sao.rollout.hf_engine")
+    hf_engine = pytest.importorskip("megatron_sao.rollout.engines.hf_engine")
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)

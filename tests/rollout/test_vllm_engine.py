@@ -12,9 +12,9 @@ from engine_fixtures import hf_logprobs, load_checkpoint, make_tiny_model, pertu
 
 pytest.importorskip("vllm")
 
-from megatron_sao.rollout.protocol import EngineConfig, SamplingParams  # noqa: E402
-from megatron_sao.rollout.vllm_engine import VLLMEngine  # noqa: E402
-from megatron_sao.rollout.weight_sync import WeightSync, WeightSyncError  # noqa: E402
+from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams  # noqa: E402
+from megatron_sao.rollout.engines.vllm_engine import VLLMEngine  # noqa: E402
+from megatron_sao.rollout.weights.sync import WeightSync, WeightSyncError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 KINDS = ("dense", "moe")

@@ -1,4 +1,4 @@
-"""VLLMServerClient against rollout/server.py serving an HFEngine (same routes as `vllm serve`)."""
+"""VLLMServerClient against rollout/engines/http_server.py serving an HFEngine (same routes as `vllm serve`)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from engine_fixtures import hf_logprobs, load_checkpoint, make_tiny_model, pertu
 
 pytest.importorskip("aiohttp")
 
-from megatron_sao.rollout.factory import make_engine  # noqa: E402
-from megatron_sao.rollout.protocol import EngineConfig, SamplingParams  # noqa: E402
-from megatron_sao.rollout.hf_engine import HFEngine  # noqa: E402
-from megatron_sao.rollout.server import start_server  # noqa: E402
-from megatron_sao.rollout.vllm_server_client import ServerError, VLLMServerClient  # noqa: E402
-from megatron_sao.rollout.weight_sync import WeightSync  # noqa: E402
+from megatron_sao.rollout.engines.factory import make_engine  # noqa: E402
+from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams  # noqa: E402
+from megatron_sao.rollout.engines.hf_engine import HFEngine  # noqa: E402
+from megatron_sao.rollout.engines.http_server import start_server  # noqa: E402
+from megatron_sao.rollout.engines.vllm_server_client import ServerError, VLLMServerClient  # noqa: E402
+from megatron_sao.rollout.weights.sync import WeightSync  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -124,7 +124,7 @@ def test_unreachable_server_error_names_the_url():
 
 
 def test_make_engines_builds_one_client_per_server():
-    from megatron_sao.rollout.factory import make_engines
+    from megatron_sao.rollout.engines.factory import make_engines
 
     clients = make_engines(EngineConfig(backend="vllm_server", server_urls=("http://h1:8000", "http://h2:8000/")))
     assert [c.url for c in clients] == ["http://h1:8000", "http://h2:8000"]
@@ -174,7 +174,7 @@ def _halves(state):
 
 
 def test_expand_spans_names_a_bad_label():
-    from megatron_sao.rollout.vllm_server_client import expand_spans
+    from megatron_sao.rollout.engines.vllm_server_client import expand_spans
 
     assert expand_spans([{"version": "2", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 3}], 3, "x") == [2, 2, 3]
     with pytest.raises(ServerError, match="'default' is not an int"):

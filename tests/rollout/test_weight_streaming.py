@@ -4,7 +4,7 @@ before the trainer produces bucket k+2.
 The export is a counting stand-in for `MegatronEngine.export_hf_weights` (the boundary): it yields fresh
 tensors per bucket and watches them with weakref finalizers, so "alive" means "still referenced by
 anyone" (the trainer loop, WeightSync, a client, an engine). The servers are real: two HTTP rollout
-servers (rollout/server.py over an HFEngine) and one in-process HFEngine, all updated by one
+servers (rollout/engines/http_server.py over an HFEngine) and one in-process HFEngine, all updated by one
 `RolloutSide` while its episodes run, with the check mode comparing every server's log-probs with the
 new weights afterwards.
 """
@@ -29,12 +29,12 @@ from megatron_sao.envs import make_env  # noqa: E402
 from megatron_sao.envs.toy_tool import ToyToolTasks  # noqa: E402
 from megatron_sao.rollout.agent_loop import AgentLoopConfig  # noqa: E402
 from megatron_sao.rollout.chat import ChatFormatter  # noqa: E402
-from megatron_sao.rollout.driver import RolloutSide, RolloutSideConfig  # noqa: E402
-from megatron_sao.rollout.hf_engine import HFEngine  # noqa: E402
+from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig  # noqa: E402
+from megatron_sao.rollout.engines.hf_engine import HFEngine  # noqa: E402
 from megatron_sao.rollout.prompts import PromptStream  # noqa: E402
-from megatron_sao.rollout.protocol import EngineConfig, SamplingParams  # noqa: E402
-from megatron_sao.rollout.server import start_server  # noqa: E402
-from megatron_sao.rollout.vllm_server_client import VLLMServerClient  # noqa: E402
+from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams  # noqa: E402
+from megatron_sao.rollout.engines.http_server import start_server  # noqa: E402
+from megatron_sao.rollout.engines.vllm_server_client import VLLMServerClient  # noqa: E402
 from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -172,7 +172,7 @@ class _Consumer:
         self.pushed: list[tuple[int, int]] = []
 
     def push_weights(self, buckets, version, **kw):
-        from megatron_sao.rollout.weight_sync import SyncMetrics
+        from megatron_sao.rollout.weights.sync import SyncMetrics
 
         n = sum(1 for _ in buckets)
         self.pushed.append((version, n))
@@ -226,7 +226,7 @@ def test_policy_lag_pushes_explicit_cpu_copies_of_an_older_version(moe_dir):
 def test_a_failed_weight_sync_stops_every_rank_without_hanging(moe_dir):
     """A weight sync that fails on rank 0 (a check mismatch, no server left) is broadcast, so every
     rank stops at the same point instead of waiting in the next collective."""
-    from megatron_sao.rollout.weight_sync import WeightSyncError
+    from megatron_sao.rollout.weights.sync import WeightSyncError
     from megatron_sao.trainer.loop import TrainingStopped
 
     live = LiveBuckets(load_checkpoint(moe_dir), per_bucket=4)

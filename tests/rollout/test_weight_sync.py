@@ -9,9 +9,9 @@ import pytest
 import torch
 from engine_fixtures import hf_logprobs, load_checkpoint, make_tiny_model, perturbed
 
-from megatron_sao.rollout.protocol import SamplingParams
-from megatron_sao.rollout.hf_engine import HFEngine
-from megatron_sao.rollout.weight_sync import WeightSync, WeightSyncError
+from megatron_sao.rollout.engines.protocol import SamplingParams
+from megatron_sao.rollout.engines.hf_engine import HFEngine
+from megatron_sao.rollout.weights.sync import WeightSync, WeightSyncError
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,6 +1,6 @@
 """Static half of the collective-device rule: every collective call site in megatron_sao/ names a device.
 
-The runtime guard (megatron_sao/megatron/collective_guard.py) judges the collectives the suite
+The runtime guard (megatron_sao/distributed/collective_guard.py) judges the collectives the suite
 executes; this lint also covers the paths no CPU test reaches (pipeline-stage branches, multi-rank
 value pre-training). Rules, per `dist.<collective>(...)` / `torch.distributed.<collective>(...)`:
   * object collectives that take `device=` pass it;

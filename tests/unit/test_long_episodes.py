@@ -1,7 +1,7 @@
 """Long trajectories are trained on: an episode that takes longer than 10 trainer steps reaches a
 batch with the default config (keep and let DIS mask) and, under `drop`, after `max_stale_drops`.
 
-Real parts: RolloutDriver (admission control, requeue; rollout/episodes.py), TrajectoryBuffer built as the trainer builds
+Real parts: EpisodeDriver (admission control, requeue; rollout/episode_driver.py), TrajectoryBuffer built as the trainer builds
 it, the agent loop, chat formatting and the toy calculator environment. At the boundary: a scripted
 engine and an environment wrapper that holds one prompt's episode until the "trainer" (this test's
 loop of take -> version + 1 -> step_finished) has finished 11 steps since the episode started.
@@ -15,9 +15,9 @@ from megatron_sao.envs import make_env
 from megatron_sao.envs.toy_tool import ToyToolTasks
 from megatron_sao.rollout.agent_loop import AgentLoopConfig
 from megatron_sao.rollout.chat import ChatFormatter
-from megatron_sao.rollout.protocol import GenerationResult, SamplingParams
+from megatron_sao.rollout.engines.protocol import GenerationResult, SamplingParams
 from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
-from megatron_sao.rollout.episodes import RolloutDriver
+from megatron_sao.rollout.episode_driver import EpisodeDriver
 from megatron_sao.rollout.prompts import PromptStream
 
 SLOW_POS, SLOW_STEPS = 0, 11
@@ -72,7 +72,7 @@ def train_until_the_slow_prompt_is_trained(overrides, max_steps):
     fmt = ChatFormatter(build_char_tokenizer())
     engine = Engine(fmt)
     buf = TrajectoryBuffer(b.batch_size, b.max_staleness, b.staleness_policy, max_stale_drops=b.max_stale_drops)
-    drv = RolloutDriver(engine, lambda task: SlowForOnePrompt(), PromptStream(ToyToolTasks(200, seed=0), seed=0), fmt,
+    drv = EpisodeDriver(engine, lambda task: SlowForOnePrompt(), PromptStream(ToyToolTasks(200, seed=0), seed=0), fmt,
                         AgentLoopConfig(max_turns=2, max_total_tokens=256, max_new_tokens_per_turn=16,
                                         sampling=SamplingParams(max_new_tokens=16)),
                         buf.put, batch_size=b.batch_size, ahead=b.max_staleness, concurrency=cfg.rollout.concurrency)

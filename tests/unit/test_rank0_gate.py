@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from megatron_sao.megatron.rank0_gate import Rank0Gate, Rank0Lost
+from megatron_sao.distributed.rank0_gate import Rank0Gate, Rank0Lost
 
 
 def _stores():

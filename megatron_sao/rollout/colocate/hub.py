@@ -1,6 +1,6 @@
 """Rank 0's side of the colocated engines: generate requests from the episode driver, waiting for a round.
 
-The episode driver (``rollout/episodes.py``) runs every agent loop on rank 0, as it does for
+The episode driver (``rollout/episode_driver.py``) runs every agent loop on rank 0, as it does for
 disaggregated servers, and sees one ``LockstepEngine`` per colocated engine through the usual
 ``ServerPool`` (placement, per-engine cap, metrics). A generate call does not reach vLLM directly:
 it waits here until the main thread's next lockstep round (``lockstep.py``) hands it to the ranks of
@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from megatron_sao.rollout.protocol import GenerationResult, SamplingParams, WeightBucket
+from megatron_sao.rollout.engines.protocol import GenerationResult, SamplingParams, WeightBucket
 
 Wire = tuple[str, list[int], dict, int]  # request id, prompt ids, SamplingParams fields, seed
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megatron_sao.rollout.colocate.hub import RequestHub
 from megatron_sao.rollout.colocate.layout import EngineLayout
-from megatron_sao.rollout.protocol import SamplingParams
+from megatron_sao.rollout.engines.protocol import SamplingParams
 
 
 class EngineDiverged(RuntimeError):

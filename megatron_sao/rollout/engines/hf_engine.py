@@ -28,7 +28,7 @@ A model that is not a transformers model (e.g. a wrapped Megatron module) can be
 Device: every tensor the engine feeds the model (ids, masks, positions, score indices) is made on
 ``self.device`` (``EngineConfig.device``; default: where the model's parameters are), so the engine
 generates on a GPU as on the CPU. Sampling keeps its per-request generator on the host and moves one
-uniform draw per token to the logits' device (``rollout/sampling.py``): the same seed samples the same
+uniform draw per token to the logits' device (``rollout/engines/sampling.py``): the same seed samples the same
 ids whatever the device.
 """
 
@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megatron_sao.rollout.protocol import (EngineConfig, GenerationResult, InflightPolicy, SamplingParams, StreamedUpdate,
+from megatron_sao.rollout.engines.protocol import (EngineConfig, GenerationResult, InflightPolicy, SamplingParams, StreamedUpdate,
                                           WeightBucket)
-from megatron_sao.rollout.hf_weights import WeightTargets, apply_update, plan_update
-from megatron_sao.rollout.sampling import sample_token
+from megatron_sao.rollout.engines.hf_weights import WeightTargets, apply_update, plan_update
+from megatron_sao.rollout.engines.sampling import sample_token
 
 
 @dataclass(eq=False)

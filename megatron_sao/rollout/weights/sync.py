@@ -25,7 +25,7 @@ import time
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from megatron_sao.rollout.protocol import RolloutEngine, WeightBucket, bucket_bytes
+from megatron_sao.rollout.engines.protocol import RolloutEngine, WeightBucket, bucket_bytes
 
 
 class WeightSyncError(RuntimeError):

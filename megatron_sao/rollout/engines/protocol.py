@@ -1,7 +1,7 @@
 """Rollout engine protocol: the one interface the agent loop, the server pool and weight sync see.
 
 Types only: the backends import this module, and the factory that imports the backends lives apart
-(``rollout/factory.py``), so there is no import cycle between the protocol and its implementations.
+(``rollout/engines/factory.py``), so there is no import cycle between the protocol and its implementations.
 
 Every backend (a small HF/torch engine, in-process vLLM, a remote ``vllm serve``) speaks token ids
 in and token ids out, and records for every sampled token its log-prob under the distribution that
@@ -124,17 +124,17 @@ class RolloutEngine(Protocol):
 
 @dataclass
 class EngineConfig:
-    """How to build rollout engines (``rollout/factory.py``).
+    """How to build rollout engines (``rollout/engines/factory.py``).
 
     ``model_path`` is an HF directory (config.json, safetensors, tokenizer). ``server_urls`` is used by
     the ``vllm_server`` backend (one client per URL). GPU settings are ignored on CPU and vice versa.
 
     Weight transport (``weight_transport``): ``reload`` sends each update as safetensors bytes (the
-    in-process vLLM's worker extension, or ``rollout/server.py``'s ``/sao/`` routes); ``nccl`` (GPU) and
+    in-process vLLM's worker extension, or ``rollout/engines/http_server.py``'s ``/sao/`` routes); ``nccl`` (GPU) and
     ``gloo`` (CPU, the same rendezvous and calls, see ``transfer_group``) broadcast the tensors from
     the trainer's rank 0 in a group per server (in-process vLLM: one group with its workers). ``auto``:
     nccl with CUDA, else gloo for in-process vLLM, and for a server whatever it offers (``reload`` for
-    ``rollout/server.py``, ``gloo`` for a CPU ``vllm serve``). Servers' nccl/gloo groups need
+    ``rollout/engines/http_server.py``, ``gloo`` for a CPU ``vllm serve``). Servers' nccl/gloo groups need
     ``weight_transfer_master_address`` (the trainer rank-0 host as the servers see it) and one port per
     server in ``weight_transfer_ports``: no defaults, the launch plan assigns them (in-process vLLM
     meets on 127.0.0.1 at a free port).

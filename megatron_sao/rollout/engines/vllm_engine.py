@@ -18,7 +18,7 @@ In-flight requests across ``update_weights`` (``EngineConfig.inflight_policy``):
 * ``abort``: ``pause_generation(mode="abort")`` ends every in-flight request; ``generate`` returns its
   partial tokens with ``finish_reason="abort"`` and the agent loop decides what to do.
 
-Weights arrive through ``vllm_weight_transport`` (a transfer group: NCCL on GPU, gloo on CPU); the CPU
+Weights arrive through ``rollout/weights/vllm_transport.py`` (a transfer group: NCCL on GPU, gloo on CPU); the CPU
 fix-ups after a load (MoE expert prepack, tied LM head) need a *complete* update (every checkpoint tensor).
 Updates are streamed bucket by bucket (``begin_weight_update`` / ``push_weight_bucket`` /
 ``finish_weight_update``); each bucket is checked on arrival and completeness at the end.
@@ -36,10 +36,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_sao.rollout.protocol import EngineConfig, GenerationResult, SamplingParams, StreamedUpdate, WeightBucket
-from megatron_sao.rollout.vllm_weight_transport import GroupTransport, WeightTransport, make_transport
-
-_WORKER_EXTENSION = "megatron_sao.rollout.vllm_worker_ext.SAOWorkerExtension"
+from megatron_sao.rollout.engines.protocol import EngineConfig, GenerationResult, SamplingParams, StreamedUpdate, WeightBucket
+from megatron_sao.rollout.vllm_worker import WORKER_EXTENSION
+from megatron_sao.rollout.weights.vllm_transport import GroupTransport, WeightTransport, make_transport
 
 
 def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
@@ -116,7 +115,7 @@ class VLLMEngine(StreamedUpdate):
             seed=cfg.seed,
             tensor_parallel_size=cfg.tensor_parallel_size,
             logprobs_mode="processed_logprobs",
-            worker_extension_cls=_WORKER_EXTENSION,
+            worker_extension_cls=WORKER_EXTENSION,
             enable_sleep_mode=cfg.enable_sleep_mode,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             disable_log_stats=True,

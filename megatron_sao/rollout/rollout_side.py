@@ -1,7 +1,7 @@
 """The rollout side of a run, as one object: every server, admission control, episodes, weight sync.
 
 ``RolloutSide`` owns the rollout engines (one per server), the ``ServerPool`` that places episodes on
-them, the ``RolloutDriver`` that keeps episodes in flight under admission control, and the
+them, the ``EpisodeDriver`` that keeps episodes in flight under admission control, and the
 ``WeightSync`` that updates every live server to the same version. The trainer hands it weights
 (``push_weights``) and takes trajectories (through ``on_done``, into its buffer), nothing more; it
 knows no server, URL or transport.
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from megatron_sao.rollout.agent_loop import AgentLoopConfig, run_one
-from megatron_sao.rollout.episodes import RolloutDriver
+from megatron_sao.rollout.episode_driver import EpisodeDriver
 from megatron_sao.rollout.prompts import PromptStream, Unit
-from megatron_sao.rollout.protocol import RolloutEngine, WeightBucket
+from megatron_sao.rollout.engines.protocol import RolloutEngine, WeightBucket
 from megatron_sao.rollout.server_pool import ServerPool
-from megatron_sao.rollout.weight_sync import SyncMetrics, WeightSync, WeightSyncError
+from megatron_sao.rollout.weights.sync import SyncMetrics, WeightSync, WeightSyncError
 from megatron_sao.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class RolloutSide:
         self.pool = ServerPool(engines, labels, cfg.max_num_seqs)
         self.sync = WeightSync(self.pool.engines, cfg.sync_timeout_s, check=cfg.check_weights, atol=cfg.check_atol,
                                strict=False, labels=[s.label for s in self.pool.slots])
-        self.driver = RolloutDriver(self.pool, env_factory, stream, formatter, loop_cfg, on_done,
+        self.driver = EpisodeDriver(self.pool, env_factory, stream, formatter, loop_cfg, on_done,
                                     batch_size=cfg.batch_size, ahead=cfg.ahead, concurrency=cfg.concurrency,
                                     group_size=cfg.group_size, next_pos=next_pos, requeue=requeue, skip=skip,
                                     step_offset=step_offset, health_interval_s=cfg.health_interval_s,

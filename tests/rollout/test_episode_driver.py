@@ -1,4 +1,4 @@
-"""RolloutDriver: admission control (sync = one batch per step), requeue to the front, the circuit
+"""EpisodeDriver: admission control (sync = one batch per step), requeue to the front, the circuit
 breaker that stops a run whose rollout engine died, the trainer step reaching the environment
 (`policy_step`), and several servers: least-loaded placement, an episode keeping its server for all
 its turns, the per-server request cap, a dead server's episodes re-run elsewhere, every server dead.
@@ -14,9 +14,9 @@ from megatron_sao.envs import make_env
 from megatron_sao.envs.base import StepResult
 from megatron_sao.rollout.agent_loop import AgentLoopConfig
 from megatron_sao.rollout.chat import ChatFormatter
-from megatron_sao.rollout.episodes import RolloutDriver
+from megatron_sao.rollout.episode_driver import EpisodeDriver
 from megatron_sao.rollout.prompts import PromptStream
-from megatron_sao.rollout.protocol import GenerationResult, SamplingParams
+from megatron_sao.rollout.engines.protocol import GenerationResult, SamplingParams
 from megatron_sao.rollout.server_pool import ServerPool
 from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
 
@@ -69,7 +69,7 @@ def make_pool_driver(n_servers=3, concurrency=6, batch_size=6, max_num_seqs=None
     engines = [FakeEngine(fmt, name=f"http://srv{i}", delay=delay) for i in range(n_servers)]
     pool = ServerPool(engines, [e.name for e in engines], max_num_seqs=max_num_seqs)
     done = []
-    drv = RolloutDriver(pool, lambda task: ThreeTurns(), PromptStream(ToyToolTasks(50, seed=0), seed=0), fmt,
+    drv = EpisodeDriver(pool, lambda task: ThreeTurns(), PromptStream(ToyToolTasks(50, seed=0), seed=0), fmt,
                         AgentLoopConfig(max_turns=5, max_total_tokens=512, max_new_tokens_per_turn=32,
                                         sampling=SamplingParams(max_new_tokens=32)),
                         done.append, batch_size=batch_size, ahead=0, concurrency=concurrency, **driver_kw)
@@ -85,7 +85,7 @@ def make_driver(batch_size=4, ahead=0, broken=False, concurrency=8, env="toy_too
     else:  # style_shift, its style switching every trainer step: cute, classical, cute, ...
         tasks, factory = load_style_tasks(50, seed=0), (
             lambda task: make_env("style_shift", switch_every=1, styles=["cute", "classical"]))
-    drv = RolloutDriver(engine, factory, PromptStream(tasks, seed=0), fmt,
+    drv = EpisodeDriver(engine, factory, PromptStream(tasks, seed=0), fmt,
                         AgentLoopConfig(max_turns=2, max_total_tokens=256, max_new_tokens_per_turn=64,
                                         sampling=SamplingParams(max_new_tokens=64)),
                         done.append, batch_size=batch_size, ahead=ahead, concurrency=concurrency, **driver_kw)

@@ -1,7 +1,7 @@
-"""Async HTTP client for one separately launched rollout server: ``vllm serve`` or ``rollout/server.py``.
+"""Async HTTP client for one separately launched rollout server: ``vllm serve`` or ``rollout/engines/http_server.py``.
 
 Generation is token-in/token-out through vLLM's ``POST /inference/v1/generate`` (``vllm serve
---enable-scale-out``; ``rollout/server.py`` serves the same route): ``token_ids`` in, sampled
+--enable-scale-out``; ``rollout/engines/http_server.py`` serves the same route): ``token_ids`` in, sampled
 ``token_ids`` out, ``logprobs=0`` the sampled token's log-prob, and per-choice ``weight_versions`` spans:
 vLLM labels every output token with the weight version that sampled it (the label the trainer set with
 ``finish_weight_update(weight_version)``), so a request that spans an update under
@@ -21,7 +21,7 @@ Weights are streamed bucket by bucket (``begin_weight_update`` / ``push_weight_b
   the version label, ``/resume``. The group's rendezvous is this host's ``weight_transfer_master_address``
   and the server's own port (``transfer_group``); its world is 1 + the server's TP, checked against
   ``GET /get_world_size`` at connect.
-* ``reload``: each bucket POSTed as safetensors bytes to ``rollout/server.py``'s ``/sao/`` routes.
+* ``reload``: each bucket POSTed as safetensors bytes to ``rollout/engines/http_server.py``'s ``/sao/`` routes.
 
 Every request has a timeout; every error names the server URL.
 """
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from megatron_sao.rollout.protocol import EngineConfig, GenerationResult, SamplingParams, WeightBucket, bucket_bytes
-from megatron_sao.rollout.vllm_weight_transport import bucket_update_info, serialize_bucket
+from megatron_sao.rollout.engines.protocol import EngineConfig, GenerationResult, SamplingParams, WeightBucket, bucket_bytes
+from megatron_sao.rollout.weights.vllm_transport import bucket_update_info, serialize_bucket
 
 
 class ServerError(RuntimeError):
@@ -72,7 +72,7 @@ class VLLMServerClient:
         self.model = cfg.model_path or None
         self.transport: str | None = None  # resolved by connect(): reload | nccl | gloo
         self.route: str | None = None  # resolved by connect(): generate | completions
-        self.kind: str | None = None  # "sao" (rollout/server.py) or "vllm"
+        self.kind: str | None = None  # "sao" (rollout/engines/http_server.py) or "vllm"
         self._session = None
         self._connect_lock = asyncio.Lock()
         self._idle = asyncio.Event()  # set when no weight update is in progress
@@ -130,7 +130,7 @@ class VLLMServerClient:
             if transport == "auto":
                 transport = "reload" if kind == "sao" else ("nccl" if torch.cuda.is_available() else "gloo")
             if kind == "sao" and transport != "reload":
-                raise ServerError(f"{self.url} is a rollout/server.py server: it takes weight_transport 'reload', "
+                raise ServerError(f"{self.url} is a rollout/engines/http_server.py server: it takes weight_transport 'reload', "
                                   f"not {transport!r}")
             if kind == "vllm":
                 if transport == "reload":
@@ -261,7 +261,7 @@ class VLLMServerClient:
 
     async def _init_transfer_group(self) -> None:
         """Open this server's transfer group: its workers via HTTP, this process as rank 0 in a thread."""
-        from megatron_sao.rollout.transfer_group import Rendezvous, join_group
+        from megatron_sao.rollout.vllm_worker.transfer_group import Rendezvous, join_group
 
         rv = Rendezvous(self.cfg.weight_transfer_master_address, self.cfg.transfer_port(self.index),
                         server_world_size=self.cfg.tensor_parallel_size)
@@ -283,7 +283,7 @@ class VLLMServerClient:
             await self._control("POST", "/sao/update_weights", data=blob)
             self.last_update_bytes += len(blob)
             return
-        from megatron_sao.rollout.transfer_group import send_bucket
+        from megatron_sao.rollout.vllm_worker.transfer_group import send_bucket
 
         await send_bucket(self._group, [t for _, t in bucket],
                           self._control("POST", "/update_weights", json={"update_info": bucket_update_info(bucket)}))

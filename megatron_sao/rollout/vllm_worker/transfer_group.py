@@ -11,7 +11,7 @@ Only the data plane differs between the GPU and the CPU build:
 * ``"nccl"`` (GPU): vLLM's own ``PyNcclCommunicator`` on top of the store (``trainer_init`` on our
   side, vLLM's ``NCCLWeightTransferEngine`` on the server's);
 * ``"gloo"`` (CPU): a gloo ``ProcessGroup`` on top of the *same* store (our side here, the server's in
-  ``vllm_gloo_engine``), so the CPU tests run the rendezvous, the rank layout and the HTTP control
+  ``vllm_worker/gloo_engine.py``), so the CPU tests run the rendezvous, the rank layout and the HTTP control
   sequence of the GPU path.
 
 This module is imported inside vLLM worker processes: it must not import the rest of megatron_sao.

@@ -9,7 +9,7 @@ or comes back from an overload mid-run. Before this, such a server stayed out fo
 import asyncio
 
 import torch
-from test_driver import ThreeTurns, wait_for
+from test_episode_driver import ThreeTurns, wait_for
 
 from megatron_sao.envs.toy_tool import ToyToolTasks
 from megatron_sao.rollout.agent_loop import AgentLoopConfig

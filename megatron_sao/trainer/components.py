@@ -217,41 +217,40 @@ def build_rollout_engine(cfg: SAOConfig, model_dir: Path):
     return make_engine(engine_config(cfg, model_dir))
 
 
-def max_num_seqs(cfg: SAOConfig) -> int | None:
-    """Generate requests in flight per server: rollout.max_num_seqs, else what the launch plan gives
-    vllm serve (an even share of rollout.concurrency); unbounded for one in-process engine."""
+def max_num_seqs(cfg: SAOConfig, engines: int | None) -> int | None:
+    """Generate requests one engine runs at once: rollout.max_num_seqs, else an even share of
+    rollout.concurrency over `engines` (what the launch plan gives each vllm serve, and each colocated
+    engine's vLLM scheduler); None (unbounded) for one in-process engine (`engines=None`)."""
     r = cfg.rollout
     if r.max_num_seqs is not None:
         return r.max_num_seqs
-    return -(-r.concurrency // len(r.server_urls)) if r.backend == "vllm_server" else None
+    return -(-r.concurrency // engines) if engines else None
 
 
 def build_rollout_side(cfg: SAOConfig, model_dir: Path, on_done, *, group_size: int, state: dict | None,
-                       in_buffer: set, step_offset: int, colocated=None):
+                       in_buffer: set, step_offset: int, engines: list | None = None):
     """Every rollout engine, the episode driver and weight sync, as one ``RolloutSide`` (not started).
 
-    `colocated` (rank 0 of a colocated run): its engines stand in for servers; each takes an even share
-    of rollout.concurrency, the number its vLLM scheduler runs at once (trainer/colocated.py)."""
+    `engines` (rank 0 of a colocated run): the placement's engine handles stand in for servers."""
     from megatron_sao.rollout.chat import ChatFormatter
-    from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig
     from megatron_sao.rollout.engines.factory import make_engines
     from megatron_sao.rollout.prompts import PromptStream
-    from megatron_sao.trainer.colocated import engine_max_num_seqs
+    from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig
 
     r = cfg.rollout
     drv = (state or {}).get("driver", {})
     requeue = [tuple(u) for u in drv.get("queued", []) + drv.get("in_flight", []) if tuple(u) not in in_buffer]
-    side_cfg = RolloutSideConfig(
-        batch_size=cfg.buffer.batch_size, ahead=0 if cfg.trainer.mode == "sync" else cfg.buffer.max_staleness,
-        concurrency=r.concurrency, group_size=group_size, sync_timeout_s=r.timeout_s,
-        max_num_seqs=max_num_seqs(cfg) if colocated is None else engine_max_num_seqs(cfg, colocated.layout.world),
-        check_weights=r.weight_sync_check, check_atol=r.weight_sync_check_atol,
-        health_interval_s=r.health_check_interval_s)
-    if colocated is not None:
-        engines, labels = list(colocated.engines), [e.name for e in colocated.engines]
+    if engines is not None:
+        labels, cap = [e.name for e in engines], max_num_seqs(cfg, len(engines))
     else:
         engines = make_engines(engine_config(cfg, model_dir))
-        labels = list(r.server_urls) if r.backend == "vllm_server" else None
+        servers = r.backend == "vllm_server"
+        labels, cap = (list(r.server_urls) if servers else None), max_num_seqs(cfg, len(engines) if servers else None)
+    side_cfg = RolloutSideConfig(
+        batch_size=cfg.buffer.batch_size, ahead=0 if cfg.trainer.mode == "sync" else cfg.buffer.max_staleness,
+        concurrency=r.concurrency, group_size=group_size, sync_timeout_s=r.timeout_s, max_num_seqs=cap,
+        check_weights=r.weight_sync_check, check_atol=r.weight_sync_check_atol,
+        health_interval_s=r.health_check_interval_s)
     return RolloutSide(engines, env_factory(cfg), PromptStream(train_tasks(cfg), cfg.run.seed),
                        ChatFormatter(load_tokenizer(cfg, model_dir)), agent_loop_config(cfg), on_done, side_cfg,
                        labels=labels, next_pos=drv.get("next_pos", 0), requeue=requeue, skip=in_buffer,

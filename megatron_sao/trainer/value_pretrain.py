@@ -16,10 +16,10 @@ import logging
 import random
 from pathlib import Path
 
-import torch
 
 from megatron_sao.algorithms import explained_variance
 from megatron_sao.config import SAOConfig, load_config
+from megatron_sao.distributed.gated import GatedCollectives
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.hf_export import export_hf_model
@@ -57,13 +57,7 @@ def run_value_pretrain(cfg: SAOConfig) -> Path:
         raise MissingInputError(f"value-pretrain: no policy at {policy_dir}; run `sao sft` first or set actor.init")
     v = cfg.value_pretrain
     trajs = collect_rollouts(cfg, policy_dir, v.rollouts) if ctx.rank == 0 else None
-    if ctx.world_size > 1:
-        from megatron_sao.distributed import rank0_gate
-
-        rank0_gate.shared().arrive("the rollouts' broadcast")  # rank 0 collected them alone, for minutes
-        box = [trajs]
-        torch.distributed.broadcast_object_list(box, src=0, device=ctx.device)
-        trajs = box[0]
+    trajs = GatedCollectives(ctx).broadcast(trajs, "the rollouts' broadcast")  # rank 0 collected them alone
     if ctx.rank == 0:
         save_trajectories(run.path / "value_pretrain_rollouts.safetensors", trajs)
     usable = [t for t in trajs if t.trainable]

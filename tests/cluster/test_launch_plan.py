@@ -183,12 +183,12 @@ def test_every_server_gets_its_own_transfer_group_and_the_same_cap_as_the_traine
         rv = Rendezvous(ec.weight_transfer_master_address, ec.transfer_port(i), ec.tensor_parallel_size)
         assert rv.worker_init_info() == {"master_address": "t0", "master_port": 29600 + i, "rank_offset": 1,
                                          "world_size": 5, "packed": False}
-    assert max_num_seqs(cfg) == 32  # the recipe's rollout.max_num_seqs
+    assert max_num_seqs(cfg, len(cfg.rollout.server_urls)) == 32  # the recipe's rollout.max_num_seqs
     serves = [p.argv for n in plan.nodes if n.role == "rollout" for p in n.processes]
     assert all(a[a.index("--max-num-seqs") + 1] == "32" and "--enable-scale-out" in a for a in serves)
     derived = load_config(AIME, [*(o for o in plan.trainer_overrides if not o.startswith("rollout.max_num_seqs")),
                                  "rollout.max_num_seqs=null"])
-    assert max_num_seqs(derived) == 64  # without it: an even share of concurrency 256 over 4 servers
+    assert max_num_seqs(derived, len(derived.rollout.server_urls)) == 64  # without it: an even share of concurrency 256 over 4 servers
     assert all(a[a.index("--weight-transfer-config") + 1] == '{"backend":"nccl"}' for a in serves)
     assert all("--worker-extension-cls" not in a for a in serves)  # GPU build: vLLM's own NCCL engine
     assert all("SAO_WEIGHT_SYNC_PORT" not in p.env for n in plan.nodes for p in n.processes)

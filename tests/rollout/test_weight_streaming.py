@@ -183,25 +183,22 @@ class _Consumer:
 
 
 def _fake_trainer(live: LiveBuckets, policy_lag: int = 0):
-    from megatron_sao.trainer.loop import SAOTrainer
+    """The trainer's WeightPush on rank 0 of a 1-rank world, with the rollout side as a consumer."""
+    from megatron_sao.distributed.gated import GatedCollectives
+    from megatron_sao.trainer.weight_push import WeightPush
 
-    cfg = types.SimpleNamespace(trainer=types.SimpleNamespace(replay=None, policy_lag=policy_lag),
-                                rollout=types.SimpleNamespace(weight_sync_bucket_mb=1, timeout_s=60,
-                                                              weight_sync_check=False))
-    rollout = _Consumer()
-    driver = types.SimpleNamespace(call=lambda coro, timeout=None: asyncio.run(coro))
     actor = types.SimpleNamespace(export_hf_weights=lambda nbytes: iter(live))
-    fake = types.SimpleNamespace(cfg=cfg, actor=actor, rollout=rollout, driver=driver, rank0=True, version=1,
-                                 _lagged=deque(), ctx=types.SimpleNamespace(world_size=1), step=7,
-                                 colocated=None)  # not the colocated placement
-    for name in ("_push", "_lagged_snapshot", "_weight_check_reference", "_broadcast"):
-        if hasattr(SAOTrainer, name):
-            setattr(fake, name, types.MethodType(getattr(SAOTrainer, name), fake))
-    return fake, types.MethodType(SAOTrainer._sync_weights, fake)
+    push = WeightPush(actor, _Consumer(), GatedCollectives(types.SimpleNamespace(world_size=1)),
+                      bucket_bytes=1 << 20, policy_lag=policy_lag, check=False)
+    fake = types.SimpleNamespace(rollout=push.rollout, _lagged=push._lagged, version=1)
+
+    def sync():
+        return push.push(fake.version, step=7)
+    return fake, sync
 
 
 def test_trainer_sync_weights_never_materializes_the_model(moe_dir):
-    """SAOTrainer._sync_weights hands the export generator on; it does not build a list of buckets."""
+    """WeightPush.push hands the export generator on; it does not build a list of buckets."""
     live = LiveBuckets(load_checkpoint(moe_dir), per_bucket=2)
     fake, sync = _fake_trainer(live)
     sync()

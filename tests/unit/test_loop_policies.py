@@ -4,26 +4,20 @@ import pytest
 
 from megatron_sao.config import load_config
 from megatron_sao.megatron.engine import StepResult
-from megatron_sao.trainer.loop import SAOTrainer, TrainingStopped
-
-
-def bare_trainer(limit=3):
-    t = SAOTrainer.__new__(SAOTrainer)  # the policy only needs these attributes, not a Megatron world
-    t.cfg = load_config(None, [f"run.max_consecutive_nonfinite={limit}"])
-    t.nonfinite, t.step, t.saved = {"actor": 0, "critic": 0}, 7, 0
-    t.save = lambda: setattr(t, "saved", t.saved + 1)
-    return t
+from megatron_sao.trainer.stopping import NonFiniteGuard, TrainingStopped
 
 
 def test_three_nonfinite_steps_in_a_row_stop_with_a_checkpoint():
-    t = bare_trainer()
+    saved = []
+    limit = load_config(None, ["run.max_consecutive_nonfinite=3"]).run.max_consecutive_nonfinite
+    guard = NonFiniteGuard(limit, save=lambda: saved.append(1))
     bad, good = StepResult(float("nan"), float("nan"), {}, skipped=True), StepResult(0.1, 1.0, {})
-    t._check_finite(bad, "actor")
-    t._check_finite(bad, "critic")  # counted per model
-    t._check_finite(bad, "actor")
-    t._check_finite(good, "actor")  # a good step resets the count
-    assert t.nonfinite == {"actor": 0, "critic": 1} and t.saved == 0
-    t._check_finite(bad, "critic")
+    guard.check(bad, "actor", step=7)
+    guard.check(bad, "critic", step=7)  # counted per model
+    guard.check(bad, "actor", step=7)
+    guard.check(good, "actor", step=7)  # a good step resets the count
+    assert guard.in_a_row == {"actor": 0, "critic": 1} and len(saved) == 0
+    guard.check(bad, "critic", step=7)
     with pytest.raises(TrainingStopped, match="3 non-finite critic steps in a row at step 7"):
-        t._check_finite(bad, "critic")
-    assert t.saved == 1
+        guard.check(bad, "critic", step=7)
+    assert len(saved) == 1

@@ -30,7 +30,7 @@ from megatron_sao.distributed import collective_guard  # noqa: E402
 from megatron_sao.megatron.parallel import collective_device, init_parallel  # noqa: E402
 from megatron_sao.models.freeze import FreezeReport, check_patterns_matched_globally  # noqa: E402
 from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
-from megatron_sao.trainer.loop import SAOTrainer  # noqa: E402
+from megatron_sao.distributed.gated import GatedCollectives  # noqa: E402
 
 PROBE = '''
 import torch
@@ -109,10 +109,9 @@ out = {name: verdict(lambda f=f: f(ctx)) for name, f in vars(probe).items() if c
 
 # The project's own call sites.
 out["freeze_check"] = verdict(lambda: check_patterns_matched_globally(FreezeReport(matches_per_pattern={"a*": 1})))
-t = SAOTrainer.__new__(SAOTrainer)
-t.ctx, t._stop_requested = dataclasses.replace(ctx, world_size=2), False  # a 2-rank trainer's code path
-out["loop_stop_agreed"] = verdict(t._stop_agreed)
-out["loop_broadcast"] = verdict(lambda: t._broadcast({"x": 1}))
+collectives = GatedCollectives(dataclasses.replace(ctx, world_size=2))  # a 2-rank trainer's code path
+out["loop_stop_agreed"] = verdict(lambda: collectives.any_rank(False, "the stop agreement"))
+out["loop_broadcast"] = verdict(lambda: collectives.broadcast({"x": 1}))
 # Outside megatron_sao (this script, megatron-core): not judged.
 out["caller_outside_the_package"] = verdict(lambda: dist.all_reduce(torch.tensor([1.0])))
 out["_facts"] = {"ctx_device": str(ctx.device), "collective_device": str(collective_device()),

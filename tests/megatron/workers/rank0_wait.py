@@ -2,7 +2,8 @@
 
 Usage: torchrun --nproc_per_node 2 rank0_wait.py <tmp_dir> <pg_timeout_s> <rank0_phase_s>
 
-Drives the trainer's own helpers (SAOTrainer._next_batch, _stop_agreed, _barrier) on a real gloo
+Drives the trainer's own pieces (the placement's batch wait then the gated broadcast, as
+SAOTrainer._next_batch does; the stop agreement; the barrier: distributed/gated.py) on a real gloo
 world whose collective timeout is `pg_timeout_s`, while rank 0 spends `rank0_phase_s` (several
 times longer) waiting for its batch, "evaluating" and "pushing weights": a cluster job's 30-minute
 first batch against a 10-minute NCCL timeout, shrunk to seconds. Rank 0 prints RESULT lines.
@@ -29,7 +30,8 @@ ensure_cpu_compat()
 
 from megatron_sao.megatron.parallel import init_parallel  # noqa: E402
 from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
-from megatron_sao.trainer.loop import SAOTrainer  # noqa: E402
+from megatron_sao.distributed.gated import GatedCollectives  # noqa: E402
+from megatron_sao.trainer.colocated import Placement  # noqa: E402
 
 tmp, pg_timeout_s, phase_s = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 # The rendezvous also runs under the group's timeout: start it only once both ranks have imported
@@ -49,33 +51,33 @@ class SlowBuffer:
         return [f"trajectory-{i}" for i in range(4)]
 
 
-t = SAOTrainer.__new__(SAOTrainer)  # the helpers need these attributes, not models
-t.ctx, t.rank0, t.step, t.version, t.wait_s, t._stop_requested = ctx, ctx.rank == 0, 0, 0, 0.0, False
-t.cfg = SimpleNamespace(rollout=SimpleNamespace(timeout_s=10 * phase_s), buffer=SimpleNamespace(batch_size=4))
-t.buffer = SlowBuffer() if t.rank0 else None
-t.driver = SimpleNamespace(error=None, finished=0, failed=0, in_flight=[])
-t.colocated = None  # not the colocated placement: no rollout phase before the batch
+rank0 = ctx.rank == 0
+collectives = GatedCollectives(ctx)
+buffer = SlowBuffer() if rank0 else None
+placement = Placement(SimpleNamespace())  # not the colocated placement: no rollout phase before the batch
 
 out = {}
 t0 = time.monotonic()
-batch = t._next_batch()  # rank 0: phase_s in buffer.take; rank 1: waits for the broadcast
+# rank 0: phase_s in buffer.take; rank 1: waits for the broadcast (SAOTrainer._next_batch)
+take = (lambda timeout: buffer.take(0, 0, timeout=timeout)) if rank0 else None
+batch = collectives.broadcast(placement.wait_for_batch(0, take, lambda: False, 10 * phase_s))
 out["batch"] = batch
 out["batch_wait_s"] = time.monotonic() - t0
 
 t0 = time.monotonic()
-if t.rank0:
+if rank0:
     time.sleep(phase_s)  # eval / weight push on rank 0 only
-out["stop"] = t._stop_agreed()
+out["stop"] = collectives.any_rank(False, "the stop agreement")
 out["stop_wait_s"] = time.monotonic() - t0
 
 t0 = time.monotonic()
-if t.rank0:
+if rank0:
     time.sleep(phase_s)  # the rollout engines start on rank 0 only
-t._barrier()
+collectives.barrier()
 out["barrier_wait_s"] = time.monotonic() - t0
 
 gathered = [None, None]
 torch.distributed.all_gather_object(gathered, out)
-if t.rank0:
+if rank0:
     print("RESULT " + json.dumps({"ranks": gathered, "pg_timeout_s": ctx.timeout_s}), flush=True)
     print("RANK0_WAIT DONE", flush=True)

@@ -1,0 +1,104 @@
+"""After each actor step: the actor's weights streamed to every rollout server as the new version.
+
+All ranks call ``push``: the export gathers the TP/EP/PP shards with collectives, bucket by bucket;
+rank 0 hands the bucket generator to the rollout side (``RolloutSide.push_weights``), which sends each
+bucket while the next one is produced, so rank 0 never holds more than two buckets (57 GiB of bf16
+for Qwen3-30B-A3B would not fit beside the trainer state); the other ranks drain the generator so
+their collectives pair with rank 0's. A failure on rank 0 is broadcast, so every rank stops at the
+same point instead of waiting in the next collective.
+
+The colocated placement loads weights in-process on every rank instead (``trainer/colocated.py``),
+and replay runs have no engine: both use ``NoWeightPush``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import torch
+
+from megatron_sao.trainer.stopping import TrainingStopped
+
+logger = logging.getLogger(__name__)
+
+
+def check_tokens(vocab: int) -> list[int]:
+    """rollout.weight_sync_check: the fixed tokens every engine must score like the actor after an update."""
+    return torch.randint(1, vocab, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+class WeightPush:
+    """``rollout``: rank 0's ``RolloutSide`` (None on the other ranks); ``collectives``: ``GatedCollectives``."""
+
+    def __init__(self, actor, rollout, collectives, *, bucket_bytes: int, policy_lag: int = 0,
+                 check: bool = False) -> None:
+        self.actor, self.rollout, self.collectives = actor, rollout, collectives
+        self.bucket_bytes, self.policy_lag, self.check = bucket_bytes, policy_lag, check
+        self._lagged: deque = deque()  # trainer.policy_lag: (version, weights) not yet pushed
+
+    def push(self, version: int, step: int) -> float:
+        """Stream the actor's weights as ``version`` (after trainer.policy_lag steps); the seconds it took."""
+        t0 = time.monotonic()
+        buckets = self.actor.export_hf_weights(self.bucket_bytes)
+        if self.policy_lag:
+            lagged = self._lagged_snapshot(buckets, version)
+            if lagged is None:
+                return time.monotonic() - t0
+            version, buckets = lagged
+        self._send(buckets, version, step)
+        return time.monotonic() - t0
+
+    def push_resumed(self, version: int, step: int) -> None:
+        """After a resume: the servers start from the base model, so they get the resumed weights now."""
+        self._send(self.actor.export_hf_weights(self.bucket_bytes), version, step)
+
+    def _lagged_snapshot(self, buckets, version: int):
+        """trainer.policy_lag (a CPU staleness stress test): keep an explicit CPU copy of this version's
+        weights and return the (version, buckets) of `policy_lag` steps ago, or None while there is
+        none. By design this holds policy_lag + 1 full copies of the model in host memory; the config
+        refuses it for bf16/fp16 models and cluster placements (config validation)."""
+        snapshot = [[(n, t.detach().to("cpu", copy=True)) for n, t in b] for b in buckets]
+        self._lagged.append((version, snapshot))
+        if len(self._lagged) <= self.policy_lag:
+            return None
+        version, snapshot = self._lagged.popleft()
+        return version, iter(snapshot)
+
+    def _send(self, buckets, version: int, step: int) -> None:
+        check = self._check_reference() if self.check else {}
+        error = None
+        if self.rollout is not None:
+            try:
+                m = self.rollout.push_weights(buckets, version, **check)
+                logger.info("weights v%d -> %d server(s): %.2fs, %d buckets, %.1f MB", version,
+                            len(m.per_engine_seconds), m.seconds, m.buckets, m.bytes / 2**20)
+            except Exception as e:  # noqa: BLE001 - every rank must learn it, or they wait forever
+                error = f"{type(e).__name__}: {e}"
+        else:
+            for _ in buckets:  # the export's collectives pair with rank 0's
+                pass
+        error = self.collectives.broadcast(error)
+        if error is not None:
+            # No checkpoint here: the actor has stepped but no server holds its weights; the last
+            # checkpoint (and the post-resume push) is the consistent state to go back to.
+            raise TrainingStopped(f"weight sync v{version} failed at step {step}: {error}")
+
+    def _check_reference(self) -> dict:
+        """The actor's log-probs of the check tokens (all ranks: a forward), which every server must
+        reproduce after the update (WeightSync.verify)."""
+        tokens = torch.tensor([check_tokens(self.actor.spec.vocab_size)])
+        lp = self.actor.logprobs({"tokens": tokens, "attention_mask": torch.ones_like(tokens, dtype=torch.bool)})
+        return {"check_tokens": tokens[0].tolist(), "check_prompt_len": 1,
+                "reference_logprobs": lp[0, 1:].float().cpu().tolist()}
+
+
+class NoWeightPush:
+    """Replay runs (no rollout engine) and the colocated placement (every rank loads after the step)."""
+
+    def push(self, version: int, step: int) -> float:
+        return 0.0
+
+    def push_resumed(self, version: int, step: int) -> None:
+        pass

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from megatron_sao.config import CriticConfig, OptimConfig as OptimSection, SAOConfig
+from megatron_sao.config import CriticConfig, OptimSection, SAOConfig
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_sao.config import OptimConfig as OptimSection, SAOConfig, load_config
+from megatron_sao.config import OptimSection, SAOConfig, load_config
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.hf_export import export_hf_model

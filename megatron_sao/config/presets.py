@@ -1,0 +1,25 @@
+"""Per-domain settings (the paper's math and coding runs) that a YAML selects with `preset: math`.
+
+Each preset is a partial config tree; it sits between the dataclass defaults and the file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Paper settings for reasoning with a Python tool (AIME): DIS band 0.7..6.0.
+    "math": {"algorithm": {"eps_low": 0.3, "eps_high": 5.0, "critic_steps": 2, "critic_warmup_steps": 10,
+                           "policy_alpha": 1.5, "critic_lambda": 1.0, "gamma": 1.0},
+             "actor": {"optim": {"lr": 1e-6}}, "critic": {"optim": {"lr": 5e-6}},
+             "buffer": {"batch_size": 128},
+             "rollout": {"max_total_tokens": 131072, "max_turns": 50, "temperature": 1.0, "top_p": 1.0},
+             "env": {"name": "math_python"}},
+    # Paper settings for coding (SWE): DIS band 0.2..4.0.
+    "coding": {"algorithm": {"eps_low": 0.8, "eps_high": 3.0, "critic_steps": 2, "critic_warmup_steps": 10,
+                             "policy_alpha": 1.5, "critic_lambda": 1.0, "gamma": 1.0},
+               "actor": {"optim": {"lr": 1e-6}}, "critic": {"optim": {"lr": 5e-6}},
+               "buffer": {"batch_size": 128},
+               "rollout": {"max_total_tokens": 131072, "max_turns": 300},
+               "env": {"name": "coding"}},
+}

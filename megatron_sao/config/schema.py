@@ -1,0 +1,260 @@
+"""The typed config tree: one dataclass per section of the YAML, `SAOConfig` at the top.
+
+The dataclass defaults are the paper's (SAO, arXiv:2607.07508); the field names are the YAML keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+
+@dataclass
+class RunConfig:
+    name: str = "sao"
+    dir: str = "runs/sao"  # run directory: config snapshot, checkpoints, metrics.jsonl, TensorBoard
+    seed: int = 1234
+    total_steps: int = 100  # actor steps (critic warm-up steps count separately)
+    save_every: int = 50
+    eval_every: int = 25
+    # A whole evaluation, on rank 0 while the other ranks wait at the Rank0Gate (whose heartbeat keeps
+    # them waiting as long as rank 0 lives): past it the evaluation is abandoned and logged, training
+    # goes on, and a rollout tier that is really stuck stops the run at the next batch wait.
+    eval_timeout_s: float = 3600.0
+    tensorboard: bool = True
+    console: Literal["rich", "plain", "none"] = "rich"
+    max_consecutive_nonfinite: int = 3  # NaN/inf steps in a row before the run stops with a checkpoint
+
+
+@dataclass
+class ModelConfig:
+    # An HF directory (config.json + safetensors + tokenizer) or a built-in preset name such as
+    # "tiny_qwen3_moe" (random init, own char tokenizer; no download).
+    path: str = "tiny_qwen3_moe"
+    tokenizer: Optional[str] = None  # defaults to `path`
+    # The trainer's models are built in this dtype (models/precision.py). bfloat16: Megatron mixed
+    # precision (bf16 weights/activations, fp32 main params, grads and Adam state), what every GPU
+    # recipe uses and what TE's fused attention needs. float32 (the default): the CPU demo and CI,
+    # where bf16 matmuls are slow. float16 is refused (no loss scaling).
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_seq_len: int = 256
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    # Expert tensor parallel size. None = the one rule trainer, planner and converter share
+    # (models/parallel_sizes.default_expert_tp): 1 (experts whole on their EP rank) when ep >= tp, else tp.
+    etp: Optional[int] = None
+    sequence_parallel: bool = False
+    micro_batch_size: int = 8
+    # Full activation recompute (long contexts); `sao plan` refuses a config that needs it and lacks it.
+    recompute: Literal["none", "full"] = "none"
+
+
+@dataclass
+class OptimSection:
+    """`actor.optim` / `critic.optim`: what a user sets. The engine's own optimizer settings are
+    megatron/optimizer.OptimConfig, built from this by trainer/components.engine_optim."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-6))
+    init: Optional[str] = None  # HF dir or megatron checkpoint dir; None = model.path
+
+
+# The paper's frozen-attention critic as group names (expanded per model in models/freeze.py).
+PAPER_CRITIC_FREEZE = ("attention", "embeddings", "router", "norms")
+
+
+@dataclass
+class CriticConfig:
+    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=5e-6))
+    init: Optional[str] = None  # a saved critic (megatron or HF) or None = the actor's HF weights
+    # What stays frozen during RL: group names (models/freeze.py CRITIC_FREEZE_GROUPS) or parameter-name
+    # patterns. The default is the paper's frozen-attention critic: attention, word embeddings, router
+    # and norms frozen, so only the expert (dense: MLP) projections and the value head train.
+    # [embeddings, router, norms] is the "attention trained" ablation; [] trains everything.
+    freeze: list[str] = field(default_factory=lambda: list(PAPER_CRITIC_FREEZE))
+
+
+@dataclass
+class AlgorithmConfig:
+    # sao: critic + skip-observation token GAE + DIS.
+    # grpo: the paper's vanilla GRPO baseline: n rollouts per prompt, group baseline, PPO clip with the
+    #   ratio against the learner's own log-probs before the update (no staleness correction).
+    # grpo_rollout_ratio: GRPO with the PPO clip ratio taken against the rollout log-probs (a partial
+    #   staleness correction; what `grpo` meant before).
+    # grpo_dis: grpo advantages with the DIS loss.  running_mean: DIS with a running-mean baseline.
+    name: Literal["sao", "grpo", "grpo_rollout_ratio", "grpo_dis", "running_mean"] = "sao"
+    advantage: Literal["token", "step_avg", "step_last"] = "token"  # token-level GAE or step-level
+    gamma: float = 1.0
+    critic_lambda: float = 1.0
+    policy_alpha: float = 1.5  # lambda_policy = clip(1 - 1/(alpha * l), 0, 1)
+    policy_lambda: Optional[float] = None  # a fixed policy lambda instead of the adaptive one
+    eps_low: float = 0.3  # DIS keeps 1-eps_low < r < 1+eps_high
+    eps_high: float = 5.0
+    ppo_clip_low: float = 0.2  # grpo baseline only
+    ppo_clip_high: float = 0.28
+    critic_steps: int = 2  # K critic optimizer steps per actor step
+    critic_warmup_steps: int = 10  # critic-only steps before the actor moves
+    group_size: int = 8  # grpo*: rollouts per prompt
+    running_mean_window: int = 512  # running_mean: rewards kept in the baseline window
+    whiten_advantages: bool = False
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.name == "sao"
+
+    @property
+    def uses_groups(self) -> bool:
+        """n rollouts per prompt, trained as whole groups."""
+        return self.name in GROUPED_ALGORITHMS
+
+    @property
+    def uses_rollout_logprobs(self) -> bool:
+        """The policy loss takes its ratio against the log-probs the sampler recorded."""
+        return self.name != "grpo"
+
+
+GROUPED_ALGORITHMS = ("grpo", "grpo_rollout_ratio", "grpo_dis")
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["hf", "vllm", "vllm_server"] = "hf"
+    server_urls: list[str] = field(default_factory=list)  # vllm_server / disaggregated
+    concurrency: int = 32  # single-rollout episodes in flight
+    max_turns: int = 50
+    max_total_tokens: int = 131072
+    max_new_tokens_per_turn: int = 8192
+    temperature: float = 1.0
+    top_p: float = 1.0
+    inflight_policy: Literal["keep", "abort"] = "keep"
+    weight_sync_bucket_mb: int = 512
+    timeout_s: float = 600.0  # every request and collective; a dead engine is reported after this
+    gpu_memory_utilization: float = 0.5
+    colocate: bool = False  # vLLM on the trainer GPUs with sleep/wake
+    # Generate requests in flight per server: what `vllm serve --max-num-seqs` is started with (the launch
+    # plan passes the same value to both). None: ceil(concurrency / servers) for vllm_server, else unbounded.
+    max_num_seqs: Optional[int] = None
+    # How weights reach the engines: nccl (GPU), gloo (CPU: the same transfer-group calls), reload
+    # (safetensors bytes; rollout/engines/http_server.py), auto (nccl with CUDA, else gloo; a server: what it offers).
+    weight_transport: Literal["auto", "reload", "nccl", "gloo"] = "auto"
+    # nccl / gloo: the trainer rank-0 host as the servers see it, and one port per server (set by the
+    # launch plan from cluster.weight_sync_port; no defaults, a wrong guess would hang a rendezvous).
+    weight_transfer_master_address: str = ""
+    weight_transfer_ports: list[int] = field(default_factory=list)
+    weight_sync_check: bool = False  # after every update, compare each server's log-probs with the trainer's
+    weight_sync_check_atol: float = 1e-3
+    health_check_interval_s: float = 10.0  # servers failing it stop getting episodes (theirs re-run elsewhere)
+    vllm_serve_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags of the launch plan
+
+
+@dataclass
+class EnvConfig:
+    name: str = "toy_tool"  # toy_tool | math_python | coding | style_shift
+    train_data: Optional[str] = None  # jsonl (or generator spec for toy_tool)
+    eval_data: Optional[str] = None
+    eval_size: int = 200
+    # Generated envs: seed of the held-out tasks (None = run.seed + 100003). Fix it to compare runs
+    # of different seeds on the same tasks.
+    eval_seed: Optional[int] = None
+    kwargs: dict[str, Any] = field(default_factory=dict)  # environment constructor arguments
+    task_kwargs: dict[str, Any] = field(default_factory=dict)  # task loader arguments (n, max_ops, data_dir...)
+    # Where user namespaces are unavailable (non-root), model code can only run as the trainer's own
+    # uid with seccomp, rlimits and audit hooks (envs/sandbox.py, process mode); refused unless true.
+    sandbox_allow_same_uid: bool = False
+
+
+@dataclass
+class BufferConfig:
+    batch_size: int = 128  # trajectories per actor step (single rollout: = prompts per step)
+    # Admission control starts an episode at most max_staleness steps before the batch it is meant
+    # for, so this bounds how far rollouts run ahead. A trajectory that still arrives staler (a long
+    # episode) is handled by staleness_policy: keep trains on it and DIS masks the drifted tokens
+    # (the paper: every finished trajectory is trained on); drop deletes it and re-runs its prompt,
+    # at most max_stale_drops times, after which the prompt's next trajectory is trained on anyway.
+    max_staleness: int = 4  # max policy-version lag of any action token
+    staleness_policy: Literal["drop", "keep"] = "keep"
+    max_stale_drops: int = 2
+
+
+@dataclass
+class TrainerConfig:
+    mode: Literal["async", "sync"] = "async"
+    # Train on the trajectories of a saved file (megatron_sao.trajectory format) instead of live
+    # rollouts, in file order: deterministic batches for debugging, regression and parity tests.
+    replay: Optional[str] = None
+    # Staleness stress test (CPU only): the rollout engine always holds the policy of `policy_lag`
+    # actor steps ago. The trainer keeps policy_lag + 1 full CPU copies of the weights for it (model
+    # size x (lag + 1) of host memory), so it is refused for bf16/fp16 models and cluster placements.
+    # With `mode: sync` every trajectory is then exactly `policy_lag` versions old.
+    policy_lag: int = 0
+
+
+@dataclass
+class SFTConfig:
+    data: Optional[str] = None  # jsonl of {"messages": [...]}; None = the env's demonstration generator
+    steps: int = 1000
+    batch_size: int = 64
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    demonstrations: int = 20000  # generated demonstrations (toy_tool)
+    error_rate: float = 0.3  # fraction of generated demonstrations with a mistake in them
+    eval: bool = True  # evaluate the SFT model (the RL starting point) at the end
+
+
+@dataclass
+class ValuePretrainConfig:
+    rollouts: int = 512  # trajectories of the fixed SFT policy to fit on
+    steps: int = 50  # critic optimizer steps
+    batch_size: int = 64
+    lr: Optional[float] = None  # default: critic.optim.lr
+    freeze_attention: bool = False  # the paper freezes attention during RL; pretraining fits it all
+
+
+@dataclass
+class ClusterConfig:
+    # embedded: everything on one machine (CPU demo); colocated: vLLM shares the trainer GPUs with
+    # sleep/wake; disaggregated: vLLM servers on their own nodes, weights over NCCL.
+    placement: Literal["embedded", "colocated", "disaggregated"] = "embedded"
+    trainer_nodes: int = 1
+    rollout_nodes: int = 0
+    gpus_per_node: int = 8
+    rollout_tp: int = 1  # vLLM tensor parallel size of one server
+    rollout_port: int = 8000
+    master_port: int = 29500
+    weight_sync_port: int = 29600  # server i's weight-transfer group: port weight_sync_port + i on trainer rank 0
+    gpu_memory_gib: float = 80.0  # per-GPU memory the planner budgets against
+
+
+@dataclass
+class SAOConfig:
+    preset: Optional[str] = None
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    value_pretrain: ValuePretrainConfig = field(default_factory=ValuePretrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -41,9 +41,9 @@ def _side(cfg, model_dir: Path, urls: list[str], on_done, args):
     """The trainer's rollout side over the servers at `urls` (what build_rollout_side makes, with
     admission wide open: nothing waits for a trainer step here)."""
     from megatron_sao.rollout.chat import ChatFormatter
-    from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig
     from megatron_sao.rollout.engines.factory import make_engines
     from megatron_sao.rollout.prompts import PromptStream
+    from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig
     from megatron_sao.trainer import components as C
 
     side_cfg = RolloutSideConfig(batch_size=args.batch, ahead=10_000, concurrency=args.concurrency,

@@ -118,11 +118,6 @@ class TrajectoryBuffer:
         with self._cond:
             return len(self._ready)
 
-    def pending_prompt_ids(self) -> list[str]:
-        with self._cond:
-            return ([e.traj.prompt_id for e in self._ready.values()]
-                    + [e.traj.prompt_id for _, e in self._consumed if e.traj is not None])
-
     # ------------------------------------------------------------------ consumer side
     def lag(self, traj: Trajectory, current_version: int) -> int:
         return current_version - traj.min_version()

@@ -25,7 +25,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 
@@ -145,10 +145,6 @@ class Trajectory:
         return int(self.tokens.numel())
 
     @property
-    def num_action_tokens(self) -> int:
-        return int(self.action_mask.sum())
-
-    @property
     def num_turns(self) -> int:
         return sum(1 for s in self.spans if s.kind == "action")
 
@@ -213,10 +209,6 @@ class TrajectoryBuilder:
 
     def __len__(self) -> int:
         return len(self.tokens)
-
-    @property
-    def num_action_tokens(self) -> int:
-        return sum(self.mask)
 
     def _append(self, ids: Sequence[int], kind: str, logprobs=None, versions=None) -> None:
         ids = [int(i) for i in ids]
@@ -478,7 +470,3 @@ def trajectories_equal(a: Trajectory, b: Trajectory) -> bool:
     return (torch.equal(a.tokens, b.tokens) and torch.equal(a.action_mask, b.action_mask)
             and torch.equal(a.rollout_logprobs.view(torch.int32), b.rollout_logprobs.view(torch.int32))
             and torch.equal(a.versions, b.versions) and a.meta() == b.meta())
-
-
-def iter_action_segments(traj: Trajectory) -> Iterable[Span]:
-    return (s for s in traj.spans if s.kind == "action")

@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_sao.checkpoint.convert_cli import hf_to_megatron_main  # noqa: E402
+from megatron_sao.checkpoint.convert_cli import hf_to_megatron_main
 
 if __name__ == "__main__":
     sys.exit(hf_to_megatron_main())

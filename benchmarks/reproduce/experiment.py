@@ -11,7 +11,6 @@ from benchmarks.reproduce.runner import Run, RunResult, execute_all
 from benchmarks.reproduce.starts import Start
 from benchmarks.reproduce.summary import Curves, curves_of
 
-
 _PRINT_LOCK = threading.Lock()
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on a cluster node or in CI
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from benchmarks.reproduce.runner import ROOT  # noqa: E402
-from benchmarks.reproduce.summary import mean_curve  # noqa: E402
+from benchmarks.reproduce.runner import ROOT
+from benchmarks.reproduce.summary import mean_curve
 
 
 def md_table(header: list[str], rows: list[list[str]]) -> str:

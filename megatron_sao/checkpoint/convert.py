@@ -24,8 +24,16 @@ from megatron_sao.checkpoint.atomic_dir import atomic_output_dir, check_output_d
 from megatron_sao.checkpoint.converters import get_converter
 from megatron_sao.checkpoint.converters._common import RuleConverter
 from megatron_sao.checkpoint.hf_io import HFCheckpointReader, HFCheckpointWriter, copy_extra_files
-from megatron_sao.checkpoint.megatron_format import (HF_FILES_DIR, MegatronCheckpointReader, dense_file, expert_file,
-                                                     is_expert_param, owner_expert_rank, owner_stage, write_metadata)
+from megatron_sao.checkpoint.megatron_format import (
+    HF_FILES_DIR,
+    MegatronCheckpointReader,
+    dense_file,
+    expert_file,
+    is_expert_param,
+    owner_expert_rank,
+    owner_stage,
+    write_metadata,
+)
 from megatron_sao.checkpoint.param_layout import ROLES, full_param_shapes
 from megatron_sao.checkpoint.sharding import RankLayout, shard_tensor
 from megatron_sao.models.hf_config import ModelSpec, model_spec_from_hf

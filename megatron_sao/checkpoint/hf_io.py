@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
-from megatron_sao.checkpoint.safetensors_check import open_safetensors
 from safetensors.torch import save_file
+
+from megatron_sao.checkpoint.safetensors_check import open_safetensors
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

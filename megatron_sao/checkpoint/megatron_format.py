@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from megatron_sao.checkpoint.safetensors_check import open_safetensors
-from megatron_sao.checkpoint.sharding import RankLayout, unshard_tensor
+from megatron_sao.checkpoint.sharding import unshard_tensor
 from megatron_sao.models.hf_config import ModelSpec
 
 META_FILE = "megatron_sao_checkpoint.json"
@@ -124,7 +124,3 @@ class MegatronCheckpointReader:
     def full_tensor(self, global_name: str) -> torch.Tensor:
         shards = [self._read(f, global_name) for f in self.shard_files(global_name)]
         return unshard_tensor(global_name, shards, self.spec)
-
-    def layout_of(self, *, tp_rank: int = 0, pp_rank: int = 0, ep_rank: int = 0) -> RankLayout:
-        return RankLayout(tp=self.tp, tp_rank=tp_rank, pp=self.pp, pp_rank=pp_rank, ep=self.ep, ep_rank=ep_rank,
-                          etp=self.etp, etp_rank=tp_rank if self.etp == self.tp else 0)

@@ -59,21 +59,6 @@ def full_param_shapes(spec: ModelSpec, role: str = "actor") -> dict[str, tuple[i
     return out
 
 
-def validate_full_state(state: dict, spec: ModelSpec, role: str) -> None:
-    """Raise ValueError naming the first missing / unexpected / wrongly shaped tensor."""
-    expected = full_param_shapes(spec, role)
-    missing = [k for k in expected if k not in state]
-    if missing:
-        raise ValueError(f"missing Megatron tensor(s) for {spec.arch} {role}: {missing[:5]}"
-                         f"{' ...' if len(missing) > 5 else ''}")
-    unexpected = [k for k in state if k not in expected]
-    if unexpected:
-        raise ValueError(f"unexpected Megatron tensor(s) for {spec.arch} {role}: {unexpected[:5]}")
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
-            raise ValueError(f"tensor {name} has shape {tuple(state[name].shape)}, config expects {shape}")
-
-
 @lru_cache(maxsize=8)
 def _all_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     shapes = full_param_shapes(spec, "critic")

@@ -97,7 +97,7 @@ class Rank0Gate:
             while not self._stop.wait(self.heartbeat_s):
                 try:
                     self.store.add(self.prefix + "heartbeat", 1)
-                except Exception:  # noqa: BLE001 - the store is gone (shutdown); the others notice
+                except Exception:
                     return
 
         self._beat = threading.Thread(target=beat, name="sao-rank0-heartbeat", daemon=True)

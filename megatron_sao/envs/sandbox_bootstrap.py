@@ -96,7 +96,7 @@ def _init(cfg: dict, code: str, status: _Status) -> str:
         if cfg["userns"]:
             process.drop_capabilities()
         child = os.fork()
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, then out
+    except BaseException as e:
         status.send(error=f"{type(e).__name__}: {e}")
         os._exit(125)
     if child == 0:
@@ -181,7 +181,7 @@ def _user_process(cfg: dict, status: _Status, workdir: str, pgid: int | None, pa
         if cfg.get("interpreter") and os.path.exists(cfg["interpreter"]):
             sys.executable = cfg["interpreter"]
         status.send(ready=active)
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         status.send(error=f"{type(e).__name__}: {e}")
         os._exit(125)
     os.closerange(3, 1 << 16)  # the status pipe and anything else inherited
@@ -288,7 +288,7 @@ def main() -> None:
     status = _Status(cfg["status_fd"])
     try:  # only the untrusted code's process (C) returns from these
         workdir = _run_namespaced(cfg, status) if cfg["mode"] == "namespaces" else _run_process_mode(cfg, status)
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         status.send(error=f"{type(e).__name__}: {e}")
         os._exit(125)
     # Outside every handler above: the program's sys.exit, atexit and threads behave as usual.

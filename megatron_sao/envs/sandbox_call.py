@@ -159,5 +159,3 @@ async def kill_all_of_uid(uid: int) -> None:
         stderr=asyncio.subprocess.DEVNULL, user=uid, group=uid, extra_groups=[], env={},
         close_fds=True)
     await proc.wait()  # exit status 1 just means there was nothing left to kill
-
-

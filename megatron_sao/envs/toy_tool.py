@@ -28,7 +28,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from megatron_sao.envs.base import ListTaskSource, StepResult, Task, check_task_env, require_task
+from megatron_sao.envs.base import StepResult, Task, check_task_env, require_task
 
 ENV_NAME = "toy_tool"
 OPS = "+-*"

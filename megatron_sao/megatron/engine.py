@@ -277,16 +277,6 @@ class MegatronEngine:
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         return StepResult(loss=metrics["loss"], grad_norm=outcome.grad_norm, metrics=metrics, skipped=outcome.skipped)
 
-    def param_groups_grad_norms(self, groups: Mapping[str, Sequence[str]]) -> dict[str, float]:
-        """Grad norm per named parameter group from the optimizer's current main gradients.
-
-        train_step records these before clipping when the engine has `grad_norm_groups`; a call
-        outside train_step sees the last step's gradients after clipping (or zeros after a skip).
-        """
-        from megatron_sao.megatron.optimizer import group_grad_norms
-
-        return group_grad_norms(self.optimizer, self._param_names, {k: list(v) for k, v in groups.items()})
-
     def export_hf_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full weights under HF names in buckets of <= bucket_bytes, yielded on global rank 0."""
         from megatron_sao.megatron.export import export_hf_weights

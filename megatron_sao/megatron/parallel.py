@@ -115,12 +115,6 @@ class ParallelContext:
         return ps.get_data_parallel_group()
 
     @property
-    def ep_group(self) -> dist.ProcessGroup:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_expert_model_parallel_group()
-
-    @property
     def last_stage_rank(self) -> int:
         """Global rank of the last pipeline stage in this rank's pipeline (same TP/DP coordinates)."""
         return dist.get_global_rank(self.pp_group, self.pp - 1)

@@ -170,15 +170,3 @@ def check_patterns_matched_globally(report: FreezeReport, group=None) -> None:
     empty = [p for p, c in zip(patterns, counts) if c == 0]
     if empty:
         raise ValueError(f"freeze pattern(s) matched no parameter on any rank: {empty}")
-
-
-def log_param_counts(model_chunks, role: str = "model") -> tuple[int, int]:
-    """Log and return (trainable, frozen) parameter counts on this rank."""
-    trainable = frozen = 0
-    for _, param in _named_parameters(model_chunks):
-        if param.requires_grad:
-            trainable += param.numel()
-        else:
-            frozen += param.numel()
-    logger.info("%s params on this rank: %s trainable, %s frozen", role, f"{trainable:,}", f"{frozen:,}")
-    return trainable, frozen

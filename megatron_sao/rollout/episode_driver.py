@@ -95,7 +95,7 @@ class EpisodeDriver:
             ready.set()
             try:
                 self.loop.run_until_complete(self._main())
-            except BaseException as e:  # noqa: BLE001 - reported to the trainer through .error
+            except BaseException as e:
                 self.error = e
             finally:
                 self.loop.close()

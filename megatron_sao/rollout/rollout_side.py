@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from megatron_sao.rollout.agent_loop import AgentLoopConfig, run_one
+from megatron_sao.rollout.engines.protocol import RolloutEngine, WeightBucket
 from megatron_sao.rollout.episode_driver import EpisodeDriver
 from megatron_sao.rollout.prompts import PromptStream, Unit
-from megatron_sao.rollout.engines.protocol import RolloutEngine, WeightBucket
 from megatron_sao.rollout.server_pool import ServerPool
 from megatron_sao.rollout.weights.sync import SyncMetrics, WeightSync, WeightSyncError
 from megatron_sao.trajectory import Trajectory
@@ -126,7 +126,7 @@ class RolloutSide:
                 if in_flight is not None:
                     in_flight.result(wait_s)  # bucket k reached every server before k+2 is produced
                 in_flight = self.driver.submit(self.sync.send_bucket(bucket))
-                bucket = None  # noqa: F841 - the sender holds it until sent, not us
+                bucket = None
             if in_flight is not None:
                 in_flight.result(wait_s)
             metrics = self.driver.call(self.sync.finish(version, check_tokens=check_tokens,
@@ -137,7 +137,7 @@ class RolloutSide:
                 pass
             try:
                 self.driver.call(self.sync.abort(), timeout=wait_s)
-            except Exception:  # noqa: BLE001 - already failing
+            except Exception:
                 pass
             raise
         self.last_sync = metrics
@@ -206,6 +206,6 @@ class RolloutSide:
                 await asyncio.gather(*(e.close() for e in self.pool.engines), return_exceptions=True)
             try:
                 self.driver.call(close_all(), timeout=timeout)
-            except Exception as e:  # noqa: BLE001 - shutting down; report and go on
+            except Exception as e:
                 logger.warning("closing the rollout engines failed: %r", e)
         self.driver.stop(timeout)

@@ -21,7 +21,6 @@ import math
 import os
 import random
 import shutil
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -123,9 +122,6 @@ class RunDir:
         (self.buffer_dir / "failed").mkdir(parents=True, exist_ok=True)  # the buffer may already be open
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint_path(self, step: int) -> Path:
-        return self.ckpt_root / f"step_{step:06d}"
-
     def save_checkpoint(self, step: int, write_parts: Callable[[Path], None], state: dict[str, Any],
                         barrier: Callable[[], None] = lambda: None) -> Path | None:
         """Collective (checkpoints.save); returns the previous checkpoint, kept as the fallback."""
@@ -186,10 +182,6 @@ class RunDir:
             self._tb.close()
             self._tb = None
 
-    def read_metrics(self) -> list[dict[str, Any]]:
-        p = self.path / "metrics.jsonl"
-        return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
-
 
 def _complete_record_before(line: str, step: int) -> bool:
     """A log line to keep: a complete JSON record of a step before `step` (a kill mid-write can
@@ -219,7 +211,3 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
-
-
-def wall_time() -> float:
-    return time.time()

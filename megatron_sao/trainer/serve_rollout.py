@@ -14,8 +14,8 @@ from pathlib import Path
 
 def main(args: argparse.Namespace) -> int:
     from megatron_sao.config import load_config
-    from megatron_sao.rollout.engines.protocol import EngineConfig
     from megatron_sao.rollout.engines.http_server import serve_forever
+    from megatron_sao.rollout.engines.protocol import EngineConfig
     from megatron_sao.trainer.components import resolve_model_dir
     from megatron_sao.trainer.train import wire_stages
 

@@ -16,7 +16,6 @@ import logging
 import random
 from pathlib import Path
 
-
 from megatron_sao.algorithms import explained_variance
 from megatron_sao.config import SAOConfig, load_config
 from megatron_sao.distributed.gated import GatedCollectives

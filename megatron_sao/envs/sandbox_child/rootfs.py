@@ -39,9 +39,12 @@ def _check(rc: int, what: str) -> None:
         raise OSError(err, f"sandbox: {what}: {os.strerror(err)}")
 
 
+def _enc(x):
+    return x.encode() if isinstance(x, str) else x
+
+
 def mount(src, dst: str, fstype, flags: int, data=None) -> None:
-    enc = (lambda x: x.encode() if isinstance(x, str) else x)
-    _check(_libc.mount(enc(src), dst.encode(), enc(fstype), flags, enc(data)), f"mount {src} on {dst}")
+    _check(_libc.mount(_enc(src), dst.encode(), _enc(fstype), flags, _enc(data)), f"mount {src} on {dst}")
 
 
 def _bind_readonly(src: str, dst: str) -> None:

@@ -40,10 +40,6 @@ class EngineLayout:
         """This rank's tensor-parallel rank inside its engine."""
         return self.rank % self.rollout_tp
 
-    @property
-    def is_engine_leader(self) -> bool:
-        return self.engine_rank == 0
-
     def ranks_of(self, engine: int) -> list[int]:
         if not 0 <= engine < self.engines:
             raise ValueError(f"engine {engine} does not exist ({self.engines} engines)")

@@ -44,9 +44,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megatron_sao.rollout.engines.protocol import (EngineConfig, GenerationResult, InflightPolicy, SamplingParams, StreamedUpdate,
-                                          WeightBucket)
 from megatron_sao.rollout.engines.hf_weights import WeightTargets, apply_update, plan_update
+from megatron_sao.rollout.engines.protocol import (
+    EngineConfig,
+    GenerationResult,
+    InflightPolicy,
+    SamplingParams,
+    StreamedUpdate,
+    WeightBucket,
+)
 from megatron_sao.rollout.engines.sampling import sample_token
 
 
@@ -375,4 +381,3 @@ class HFEngine(StreamedUpdate):
             r.kv = [(layer.keys[b : b + 1, :, start:], layer.values[b : b + 1, :, start:]) for layer in new_layers]
             r.next_logits = logits[b]
             r.logits_version = self.version
-

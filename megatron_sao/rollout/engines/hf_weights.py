@@ -69,20 +69,6 @@ class WeightTargets:
         rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
         return _Target(fused, (e, rows))
 
-    def checkpoint_names(self) -> list[str]:
-        """Every name the model accepts in checkpoint spelling (fused experts expanded per expert)."""
-        fused = set()
-        names = []
-        for prefix, p in self._gate_up.items():
-            fused.add(f"{prefix}.gate_up_proj")
-            for e in range(p.shape[0]):
-                names += [f"{prefix}.{e}.gate_proj.weight", f"{prefix}.{e}.up_proj.weight"]
-        for prefix, p in self._down.items():
-            fused.add(f"{prefix}.down_proj")
-            names += [f"{prefix}.{e}.down_proj.weight" for e in range(p.shape[0])]
-        names += [n for n in self._params if n not in fused]
-        return names
-
 
 def plan_update(
     targets: WeightTargets, buckets: Iterable[list[tuple[str, torch.Tensor]]], *, owner: str = "model",

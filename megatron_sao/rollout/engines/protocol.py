@@ -69,11 +69,6 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, tuple) or not all(isinstance(t, int) for t in self.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be a tuple of ints, got {self.stop_token_ids!r}")
 
-    @property
-    def is_default_distribution(self) -> bool:
-        """True when the sampled distribution is the model's own softmax (no temperature/top-p/top-k)."""
-        return self.temperature == 1.0 and self.top_p == 1.0 and self.top_k == 0
-
 
 @dataclass
 class GenerationResult:

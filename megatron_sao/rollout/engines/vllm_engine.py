@@ -36,7 +36,13 @@ from pathlib import Path
 
 import torch
 
-from megatron_sao.rollout.engines.protocol import EngineConfig, GenerationResult, SamplingParams, StreamedUpdate, WeightBucket
+from megatron_sao.rollout.engines.protocol import (
+    EngineConfig,
+    GenerationResult,
+    SamplingParams,
+    StreamedUpdate,
+    WeightBucket,
+)
 from megatron_sao.rollout.vllm_worker import WORKER_EXTENSION
 from megatron_sao.rollout.weights.vllm_transport import GroupTransport, WeightTransport, make_transport
 
@@ -81,13 +87,6 @@ def check_complete(seen: set[str], expected: dict[str, tuple[int, ...]], owner: 
             "the vLLM reload path needs complete updates (fused modules and the CPU MoE repack)"
         )
 
-
-def validate_full_update(buckets: list[WeightBucket], expected: dict[str, tuple[int, ...]], owner: str) -> None:
-    """All or nothing: every name known, shapes equal, no duplicates, and every checkpoint tensor present."""
-    seen: set[str] = set()
-    for bucket in buckets:
-        check_bucket(bucket, expected, seen, owner)
-    check_complete(seen, expected, owner)
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,13 @@ from typing import Any
 
 import torch
 
-from megatron_sao.rollout.engines.protocol import EngineConfig, GenerationResult, SamplingParams, WeightBucket, bucket_bytes
+from megatron_sao.rollout.engines.protocol import (
+    EngineConfig,
+    GenerationResult,
+    SamplingParams,
+    WeightBucket,
+    bucket_bytes,
+)
 from megatron_sao.rollout.weights.vllm_transport import bucket_update_info, serialize_bucket
 
 

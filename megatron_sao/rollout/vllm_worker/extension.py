@@ -45,10 +45,3 @@ class SAOWorkerExtension:
             return {}
         return {"tensors": len(received), "moe_layers_repacked": engine.last_repacked,
                 "lm_heads_repacked": engine.last_heads_repacked}
-
-    def sao_param_checksum(self, name: str) -> float:
-        """Sum of one vLLM parameter (vLLM-internal name), to confirm an update landed (debug aid)."""
-        params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
-        if name not in params:
-            raise KeyError(f"vLLM worker has no parameter {name!r}")
-        return float(params[name].float().sum())

@@ -149,7 +149,7 @@ class WeightSync:
         async def one(i: int) -> None:
             try:
                 await asyncio.wait_for(self.engines[i].abort_weight_update(), self.timeout_s)
-            except Exception:  # noqa: BLE001 - aborting a broken engine may fail too
+            except Exception:
                 pass
         await asyncio.gather(*(one(i) for i in active))
 
@@ -177,7 +177,7 @@ class WeightSync:
             await asyncio.wait_for(call, self.timeout_s)
         except asyncio.TimeoutError:
             self._fail(index, f"{what} of weight sync v{v} timed out after {self.timeout_s:.1f}s")
-        except Exception as e:  # noqa: BLE001 - reported per engine
+        except Exception as e:
             self._fail(index, f"{what} of weight sync v{v} failed: {type(e).__name__}: {e}")
         else:
             per = self._metrics.per_engine_seconds
@@ -224,5 +224,5 @@ class WeightSync:
 async def _quietly(call: Awaitable, timeout_s: float) -> None:
     try:
         await asyncio.wait_for(call, timeout_s)
-    except Exception:  # noqa: BLE001 - cleaning up after a failure
+    except Exception:
         pass

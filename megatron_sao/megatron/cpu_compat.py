@@ -32,6 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _LOCK = threading.Lock()
+_APPLIED: list[str] = []
 
 
 def _is_cuda(dev) -> bool:
@@ -105,11 +106,13 @@ _MODE: _CudaToCpuMode | None = None
 def _patch_torch_cuda() -> None:
     global _MODE
     torch.cuda.current_device = lambda: torch.device("cpu")
+    _APPLIED.append("torch.cuda.current_device -> cpu")
 
     # The mode is entered on the importing thread and stays for the life of the process: every
     # Megatron call that builds a tensor on "cuda" must land on the CPU, including inside autograd.
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
+    _APPLIED.append("TorchFunctionMode device='cuda' -> cpu")
 
     torch.cuda.Stream = _NullStream
     torch.cuda.Event = _NullEvent

@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: venv demo test test-fast clean-venv smollm2 smollm2-curve gpu-check gpu-check-smoke
+.PHONY: venv demo lint test test-fast clean-venv smollm2 smollm2-curve gpu-check gpu-check-smoke
 
 $(STAMP): requirements.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +23,15 @@ venv: $(STAMP)
 demo: venv
 	$(BIN)/sao demo
 
-test: venv
+# The lint gate (ruff.toml: pyflakes, pycodestyle, import order, 120 columns); `make test` runs it first.
+lint: venv
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/pytest -q -p no:cacheprovider tests
 
-test-fast: venv
+# Single-process tests only (the multi-process and integration ones are marked slow).
+test-fast: lint
 	$(BIN)/pytest -q -p no:cacheprovider -m "not slow" tests
 
 clean-venv:

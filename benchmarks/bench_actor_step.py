@@ -49,7 +49,8 @@ def main() -> None:
     action = torch.ones(b, t, dtype=torch.bool)
     action[:, : t // 4] = False  # a prompt, then actions
     batch = dict(tokens=tokens, attention_mask=torch.ones(b, t, dtype=torch.bool), action_mask=action,
-                 rollout_logprobs=engine.logprobs(dict(tokens=tokens, attention_mask=torch.ones(b, t, dtype=torch.bool))),
+                 rollout_logprobs=engine.logprobs(dict(tokens=tokens,
+                                                       attention_mask=torch.ones(b, t, dtype=torch.bool))),
                  advantages=torch.randn(b, t, generator=g))
 
     def loss_fn(logprobs, mb, denom):

@@ -1,7 +1,8 @@
 """Asynchronous vs synchronous SAO on a long-tailed workload: trajectories/s and trainer idle time.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_async_vs_sync.py [--steps 12] [--latency 0.05]
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_async_vs_sync.py --from-run runs/demo   # start from the demo's SFT model + critic
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_async_vs_sync.py --from-run runs/demo
+        # start from the demo's SFT model + critic
 
 Both modes run the same `sao train` (same model, engine, environment and seed); only
 `trainer.mode` differs. The toy calculator's tool calls wait `latency * X` seconds with
@@ -65,7 +66,8 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         res = {m: run_mode(m, Path(d) / m, args) for m in ("sync", "async")}
-    print(f"{'mode':6s} {'traj/s':>8s} {'trainer idle':>13s} {'rollout idle':>13s} {'reward(last5)':>14s} {'eval':>6s} {'wall s':>7s}")
+    print(f"{'mode':6s} {'traj/s':>8s} {'trainer idle':>13s} {'rollout idle':>13s} "
+          f"{'reward(last5)':>14s} {'eval':>6s} {'wall s':>7s}")
     for r in res.values():
         ev = f"{r['eval_accuracy']:.3f}" if r["eval_accuracy"] is not None else "-"
         print(f"{r['mode']:6s} {r['trajectories_per_s']:8.2f} {r['trainer_idle_fraction']:13.2f} "

@@ -65,7 +65,8 @@ def main() -> None:
     shape = dict(BUILTIN_MODELS["tiny_qwen3_moe"])
     spec = model_spec_from_hf(tiny_hf_config(shape.pop("arch"), vocab_size=128, **shape))
     common = dict(micro_batch_size=args.micro_batch_size)
-    actor = MegatronEngine(spec, ParallelSizes(), OptimConfig(lr=1e-6), role="actor", init=InitSource.random(0), **common)
+    actor = MegatronEngine(spec, ParallelSizes(), OptimConfig(lr=1e-6), role="actor", init=InitSource.random(0),
+                           **common)
     critic = MegatronEngine(spec, ParallelSizes(), OptimConfig(lr=5e-6), role="critic", init=InitSource.random(0),
                             freeze_patterns=expand_freeze_entries(PAPER_CRITIC_FREEZE, spec), ctx=actor.ctx, **common)
     batch = make_batch(args.batch, args.seq, spec.vocab_size)

@@ -102,7 +102,8 @@ def main() -> None:
           f"{spec.num_experts} experts top-{spec.moe_topk}, active params {active_params(spec):,}, {dtype}")
     print(f"batch {args.batch}x{args.seq}, step {dt * 1000:.1f} ms (median of {args.steps}), "
           f"{tokens_per_step / dt:,.0f} tokens/s, {fpt:.4g} FLOP/token")
-    print(f"achieved {achieved:.4g} TFLOP/s; MFU {100 * achieved / args.peak_tflops:.4g}% of {args.peak_tflops:g} TFLOP/s peak")
+    print(f"achieved {achieved:.4g} TFLOP/s; "
+          f"MFU {100 * achieved / args.peak_tflops:.4g}% of {args.peak_tflops:g} TFLOP/s peak")
 
 
 if __name__ == "__main__":

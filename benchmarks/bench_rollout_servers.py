@@ -153,8 +153,10 @@ def main() -> None:
             base = results[0]["trajectories_per_s"]
             print(f"{n} server(s): {r['trajectories_per_s']:.3f} traj/s (x{r['trajectories_per_s'] / base:.2f} of "
                   f"{results[0]['servers']}); servers alone {r['raw_requests_per_s']:.1f} requests/s (x"
-                  f"{r['raw_requests_per_s'] / results[0]['raw_requests_per_s']:.2f}); update {r['update_median_s'] * 1e3:.0f} ms median of "
-                  f"{r['weight_updates']}, startup {r['startup_s']} s, by server {list(r['episodes_by_server'].values())}",
+                  f"{r['raw_requests_per_s'] / results[0]['raw_requests_per_s']:.2f}); "
+                  f"update {r['update_median_s'] * 1e3:.0f} ms median of "
+                  f"{r['weight_updates']}, startup {r['startup_s']} s, "
+                  f"by server {list(r['episodes_by_server'].values())}",
                   flush=True)
     for r in results:
         r["ratio_to_first"] = round(r["trajectories_per_s"] / results[0]["trajectories_per_s"], 3)

@@ -21,8 +21,9 @@ Measured per stage: wall seconds, the peak memory of the whole process tree (tra
 core + sandboxes, sampled every second, proportional set size where the kernel reports it, so shared
 pages count once; a sandbox launch caught between fork and exec is not counted twice), the peak rise of
 the machine's memory in use over the stage (total - available: a cross-check that does not depend on
-walking the tree, but counts anything else the machine runs), CPU seconds per part of the tree (the trainer process, which also runs the agent
-loop; vLLM's engine core and worker; everything else: sandboxes), and the 1-minute load average
+walking the tree, but counts anything else the machine runs), CPU seconds per part of the tree (the
+trainer process, which also runs the agent loop; vLLM's engine core and worker; everything else:
+sandboxes), and the 1-minute load average
 sampled every second (RUN_DIR/STAGE_load.jsonl; each training step's timing is reported with the mean
 load during that step: other users of the machine inflate timings). Written to OUT: curve.png,
 summary.json, results.md.
@@ -208,8 +209,8 @@ def plot(curves: dict[int, dict], base_acc: float, out: Path) -> None:
         tr = [(m["step"] + 1 - c["warmup"], m["reward"]) for m in c["metrics"]]
         b.plot([x for x, _ in tr], [y for _, y in tr], alpha=0.8, label=f"seed {seed}")
     a.axhline(base_acc, color="gray", linestyle=":", label="instruct model, no SFT")
-    a.set(title=f"held-out accuracy (n={next(iter(curves.values()))['n_eval']}, T=1)", xlabel="actor step (0 = SFT model)",
-          ylabel="accuracy")
+    a.set(title=f"held-out accuracy (n={next(iter(curves.values()))['n_eval']}, T=1)",
+          xlabel="actor step (0 = SFT model)", ylabel="accuracy")
     b.set(title="training batch reward", xlabel="actor step (<= 0: critic warm-up)", ylabel="mean reward")
     for ax in (a, b):
         ax.grid(alpha=0.3)
@@ -231,20 +232,25 @@ def report(curves: dict[int, dict], base_acc: float, stages: dict, out: Path, co
     for seed, c in sorted(curves.items()):
         ys = [y for _, y in c["eval"]]
         by_step = dict(c["eval"])  # a run that ended early has no value at the later steps
-        summary["seeds"][seed] = {"eval": c["eval"], "gain": ys[-1] - ys[0], "timing_median_s": timing_split(c["metrics"]),
+        summary["seeds"][seed] = {"eval": c["eval"], "gain": ys[-1] - ys[0],
+                                  "timing_median_s": timing_split(c["metrics"]),
                                   "logprob_mismatch_lag0_median": statistics.median(
-                                      [m["logprob_mismatch_lag0"] for m in c["metrics"] if "logprob_mismatch_lag0" in m] or [float("nan")])}
+                                      [m["logprob_mismatch_lag0"] for m in c["metrics"] if "logprob_mismatch_lag0" in m]
+                                      or [float("nan")])}
         lines.append(f"| {seed} | " + " | ".join(f"{by_step[x]:.3f}" if x in by_step else "-" for x in steps)
                      + f" | {ys[-1] - ys[0]:+.3f} |")
     lines += ["", "Stages (wall seconds; peak memory of the process tree; peak rise of the machine's memory in use; "
               "1-minute load average during the stage):", ""]
     for name, s in stages.items():
-        lines.append(f"- {name}: {s.get('wall_s')} s, {s.get('peak_mem_gib')} GiB, machine +{s.get('peak_machine_used_gib')} GiB, "
-                     f"load {s.get('load1_mean')}" + (" (cached from an earlier invocation)" if s.get("cached") else ""))
+        lines.append(f"- {name}: {s.get('wall_s')} s, {s.get('peak_mem_gib')} GiB, "
+                     f"machine +{s.get('peak_machine_used_gib')} GiB, "
+                     f"load {s.get('load1_mean')}"
+                     + (" (cached from an earlier invocation)" if s.get("cached") else ""))
     for seed in curves:  # what a user of the recipe runs: sft, then train (the base eval is the curve's extra)
         sft, train = stages.get("sft", {}), stages.get(f"train seed {seed}", {})
         if sft.get("wall_s") and train.get("wall_s"):
-            lines.append(f"- the recipe for seed {seed} (sft + train): {(sft['wall_s'] + train['wall_s']) / 60:.1f} min, "
+            lines.append(f"- the recipe for seed {seed} (sft + train): "
+                         f"{(sft['wall_s'] + train['wall_s']) / 60:.1f} min, "
                          f"peak {max(sft['peak_mem_gib'], train['peak_mem_gib'])} GiB")
     lines += ["", "CPU seconds per part of the process tree (trainer process incl. the agent loop; vLLM engine "
               "core + worker; other = sandboxes):", ""]
@@ -254,17 +260,20 @@ def report(curves: dict[int, dict], base_acc: float, stages: dict, out: Path, co
     lines += ["", "Median seconds per actor step (trainer thread; rollouts run concurrently on the same cores), "
               "with the median 1-minute load average during those steps:", ""]
     for seed, s in summary["seeds"].items():
-        lines.append(f"- seed {seed}: " + ", ".join(f"{k.removeprefix('time/')} {v}" for k, v in s["timing_median_s"].items())
+        lines.append(f"- seed {seed}: "
+                     + ", ".join(f"{k.removeprefix('time/')} {v}" for k, v in s["timing_median_s"].items())
                      + f"; log-prob mismatch at lag 0 (median) {s['logprob_mismatch_lag0_median']:.2e}")
     lines += ["", "Per training step (seconds; load = mean 1-minute load average during the step):", "",
-              "| seed | step | actor step | reward | critic fwd | critic train | actor train | weight sync | eval | step | load |",
+              "| seed | step | actor step | reward | critic fwd | critic train | actor train | weight sync "
+              "| eval | step | load |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for seed, c in sorted(curves.items()):
         for m in c["metrics"]:
-            cell = [f"{m[k]:.1f}" if k in m else "" for k in ("time/critic_forward_s", "time/critic_train_s",
-                                                                "time/actor_train_s", "time/weight_sync_s", "time/eval_s",
-                                                                "step_time_s", "load1")]
-            lines.append(f"| {seed} | {m['step']} | {m['step'] + 1 - c['warmup']} | {m['reward']:.3f} | " + " | ".join(cell) + " |")
+            cell = [f"{m[k]:.1f}" if k in m else ""
+                    for k in ("time/critic_forward_s", "time/critic_train_s", "time/actor_train_s",
+                              "time/weight_sync_s", "time/eval_s", "step_time_s", "load1")]
+            lines.append(f"| {seed} | {m['step']} | {m['step'] + 1 - c['warmup']} | {m['reward']:.3f} | "
+                         + " | ".join(cell) + " |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -289,7 +298,8 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         d = work / f"seed{seed}"
         extra = [] if seed == args.seeds[0] else [f"actor.init={sft_model}"]
-        plan.append((f"train seed {seed}", "train", [*common, f"run.dir={d}", f"run.seed={seed}", *extra, "--resume"], d))
+        plan.append((f"train seed {seed}", "train",
+                     [*common, f"run.dir={d}", f"run.seed={seed}", *extra, "--resume"], d))
     stages = {}
     for label, stage, overrides, run_dir in plan:
         if args.plot_only:
@@ -301,7 +311,8 @@ def main(argv=None) -> int:
     base_acc = sum(r["correct"] for r in base) / max(len(base), 1)
     curves = {seed: curve_of(work / f"seed{seed}") for seed in args.seeds}
     plot(curves, base_acc, out / "curve.png")
-    command = "make smollm2-curve" if not args.overrides else f"python benchmarks/smollm2_curve.py {' '.join(args.overrides)}"
+    command = ("make smollm2-curve" if not args.overrides
+               else f"python benchmarks/smollm2_curve.py {' '.join(args.overrides)}")
     summary = report(curves, base_acc, stages, out, command)
     print(json.dumps({s: v["eval"] for s, v in summary["seeds"].items()}))
     print(f"smollm2_curve: wrote {out / 'curve.png'}, {out / 'results.md'}, {out / 'summary.json'}")

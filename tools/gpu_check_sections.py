@@ -196,7 +196,8 @@ def export(st) -> dict:
     added = (torch.cuda.max_memory_allocated() - base) if cuda else None
     return {"buckets": n, "bytes": total, "biggest_bucket_bytes": biggest, "gpu_bytes_added_peak": added,
             "missing": sorted(set(disk) - seen)[:5], "extra": sorted(seen - set(disk))[:5], "max_abs_diff": worst,
-            "failed_checks": _failed({"several_buckets": n >= 2, "names_match": seen == set(disk), "exact": worst == 0.0})}
+            "failed_checks": _failed({"several_buckets": n >= 2, "names_match": seen == set(disk),
+                                      "exact": worst == 0.0})}
 
 
 def train(st) -> dict:
@@ -338,7 +339,8 @@ def mfu(st) -> dict:
     eng = MegatronEngine(spec, ParallelSizes(), OptimConfig(lr=1e-6), role="actor", init=InitSource.random(0),
                          micro_batch_size=m["mbs"], params_dtype=st["dtype"], ctx=st["ctx"])
     ones = torch.ones(m["batch"], m["seq"], dtype=torch.bool)
-    batch = dict(tokens=torch.randint(0, spec.vocab_size, (m["batch"], m["seq"])), attention_mask=ones, action_mask=ones)
+    batch = dict(tokens=torch.randint(0, spec.vocab_size, (m["batch"], m["seq"])), attention_mask=ones,
+                 action_mask=ones)
 
     def loss_fn(lp, mb, denom):
         return -(lp * mb["action_mask"]).sum() / denom, {}

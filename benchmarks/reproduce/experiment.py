@@ -85,7 +85,8 @@ def rl_run(s: Settings, start: Start, label: str, seed: int, method: str, extra:
     return Run(label, seed, start.config, overrides)
 
 
-def run_and_load(s: Settings, runs: list[Run], batch: int, start_eval: float | None) -> tuple[list[RunResult], dict[str, list[Curves]]]:
+def run_and_load(s: Settings, runs: list[Run], batch: int,
+                 start_eval: float | None) -> tuple[list[RunResult], dict[str, list[Curves]]]:
     """Execute (or reuse) `runs`; curves grouped by label in first-seen order. Failed runs are kept
     in the results (the report lists them) and left out of the curves."""
     results = execute_all(runs, s.work, jobs=s.jobs, fresh=s.fresh, log=s.log)

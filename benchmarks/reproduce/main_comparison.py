@@ -31,7 +31,8 @@ def eval_table(groups, budget) -> tuple[list[list[str]], dict]:
         wall = stat([c.run_wall_s for c in cs])
         delta = paired_delta(cs, groups.get("sao", []))
         rows.append([label, str(len(cs)), final.fmt(), delta.fmt(), reward.fmt(), f"{wall.mean:.0f}"])
-        data[label] = {"final_eval": final.values, "paired_delta_vs_sao": delta.values, "reward_last_quarter": reward.values, "wall_s": wall.values,
+        data[label] = {"final_eval": final.values, "paired_delta_vs_sao": delta.values,
+                       "reward_last_quarter": reward.values, "wall_s": wall.values,
                        "eval_points": [c.eval_points for c in cs], "reward": [c.reward for c in cs]}
     return rows, data
 

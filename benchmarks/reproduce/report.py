@@ -36,8 +36,10 @@ def header(title: str, command: str, seeds: list[int], wall_s: float, extra: str
     return (f"# {title}\n\n"
             f"- command: `{command}`\n"
             f"- seeds: {seeds}; commit {git_commit()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
-            f"- machine: {platform.machine()}, {__import__('os').cpu_count()} CPU cores, Python {platform.python_version()}\n"
-            f"- wall time of this invocation: {wall_s / 60:.1f} min (runs reused from an earlier invocation's cache add nothing)\n"
+            f"- machine: {platform.machine()}, {__import__('os').cpu_count()} CPU cores, "
+            f"Python {platform.python_version()}\n"
+            f"- wall time of this invocation: {wall_s / 60:.1f} min "
+            f"(runs reused from an earlier invocation's cache add nothing)\n"
             + (f"{extra}\n" if extra else "") + "\n")
 
 
@@ -87,9 +89,11 @@ def runs_section(results, common: tuple[str, ...]) -> str:
         return text.replace(str(ROOT) + "/", "")
 
     lines = ["\n<details><summary>Exact configuration of every row</summary>\n",
-             f"Config `{next(iter(seen.values())).config}` with, for every run: `{rel(' '.join(common))}`\n" if seen else ""]
+             (f"Config `{next(iter(seen.values())).config}` with, "
+              f"for every run: `{rel(' '.join(common))}`\n") if seen else ""]
     for label, run in seen.items():
         own = [o for o in run.overrides if o not in common]
         lines.append(f"- **{label}**: `{rel(' '.join(own))}`")
-    lines.append("\nPer-run directories (metrics.jsonl, config.yaml snapshot, eval/) are listed in summary.json.\n</details>\n")
+    lines.append("\nPer-run directories (metrics.jsonl, config.yaml snapshot, eval/) are listed in summary.json.\n"
+                 "</details>\n")
     return "\n".join(lines)

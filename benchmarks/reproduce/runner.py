@@ -42,7 +42,8 @@ class Run:
     run_dir: str | None = None  # a fixed directory (a starting point: sft then value-pretrain in one dir)
 
     def key(self) -> str:
-        text = (ROOT / self.config).read_text() if not Path(self.config).is_absolute() else Path(self.config).read_text()
+        text = ((ROOT / self.config).read_text() if not Path(self.config).is_absolute()
+                else Path(self.config).read_text())
         h = hashlib.sha256(json.dumps([self.stage, text, sorted(self.overrides), self.seed,
                                          _algorithm_version()]).encode())
         return h.hexdigest()[:10]

@@ -68,13 +68,15 @@ def run(s: Settings) -> int:
                   "trainer step", "train reward", f"lag {lag}: training reward")
         band_plot(axes[i][1], {k: ([c.steps for c in cs], [kept(c) for c in cs]) for k, cs in sel.items()},
                   "trainer step", "kept (DIS) / unclipped (PPO) fraction", f"lag {lag}: tokens with a gradient")
-        band_plot(axes[i][2], {k: ([c.steps for c in cs], [c.series["actor/ess"] for c in cs]) for k, cs in sel.items()},
+        band_plot(axes[i][2],
+                  {k: ([c.steps for c in cs], [c.series["actor/ess"] for c in cs]) for k, cs in sel.items()},
                   "trainer step", "ESS of the IS ratios", f"lag {lag}: effective sample size")
     png = save_fig(fig, s.out / "staleness_curves.png")
     fig, ax = plt.subplots(figsize=(6, 4))
     for label in METHODS:
         means = [stat([c.final_eval() for c in groups.get(f"{label}@lag{lag}", [])]) for lag in lags]
-        ax.errorbar(list(lags), [m.mean for m in means], yerr=[m.std for m in means], marker="o", capsize=3, label=label)
+        ax.errorbar(list(lags), [m.mean for m in means], yerr=[m.std for m in means], marker="o", capsize=3,
+                    label=label)
     ax.axhline(sft["accuracy"], color="gray", linestyle="--", linewidth=1, label="SFT start")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("policy lag (versions)")
@@ -83,7 +85,8 @@ def run(s: Settings) -> int:
     ax.legend(fontsize=7)
     png2 = save_fig(fig, s.out / "staleness_final_eval.png")
 
-    md = header("Staleness stress: vanilla GRPO vs GRPO+DIS vs SAO under an imposed policy lag", s.command, s.seeds, s.elapsed_s,
+    md = header("Staleness stress: vanilla GRPO vs GRPO+DIS vs SAO under an imposed policy lag",
+                s.command, s.seeds, s.elapsed_s,
                 f"- budget: {b.trajectories} trajectories per run ({b.steps} steps x {b.batch}), synchronous "
                 f"batches with `trainer.policy_lag=L` (every trajectory exactly L versions old once L steps "
                 f"have passed); lags {list(lags)}; SFT start accuracy {sft['accuracy']:.3f} on {b.eval_size} tasks")

@@ -123,7 +123,8 @@ def first_step_started_after(policy_step_min: list[float], switch_step: int) -> 
 
 
 def recovery_steps(reward: list[float], switch_step: int, end_step: int | None = None, pre_window: int = 3,
-                   post_window: int = 3, target: float = 0.9, search_from: int | None = None) -> tuple[float, int | None]:
+                   post_window: int = 3, target: float = 0.9,
+                   search_from: int | None = None) -> tuple[float, int | None]:
     """Steps after `switch_step` until the reward (mean over `post_window` steps) is back to `target`
     x the pre-switch reward (mean of the `pre_window` steps before the switch), looking only at
     steps before `end_step` (the next switch; default the end of the run) and from `search_from`

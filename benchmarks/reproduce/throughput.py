@@ -62,7 +62,8 @@ def run(s: Settings) -> int:
     md = header("Throughput: asynchronous vs synchronous SAO (heavy-tailed tool latency)", s.command, s.seeds,
                 s.elapsed_s, f"- {b.steps} steps x {b.batch} trajectories per run, tool latency 0.05 s x Pareto(1.5); "
                 f"starting point `{start.dir.name}`; runs one at a time")
-    md += md_table(["mode", "trajectories / s: mean ± std (per seed)", "trainer idle fraction", "rollout idle fraction"], rows)
+    md += md_table(["mode", "trajectories / s: mean ± std (per seed)", "trainer idle fraction",
+                    "rollout idle fraction"], rows)
     md += f"\n\n![throughput]({png})\n"
     code = finish(s, md, results, start.rl_overrides(b.eval_size), {"budget": dataclasses.asdict(b), "modes": data})
     return code

@@ -139,7 +139,8 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
                     for t in range(etp_size):
                         layout = RankLayout(tp=etp_size, tp_rank=t, pp=sizes.pp, pp_rank=stage, ep=sizes.ep,
                                             ep_rank=ep_rank, etp=etp_size, etp_rank=t)
-                        files[expert_file(stage, ep_rank, t)][name] = shard_tensor(name, full, layout, spec).contiguous()
+                        files[expert_file(stage, ep_rank, t)][name] = shard_tensor(name, full, layout,
+                                                                                   spec).contiguous()
                     bar.advance(task)
                 # Write this expert rank's files now: bounds memory to one expert rank at a time.
                 for fname in [expert_file(stage, ep_rank, t) for t in range(etp_size)]:

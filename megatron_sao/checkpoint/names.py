@@ -11,7 +11,7 @@ The local spec and the TransformerEngine spec name the same weights differently:
 All mapping, sharding and checkpoint code works on canonical names; `canonical_name` is the one
 place that knows the TE spellings. Names keep their *local* indices (layer within the PP stage,
 expert within the EP rank); `sharding.local_to_global_name` adds the offsets.
-"""
+"""  # noqa: E501 (a markdown table row above cannot be broken)
 
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ def convert_argv(config: str, direction: str, *, hf_dir: str | None = None, mega
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_sao.cluster.convert_cmd", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m megatron_sao.cluster.convert_cmd",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("direction", choices=("hf-to-megatron", "megatron-to-hf"))
     ap.add_argument("--hf-dir")

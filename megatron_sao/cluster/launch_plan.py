@@ -156,7 +156,8 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
         R = N - T
     else:
         if N != T:
-            raise LaunchPlanError(f"placement {c.placement}: the allocation has {N} node(s) but cluster.trainer_nodes={T}; "
+            raise LaunchPlanError(f"placement {c.placement}: the allocation has {N} node(s) "
+                                  f"but cluster.trainer_nodes={T}; "
                                   "they must match (sbatch --nodes or SAO_TRAINER_NODES)")
         R = 0
     if c.placement != "embedded" and G % c.rollout_tp:
@@ -175,8 +176,8 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
     if R:
         r = base.rollout
         if r.weight_transport == "reload" and exe.rollout_server == "vllm":
-            raise LaunchPlanError("rollout.weight_transport=reload works with rollout/engines/http_server.py only; vllm serve "
-                                  "takes nccl (GPU) or gloo (CPU builds)")
+            raise LaunchPlanError("rollout.weight_transport=reload works with rollout/engines/http_server.py only; "
+                                  "vllm serve takes nccl (GPU) or gloo (CPU builds)")
         from megatron_sao.trainer.components import max_num_seqs
 
         max_seqs = max_num_seqs(base, len(server_urls))
@@ -291,7 +292,8 @@ def render_text(plan: LaunchPlan) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m megatron_sao.cluster.launch_plan", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m megatron_sao.cluster.launch_plan",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("--nodelist", required=True, help='SLURM hostlist, e.g. "node[01-04],gpu7"')
     ap.add_argument("--node-rank", type=int, default=None, help="this node (SLURM_NODEID); needed for --format bash")

@@ -122,8 +122,9 @@ def _check_placement(cfg: SAOConfig, spec: ModelSpec, issues: list[LayoutIssue])
             issues.append(LayoutIssue("cluster.rollout_nodes", "must be 0 for placement embedded"))
         return 0
     if c.rollout_tp < 1 or c.gpus_per_node % c.rollout_tp:
-        issues.append(LayoutIssue("cluster.rollout_tp", f"rollout_tp={c.rollout_tp} must divide "
-                                                        f"cluster.gpus_per_node={c.gpus_per_node} (one server per GPU group)"))
+        issues.append(LayoutIssue("cluster.rollout_tp",
+                                  f"rollout_tp={c.rollout_tp} must divide "
+                                  f"cluster.gpus_per_node={c.gpus_per_node} (one server per GPU group)"))
         return 0
     # vLLM splits query heads evenly over its TP ranks (KV heads may be replicated).
     _divides(issues, "cluster.rollout_tp", c.rollout_tp, spec.num_attention_heads, "num_attention_heads")

@@ -212,7 +212,8 @@ def plan(cfg: SAOConfig, hf_config: str | Mapping[str, Any] | ModelSpec | None =
     elif peak > budget:
         problems.append(LayoutIssue("parallel.recompute", (
             f"without activation recompute the trainer needs {peak / mem.GIB:.1f} GiB per GPU, over the "
-            f"{opts.gpu_mem_gib:g} GiB budget; with it {peak_recompute / mem.GIB:.1f} GiB: set parallel.recompute: full")))
+            f"{opts.gpu_mem_gib:g} GiB budget; with it {peak_recompute / mem.GIB:.1f} GiB: "
+            f"set parallel.recompute: full")))
 
     # vLLM: bf16 weights split over the server's TP ranks (experts too: vLLM shards them with TP).
     r, c = cfg.rollout, cfg.cluster
@@ -256,7 +257,8 @@ def _colocated_problems(ph: mem.ColocatedPhases, budget: float, opts: PlanOption
     out = []
     if ph.rollout > budget:
         out.append(LayoutIssue("rollout.gpu_memory_utilization", (
-            f"the awake colocated engine takes {g(ph.rollout - opts.overhead_gib * mem.GIB)} plus {opts.overhead_gib:g} "
+            f"the awake colocated engine takes {g(ph.rollout - opts.overhead_gib * mem.GIB)} "
+            f"plus {opts.overhead_gib:g} "
             f"GiB overhead, over the {opts.gpu_mem_gib:g} GiB GPU: lower it")))
     if ph.train > budget:
         out.append(LayoutIssue("cluster.trainer_nodes", (

@@ -49,7 +49,8 @@ class Rank0Gate:
     def __init__(self, store, rank: int, world_size: int, *, poll_s: float = 0.5, heartbeat_s: float = 5.0,
                  stale_s: float = 120.0, prefix: str = _PREFIX) -> None:
         if not (0 < poll_s and 0 < heartbeat_s < stale_s):
-            raise ValueError(f"Rank0Gate needs 0 < poll_s and 0 < heartbeat_s < stale_s, got {poll_s}, {heartbeat_s}, {stale_s}")
+            raise ValueError(f"Rank0Gate needs 0 < poll_s and 0 < heartbeat_s < stale_s, "
+                             f"got {poll_s}, {heartbeat_s}, {stale_s}")
         self.store, self.rank, self.world_size = store, rank, world_size
         self.poll_s, self.heartbeat_s, self.stale_s = poll_s, heartbeat_s, stale_s
         self.arrivals = 0

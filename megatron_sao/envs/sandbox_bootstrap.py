@@ -2,7 +2,8 @@
 
 ``sandbox.py`` starts ``python -I -B [-S] -c <stub> <config>`` in a fresh session; the stub puts
 ``envs/`` and ``envs/sandbox_child/`` on sys.path and calls ``main()`` here, which imports the
-helpers as top-level modules (the package itself is never imported in the child). This code is trusted and standard-library only.
+helpers as top-level modules (the package itself is never imported in the child). This code is trusted
+and standard-library only.
 It reports on a status pipe (fd ``status_fd``, one Python literal per line, never seen by the
 untrusted code):
 ``{"child": pid}``, ``{"ready": [isolation layers]}``, ``{"exit": code, "signal": n, "leftovers": n}``

@@ -208,8 +208,9 @@ class StyleShiftEnv:
     Either pass objects (``schedule=``, ``judge=``) or, from a YAML ``env.kwargs``, plain values:
     ``switch_every=N`` (the style changes every N trainer steps, cycling through ``styles``,
     default ``STYLES``), ``min_hits`` for the default rule judge, or ``judge_url`` + ``judge_model``
-    (+ ``judge_api_key_env``, None for no key) for an LLM judge behind an OpenAI-compatible endpoint. Giving both forms of the same
-    thing is an error rather than a silent precedence rule. Default: ``StyleSchedule.every(100)``.
+    (+ ``judge_api_key_env``, None for no key) for an LLM judge behind an OpenAI-compatible endpoint.
+    Giving both forms of the same thing is an error rather than a silent precedence rule. Default:
+    ``StyleSchedule.every(100)``.
     """
 
     name = ENV_NAME

@@ -256,7 +256,8 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         t0 = time.perf_counter()
         store = fwd.run_schedule(self.chunks, micro, cols,
-                                 fwd.make_train_loss_func(self.role, loss_fn, denominator, vocab_size=self.spec.vocab_size),
+                                 fwd.make_train_loss_func(self.role, loss_fn, denominator,
+                                                          vocab_size=self.spec.vocab_size),
                                  forward_only=False)
         t1 = time.perf_counter()
         metrics = fwd.reduce_step_metrics(store, self.ctx)

@@ -150,7 +150,8 @@ def gather_to_all(local_rows: torch.Tensor | None, shape: tuple[int, int], ctx) 
     per_rank = rows // ctx.dp
     full = torch.empty((rows, cols), dtype=torch.float32, device=ctx.device)
     if ctx.is_last_stage:
-        assert local_rows is not None and local_rows.shape == (per_rank, cols), (None if local_rows is None else local_rows.shape)
+        assert local_rows is not None and local_rows.shape == (per_rank, cols), (
+            None if local_rows is None else local_rows.shape)
         if ctx.dp > 1:
             dist.all_gather_into_tensor(full, local_rows.contiguous().to(full.device), group=ctx.dp_group)
         else:
@@ -171,11 +172,13 @@ def make_train_loss_func(role: str, loss_fn: LossFn, denominator: torch.Tensor, 
                 raise TypeError("loss_fn must return (loss: 0-dim tensor, metrics: dict[str, 0-dim tensor])")
             loss, metrics = result
             if not torch.is_tensor(loss) or loss.dim() != 0:
-                raise TypeError(f"loss_fn returned a loss of shape {getattr(loss, 'shape', type(loss))}; need a 0-dim tensor")
+                raise TypeError(f"loss_fn returned a loss of shape {getattr(loss, 'shape', type(loss))}; "
+                                f"need a 0-dim tensor")
             reported = {"loss": loss.detach().float(), _WEIGHT: mb["action_mask"].float().sum()}
             for k, v in metrics.items():
                 # a Python number becomes a tensor beside the output: DP ranks all-reduce these
-                reported[k] = (v.detach() if torch.is_tensor(v) else torch.tensor(v, device=out.device)).float().reshape(())
+                reported[k] = (v.detach() if torch.is_tensor(v)
+                               else torch.tensor(v, device=out.device)).float().reshape(())
             return loss, _ONE, reported
 
         return loss_func
@@ -222,7 +225,8 @@ def reduce_step_metrics(store: list[dict[str, torch.Tensor]], ctx) -> dict[str, 
                 op = dist.ReduceOp.SUM
             if ctx.dp > 1:
                 dist.all_reduce(v, op=op, group=ctx.dp_group)
-            out[k] = float(v[0] / v[1]) if rule == "mean" and v[1] > 0 else (float("nan") if rule == "mean" else float(v[0]))
+            out[k] = (float(v[0] / v[1]) if rule == "mean" and v[1] > 0
+                      else (float("nan") if rule == "mean" else float(v[0])))
         payload = [out]
     if ctx.pp > 1:
         dist.broadcast_object_list(payload, src=ctx.last_stage_rank, group=ctx.pp_group, device=ctx.device)

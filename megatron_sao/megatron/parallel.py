@@ -160,7 +160,8 @@ def init_parallel(sizes, *, seed: int = 1234, timeout_s: float = DEFAULT_TIMEOUT
             _choose_gloo_interface()
         dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
     elif dist.get_world_size() != world:
-        raise RuntimeError(f"torch.distributed already initialised with world size {dist.get_world_size()}, env says {world}")
+        raise RuntimeError(f"torch.distributed already initialised with world size {dist.get_world_size()}, "
+                           f"env says {world}")
     if ps.model_parallel_is_initialized():
         raise RuntimeError("Megatron parallel state is already initialised: call destroy_parallel() first")
     rank0_gate.start(dist.get_rank(), world)

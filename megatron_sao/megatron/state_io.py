@@ -54,7 +54,8 @@ def save_engine_state(engine, path: str) -> None:
     state = {
         "module": {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items() if torch.is_tensor(v)},
         "optimizers": [opt.optimizer.state_dict() for opt in sub_optimizers(engine.optimizer)],
-        "main_params": [[p.detach().cpu().clone() for p in _main_params(opt)] for opt in sub_optimizers(engine.optimizer)],
+        "main_params": [[p.detach().cpu().clone() for p in _main_params(opt)]
+                        for opt in sub_optimizers(engine.optimizer)],
         "scheduler": engine.scheduler.state_dict(),
         "rng": torch.get_rng_state(),
     }

@@ -42,7 +42,8 @@ def _with_sp_norms(layer_spec, qk_layernorm: bool):
     return layer_spec
 
 
-def decoder_block_spec(config: TransformerConfig, *, use_te: bool, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+def decoder_block_spec(config: TransformerConfig, *, use_te: bool,
+                       vp_stage: int | None = None) -> TransformerBlockSubmodules:
     """Block spec (the layers of this pipeline stage + final norm) for a GPT decoder."""
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
                                        vp_stage=vp_stage)

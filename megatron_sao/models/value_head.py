@@ -2,9 +2,9 @@
 
 The critic is the actor's backbone with `output_layer` ([V/TP, H], column-parallel) replaced by
 a replicated [1, H] projection plus a scalar bias (HF token-classification critics, e.g.
-verl's AutoModelForTokenClassification(num_labels=1), have `score.weight` and `score.bias`). It keeps the call signature of `ColumnParallelLinear` so that
-`GPTModel._postprocess` runs unchanged and returns values [B, S, 1] where the actor returns
-logits [B, S, V/TP].
+verl's AutoModelForTokenClassification(num_labels=1), have `score.weight` and `score.bias`). It keeps
+the call signature of `ColumnParallelLinear` so that `GPTModel._postprocess` runs unchanged and
+returns values [B, S, 1] where the actor returns logits [B, S, V/TP].
 
 Why replicated and not column-parallel: one output column cannot be split across TP ranks. Every
 TP rank computes the same values from the same full-sequence hidden states, so the weight's

@@ -63,11 +63,13 @@ def _vllm_problem() -> str | None:
         from vllm.platforms import current_platform
 
         if not current_platform.is_sleep_mode_available():
-            return f"vLLM's sleep mode is not available on {current_platform.device_name} (the engines could not free the GPU)"
+            return (f"vLLM's sleep mode is not available on {current_platform.device_name} "
+                    f"(the engines could not free the GPU)")
     return None
 
 
-def colocated_problems(cfg: SAOConfig, world: int, *, check_vllm: bool = True, plan_memory: bool | None = None) -> list[str]:
+def colocated_problems(cfg: SAOConfig, world: int, *, check_vllm: bool = True,
+                       plan_memory: bool | None = None) -> list[str]:
     """Every reason the colocated placement of `cfg` cannot run on `world` ranks, each naming its key."""
     from megatron_sao.rollout.colocate.layout import layout_problems
 

@@ -155,7 +155,8 @@ def build_actor(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = No
     from megatron_sao.megatron.engine import MegatronEngine
 
     optim = optim or cfg.actor.optim
-    return MegatronEngine(model_spec(model_dir), parallel_sizes(cfg), engine_optim(optim, total_steps or cfg.run.total_steps),
+    return MegatronEngine(model_spec(model_dir), parallel_sizes(cfg),
+                          engine_optim(optim, total_steps or cfg.run.total_steps),
                           role="actor", init=_init_source(init or cfg.actor.init or str(model_dir)),
                           micro_batch_size=cfg.parallel.micro_batch_size, ctx=ctx,
                           params_dtype=params_dtype(cfg), config_overrides=engine_overrides(cfg))

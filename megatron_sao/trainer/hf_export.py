@@ -12,7 +12,8 @@ from megatron_sao.checkpoint.atomic_dir import atomic_output_dir
 from megatron_sao.checkpoint.hf_io import HFCheckpointReader, HFCheckpointWriter, copy_extra_files
 
 
-def export_hf_model(engine, src_model_dir: str | Path, out_dir: str | Path, bucket_bytes: int = 256 << 20) -> Path | None:
+def export_hf_model(engine, src_model_dir: str | Path, out_dir: str | Path,
+                    bucket_bytes: int = 256 << 20) -> Path | None:
     buckets = engine.export_hf_weights(bucket_bytes)
     if engine.ctx.rank != 0:
         for _ in buckets:  # take part in the collectives; rank 0 receives the tensors

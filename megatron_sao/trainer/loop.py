@@ -96,7 +96,8 @@ class SAOTrainer:
         state = self._resume() if resume else None
         self._start_rollouts(state)
         if state is not None and not cfg.trainer.replay:  # the engine starts from the base model
-            self.collectives.barrier()  # rank 0 started the rollout engines alone: meet it outside the export's collectives
+            # rank 0 started the rollout engines alone: meet it outside the export's collectives
+            self.collectives.barrier()
             self.weights.push_resumed(self.version, self.step)
 
     # ------------------------------------------------------------------ signals

@@ -62,7 +62,8 @@ def qkv_split(qkv: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
     ng, d, hpg = spec.num_kv_heads, spec.head_dim, spec.heads_per_group
     h = qkv.shape[-1]
     q, k, v = torch.split(qkv.reshape(ng, (hpg + 2) * d, h), [hpg * d, d, d], dim=1)
-    return [q.reshape(ng * hpg * d, h).contiguous(), k.reshape(ng * d, h).contiguous(), v.reshape(ng * d, h).contiguous()]
+    return [q.reshape(ng * hpg * d, h).contiguous(), k.reshape(ng * d, h).contiguous(),
+            v.reshape(ng * d, h).contiguous()]
 
 
 def glu_merge(tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
@@ -110,7 +111,8 @@ class RuleConverter:
     """HF <-> Megatron conversion for one architecture, driven by a rule table."""
 
     def __init__(self, arch: str, rules: Sequence[Rule],
-                 preprocess_hf: Callable[[Mapping[str, torch.Tensor], ModelSpec], Mapping[str, torch.Tensor]] | None = None):
+                 preprocess_hf: Callable[[Mapping[str, torch.Tensor], ModelSpec],
+                                         Mapping[str, torch.Tensor]] | None = None):
         self.arch = arch
         self.rules = list(rules)
         self._compiled = [(_template_regex(r.mcore), r) for r in self.rules]
@@ -144,7 +146,8 @@ class RuleConverter:
             out = tensors[0] if rule.merge is None else rule.merge(tensors, spec)
         except RuntimeError as exc:  # a reshape that does not fit the config
             shapes = {n: tuple(t.shape) for n, t in zip(names, tensors)}
-            raise ValueError(f"HF tensor shapes {shapes} do not fit the config for Megatron {global_name}: {exc}") from None
+            raise ValueError(f"HF tensor shapes {shapes} do not fit the config for Megatron {global_name}: "
+                             f"{exc}") from None
         want = expected_shape(global_name, spec)
         if tuple(out.shape) != want:
             shapes = {n: tuple(t.shape) for n, t in zip(names, tensors)}

@@ -1,9 +1,9 @@
 """Qwen3-MoE (Qwen3MoeForCausalLM, e.g. Qwen3-30B-A3B): Qwen3 attention, every layer an MoE.
 
-HF (on disk, and what vLLM's load_weights takes)      Megatron-Core (local spec)
-mlp.gate.weight [E, H]                                 mlp.router.weight
-mlp.experts.E.gate_proj / up_proj [I, H]               mlp.experts.local_experts.E.linear_fc1.weight [2I, H] = [gate; up]
-mlp.experts.E.down_proj [H, I]                         mlp.experts.local_experts.E.linear_fc2.weight
+HF (on disk, and what vLLM's load_weights takes)    Megatron-Core (local spec)
+mlp.gate.weight [E, H]                               mlp.router.weight
+mlp.experts.E.gate_proj / up_proj [I, H]             mlp.experts.local_experts.E.linear_fc1.weight [2I, H] = [gate; up]
+mlp.experts.E.down_proj [H, I]                       mlp.experts.local_experts.E.linear_fc2.weight
 
 transformers 5.x keeps the experts of a loaded model fused in memory (mlp.experts.gate_up_proj
 [E, 2I, H] with gate rows first, mlp.experts.down_proj [E, H, I]) and writes per-expert names

@@ -103,7 +103,8 @@ class ColocatedRollout:
             self._offload(m, ALL, ())
         self.shard = self.probe.run("engine build (vllm.LLM, external_launcher)", self.make_shard, phase="build")
         # What vLLM built, next to the layout this rank expects (the colocated tests compare them).
-        self.probe.records[-1].update(engine_index=self.layout.engine, layout_ranks=self.layout.ranks_of(self.layout.engine),
+        self.probe.records[-1].update(engine_index=self.layout.engine,
+                                      layout_ranks=self.layout.ranks_of(self.layout.engine),
                                       vllm_tp_group=self.shard.tp_group_ranks())
         self._call("sleep", "engine.sleep(level=2)", lambda: self.shard.sleep(2), models)
         return self.refresh(actor, models, version=0, bucket_bytes=bucket_bytes, check_tokens=check_tokens,

@@ -62,9 +62,10 @@ def _run_round(shard, layout: EngineLayout, cmd: dict) -> dict:
     try:
         for rid, prompt, sampling, seed in cmd["new"].get(layout.engine, []):
             try:
-                shard.add(rid, prompt, SamplingParams(**{**sampling, "stop_token_ids": tuple(sampling["stop_token_ids"])}),
-                          seed)
-            except ValueError as e:  # e.g. a prompt longer than max_model_len: that request fails, the same on every rank
+                shard.add(rid, prompt,
+                          SamplingParams(**{**sampling, "stop_token_ids": tuple(sampling["stop_token_ids"])}), seed)
+            except ValueError as e:
+                # e.g. a prompt longer than max_model_len: that request fails, the same on every rank
                 report["failed"].append((rid, f"{type(e).__name__}: {e}"))
         for _ in range(cmd["steps"]):
             if not shard.unfinished():

@@ -101,7 +101,8 @@ def plan_update(
             if tuple(tensor.shape) != want:
                 raise ValueError(f"{owner}: weight {name!r} has shape {tuple(tensor.shape)}, the model expects {want}")
             if tensor.is_floating_point() != target.param.is_floating_point():
-                raise ValueError(f"{owner}: weight {name!r} has dtype {tensor.dtype}, the model holds {target.param.dtype}")
+                raise ValueError(f"{owner}: weight {name!r} has dtype {tensor.dtype}, "
+                                 f"the model holds {target.param.dtype}")
             plan.append((target, tensor))
     if unknown:
         raise KeyError(f"{owner}: {len(unknown)} unknown weight name(s), e.g. {unknown[:5]}")

@@ -102,7 +102,8 @@ def build_app(engine: RolloutEngine):
         if extra:
             return bad(f"unsupported completion field(s) {extra}")
         for key, want in _NEUTRAL.items():
-            if key in body and body[key] not in (want, None) and not (key == "logprobs" and body.get("prompt_logprobs") is not None):
+            if (key in body and body[key] not in (want, None)
+                    and not (key == "logprobs" and body.get("prompt_logprobs") is not None)):
                 return bad(f"field {key!r} must be {want!r} on this server, got {body[key]!r}")
         prompt = body.get("prompt")
         if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
@@ -178,7 +179,8 @@ def build_app(engine: RolloutEngine):
         return web.json_response({"status": "aborted"})
 
     async def no_nccl(request: web.Request) -> web.Response:
-        return bad(f"{request.path}: NCCL weight transfer is not available on this server; use /sao/update_weights", 501)
+        return bad(f"{request.path}: NCCL weight transfer is not available on this server; "
+                   f"use /sao/update_weights", 501)
 
     app = web.Application(client_max_size=16 * 1024**3)  # weight blobs
     app.router.add_get("/health", health)

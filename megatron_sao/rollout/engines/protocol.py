@@ -60,7 +60,8 @@ class SamplingParams:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         # Greedy decoding (T=0) has no sampling distribution whose log-probs DIS could use.
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature > 0):
             raise ValueError(f"SamplingParams.temperature must be a finite float > 0, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
@@ -178,7 +179,8 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.weight_transport not in _TRANSPORTS:
-            raise ValueError(f"EngineConfig.weight_transport must be one of {_TRANSPORTS}, got {self.weight_transport!r}")
+            raise ValueError(f"EngineConfig.weight_transport must be one of {_TRANSPORTS}, "
+                             f"got {self.weight_transport!r}")
         if self.backend == "vllm_server":
             if not self.server_urls:
                 raise ValueError("EngineConfig.server_urls must name at least one URL for backend 'vllm_server'")
@@ -192,7 +194,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.weight_transfer_ports has {len(self.weight_transfer_ports)} port(s) "
                                  f"for {n} engine(s): one per server")
             if len(set(self.weight_transfer_ports)) != len(self.weight_transfer_ports):
-                raise ValueError(f"EngineConfig.weight_transfer_ports must be distinct, got {self.weight_transfer_ports}")
+                raise ValueError(f"EngineConfig.weight_transfer_ports must be distinct, "
+                                 f"got {self.weight_transfer_ports}")
 
     def transfer_port(self, index: int) -> int:
         """The weight-transfer port of engine/server ``index``; a clear error when none was assigned."""

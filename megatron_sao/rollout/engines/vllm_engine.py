@@ -53,7 +53,8 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
 
     root = Path(model_path)
     index = root / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else ["model.safetensors"])
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         if not (root / f).exists():
@@ -74,7 +75,8 @@ def check_bucket(bucket: WeightBucket, expected: dict[str, tuple[int, ...]], see
         if name not in expected:
             unknown.append(name)
         elif tuple(tensor.shape) != expected[name]:
-            raise ValueError(f"{owner}: weight {name!r} has shape {tuple(tensor.shape)}, the checkpoint has {expected[name]}")
+            raise ValueError(f"{owner}: weight {name!r} has shape {tuple(tensor.shape)}, "
+                             f"the checkpoint has {expected[name]}")
     if unknown:
         raise KeyError(f"{owner}: {len(unknown)} unknown weight name(s), e.g. {unknown[:5]}")
 

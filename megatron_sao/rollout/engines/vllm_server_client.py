@@ -136,7 +136,8 @@ class VLLMServerClient:
             if transport == "auto":
                 transport = "reload" if kind == "sao" else ("nccl" if torch.cuda.is_available() else "gloo")
             if kind == "sao" and transport != "reload":
-                raise ServerError(f"{self.url} is a rollout/engines/http_server.py server: it takes weight_transport 'reload', "
+                raise ServerError(f"{self.url} is a rollout/engines/http_server.py server: "
+                                  f"it takes weight_transport 'reload', "
                                   f"not {transport!r}")
             if kind == "vllm":
                 if transport == "reload":
@@ -173,7 +174,8 @@ class VLLMServerClient:
 
     async def _generate_tokens(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
         where = f"POST {self.url}/inference/v1/generate"
-        body = {"token_ids": list(prompt_ids), "sampling_params": {**self._sampling_body(sampling), "detokenize": False}}
+        body = {"token_ids": list(prompt_ids),
+                "sampling_params": {**self._sampling_body(sampling), "detokenize": False}}
         if self.model:
             body["model"] = self.model
         resp = await self._request("POST", "/inference/v1/generate", json=body, timeout_s=self.cfg.request_timeout_s)
@@ -217,9 +219,11 @@ class VLLMServerClient:
         return self._result(where, token_ids, logprobs, reason, versions)
 
     @staticmethod
-    def _result(where: str, token_ids: list[int], logprobs: list[float], reason: str, versions: list[int]) -> GenerationResult:
+    def _result(where: str, token_ids: list[int], logprobs: list[float], reason: str,
+                versions: list[int]) -> GenerationResult:
         if len(logprobs) != len(token_ids):
-            raise ServerError(f"{where}: {len(token_ids)} tokens but {len(logprobs)} log-probs (is logprobs=0 honoured?)")
+            raise ServerError(f"{where}: {len(token_ids)} tokens but {len(logprobs)} log-probs "
+                              f"(is logprobs=0 honoured?)")
         if reason not in ("stop", "length", "abort"):
             raise ServerError(f"{where}: unexpected finish_reason {reason!r}")
         return GenerationResult(token_ids, logprobs, versions, reason)
@@ -249,7 +253,8 @@ class VLLMServerClient:
     async def begin_weight_update(self, version: int) -> None:
         await self.connect()
         if self._update_version is not None:
-            raise ServerError(f"{self.url}: begin_weight_update v{version} while v{self._update_version} is in progress")
+            raise ServerError(f"{self.url}: begin_weight_update v{version} "
+                              f"while v{self._update_version} is in progress")
         self._update_version, self.last_update_bytes = version, 0
         self._idle.clear()  # completions without spans: new requests wait for the new weights
         try:

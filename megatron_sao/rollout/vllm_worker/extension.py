@@ -3,8 +3,9 @@
 Why a worker extension: AsyncLLM always runs its EngineCore in a separate process, and vLLM only
 pickles callables or tensors in ``collective_rpc`` with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``. A named
 method taking plain ``bytes`` (a safetensors blob) needs neither; the CPU fixes it applies after a
-reload are ``cpu_moe_repack`` (fused-MoE experts) and ``cpu_lm_head_repack`` (a tied LM head). This module is imported inside the vLLM worker process; it must not import the rest of
-megatron_sao (``vllm_worker/gloo_engine.py`` and ``transfer_group`` import only torch and vLLM).
+reload are ``cpu_moe_repack`` (fused-MoE experts) and ``cpu_lm_head_repack`` (a tied LM head). This
+module is imported inside the vLLM worker process; it must not import the rest of megatron_sao
+(``vllm_worker/gloo_engine.py`` and ``transfer_group`` import only torch and vLLM).
 
 Importing it registers the CPU weight-transfer backend ``"sao_gloo"`` (``vllm_worker/gloo_engine.py``): vLLM
 imports the extension class before it builds the worker's weight-transfer engine.

@@ -126,7 +126,8 @@ class WeightSync:
         m.per_engine_seconds = {k: v for k, v in m.per_engine_seconds.items() if k not in m.failed}
         m.bytes_per_s = m.bytes / max(m.seconds, 1e-9)
         if m.failed and self.strict:
-            raise WeightSyncError(f"weight sync v{version} failed: " + "; ".join(f"{k}: {v}" for k, v in m.failed.items()))
+            raise WeightSyncError(f"weight sync v{version} failed: "
+                                  + "; ".join(f"{k}: {v}" for k, v in m.failed.items()))
         if self.check:
             for i in active:
                 try:
@@ -214,9 +215,11 @@ class WeightSync:
         worst = max(diffs)
         if not worst <= atol:  # also catches NaN
             top = sorted(range(len(diffs)), key=lambda i: -diffs[i])[:3]
-            detail = ", ".join(f"pos {prompt_len + i}: engine {got[i]:.5f} vs ref {reference_logprobs[i]:.5f}" for i in top)
+            detail = ", ".join(f"pos {prompt_len + i}: engine {got[i]:.5f} vs ref {reference_logprobs[i]:.5f}"
+                               for i in top)
             raise WeightSyncError(
-                f"weight check failed on {label} (version {engine.version}): max |dlogprob| {worst:.3g} > atol {atol:g}; {detail}"
+                f"weight check failed on {label} (version {engine.version}): "
+                f"max |dlogprob| {worst:.3g} > atol {atol:g}; {detail}"
             )
         return worst
 

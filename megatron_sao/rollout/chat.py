@@ -1,6 +1,6 @@
 """Token-level chat handling for multi-turn rollouts, free of re-tokenization drift.
 
-A multi-turn trajectory is built by *appending ids* (NOTES.md, pitfall 8): the prompt ids once, then
+A multi-turn trajectory is built by *appending ids*: the prompt ids once, then
 for every turn the ids the policy sampled exactly as sampled (stop token included) and the ids of the
 environment's reply. The policy's ids are never decoded and encoded again; decoding only produces
 the action *text* handed to the environment. Re-rendering the whole conversation each turn would

@@ -5,7 +5,7 @@ tensor)``. An update is ``begin(version)``, ``send_bucket(bucket)`` per bucket, 
 each step goes to all engines concurrently, each under ``asyncio.wait_for(timeout_s)``, and a bucket
 is sent to every engine before the next one is asked for, so the caller never holds more than the
 bucket in flight plus the one it is producing (``RolloutSide.push_weights`` overlaps the two). A hung
-engine becomes a ``WeightSyncError`` naming it instead of a silent stall (pitfall 2 in NOTES); a
+engine becomes a ``WeightSyncError`` naming it instead of a silent stall; a
 timed-out engine may still be applying the update in its own thread or process: treat it as broken.
 
 An engine that fails is left out of the rest of that update and reported in ``SyncMetrics.failed``;

@@ -60,7 +60,7 @@ class Check:
         try:
             rec.update(fn(self.state) or {})
             rec["ok"] = not rec.get("failed_checks")
-        except Exception as e:
+        except Exception as e:  # record and go on: the point is to see every section
             rec.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
         rec["seconds"] = round(time.monotonic() - t0, 2)
         self.figures["sections"][name] = rec
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         from megatron_sao.megatron.parallel import destroy_parallel
 
         destroy_parallel()  # NCCL wants its communicators destroyed before exit
-    except Exception as e:
+    except Exception as e:  # the figures are written; say it and finish
         print(f"[gpu-check] destroy_parallel: {e!r}", flush=True)
     failed = [k for k, v in check.figures["sections"].items() if not v.get("ok")]
     check.figures["failed_sections"] = failed

@@ -82,7 +82,7 @@ def load_hf_into_model(model_chunks, hf_dir: str, spec: ModelSpec, layout: RankL
         kept = {canonical_name(n): p.detach().clone() for chunk in chunks for n, p in chunk.named_parameters()
                 if canonical_name(n).startswith("value_head.")}
 
-        def get_full(name: str, _inner=get_full) -> torch.Tensor:
+        def get_full(name: str, _inner=get_full) -> torch.Tensor:  # wraps the plain getter
             return kept[name] if name in kept else _inner(name)
 
     n = load_full_tensors_into_model(chunks, get_full, spec, layout)

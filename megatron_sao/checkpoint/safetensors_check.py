@@ -52,7 +52,7 @@ def open_safetensors(path: str | os.PathLike, framework: str = "pt"):
         raise SafetensorsFileError(f"{path}: no such file")
     try:
         return safe_open(os.fspath(path), framework)
-    except Exception as e:
+    except Exception as e:  # SafetensorError has no importable base class across versions
         if type(e).__name__ != "SafetensorError":
             raise
         raise SafetensorsFileError(f"{diagnose(path)} ({e})") from None

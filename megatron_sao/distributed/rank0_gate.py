@@ -98,7 +98,7 @@ class Rank0Gate:
             while not self._stop.wait(self.heartbeat_s):
                 try:
                     self.store.add(self.prefix + "heartbeat", 1)
-                except Exception:
+                except Exception:  # the store is gone (shutdown); the others notice
                     return
 
         self._beat = threading.Thread(target=beat, name="sao-rank0-heartbeat", daemon=True)

@@ -97,7 +97,7 @@ def _init(cfg: dict, code: str, status: _Status) -> str:
         if cfg["userns"]:
             process.drop_capabilities()
         child = os.fork()
-    except BaseException as e:
+    except BaseException as e:  # reported to the parent, then out
         status.send(error=f"{type(e).__name__}: {e}")
         os._exit(125)
     if child == 0:

@@ -151,7 +151,7 @@ async def _generate_turn(engine: RolloutEngine, prefix: list[int], sampling: Sam
             activity.begin()
         try:
             result = await engine.generate(list(prefix), sampling)
-        except Exception as e:
+        except Exception as e:  # tagged for the driver's failover
             raise EngineCallError(f"{type(e).__name__}: {e}") from e
         finally:
             if activity is not None:
@@ -227,14 +227,14 @@ async def run_episode(engine: RolloutEngine, env: Environment, task: Task, forma
                     bootstrap, info["bootstrap"] = 0.0, "no_room_for_observation"
                 break
             b.add_observation(obs)
-    except Exception as e:
+    except Exception as e:  # an episode's failure must never stop the others
         engine_side = isinstance(e, EngineCallError)  # its message already names the engine's exception
         status, reward, error = "failed", 0.0, str(e) if engine_side else f"{type(e).__name__}: {e}"
         info["end_reason"] = "engine_error" if engine_side else "error"
     finally:
         try:
             await env.close()
-        except Exception as e:
+        except Exception as e:  # the data is valid; record and go on
             info["close_error"] = f"{type(e).__name__}: {e}"
     if status == "failed" and len(b) == 0:
         # The contract needs T >= 1; a placeholder pad token keeps the failure visible and countable.
@@ -249,7 +249,7 @@ async def run_one(engine: RolloutEngine, env_factory: EnvFactory, task: Task, fo
     """Create the task's environment and run the episode; a factory error gives a failed trajectory."""
     try:
         env = await _maybe_await(env_factory(task))
-    except Exception as e:
+    except Exception as e:  # e.g. an unknown env name: this task fails, the others run
         b = TrajectoryBuilder(prompt_id=task.prompt_id, env=task.env)
         b.add_prompt([formatter.pad_token_id])  # placeholder, see run_episode
         return b.finish("failed", error=f"{type(e).__name__}: {e}",

@@ -95,7 +95,7 @@ class EpisodeDriver:
             ready.set()
             try:
                 self.loop.run_until_complete(self._main())
-            except BaseException as e:
+            except BaseException as e:  # reported to the trainer through .error
                 self.error = e
             finally:
                 self.loop.close()

@@ -126,7 +126,7 @@ class RolloutSide:
                 if in_flight is not None:
                     in_flight.result(wait_s)  # bucket k reached every server before k+2 is produced
                 in_flight = self.driver.submit(self.sync.send_bucket(bucket))
-                bucket = None
+                bucket = None  # the sender holds it until sent, not us
             if in_flight is not None:
                 in_flight.result(wait_s)
             metrics = self.driver.call(self.sync.finish(version, check_tokens=check_tokens,
@@ -137,7 +137,7 @@ class RolloutSide:
                 pass
             try:
                 self.driver.call(self.sync.abort(), timeout=wait_s)
-            except Exception:
+            except Exception:  # already failing
                 pass
             raise
         self.last_sync = metrics
@@ -206,6 +206,6 @@ class RolloutSide:
                 await asyncio.gather(*(e.close() for e in self.pool.engines), return_exceptions=True)
             try:
                 self.driver.call(close_all(), timeout=timeout)
-            except Exception as e:
+            except Exception as e:  # shutting down; report and go on
                 logger.warning("closing the rollout engines failed: %r", e)
         self.driver.stop(timeout)

@@ -166,7 +166,7 @@ class ServerPool:
         """One health check; an engine that does not answer in time is unhealthy."""
         try:
             return bool(await asyncio.wait_for(slot.engine.health(), timeout_s))
-        except Exception:
+        except Exception:  # an engine that cannot answer is unhealthy
             return False
 
     def describe_dead(self) -> str:

@@ -74,7 +74,7 @@ class WeightPush:
                 m = self.rollout.push_weights(buckets, version, **check)
                 logger.info("weights v%d -> %d server(s): %.2fs, %d buckets, %.1f MB", version,
                             len(m.per_engine_seconds), m.seconds, m.buckets, m.bytes / 2**20)
-            except Exception as e:
+            except Exception as e:  # every rank must learn it, or they wait forever
                 error = f"{type(e).__name__}: {e}"
         else:
             for _ in buckets:  # the export's collectives pair with rank 0's

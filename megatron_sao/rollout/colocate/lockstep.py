@@ -72,7 +72,7 @@ def _run_round(shard, layout: EngineLayout, cmd: dict) -> dict:
                 break
             report["finished"] += shard.step()
         report["unfinished"] = shard.unfinished()
-    except Exception as e:
+    except Exception as e:  # reported: rank 0 ends the phase on every rank
         report["error"] = f"rank {layout.rank}: {type(e).__name__}: {e}"
     return report
 
@@ -145,7 +145,7 @@ def serve_phase(shard, layout: EngineLayout, group, leader: RoundLeader | None) 
         if leader is not None:
             try:
                 cmd = leader.next_round()
-            except Exception as e:
+            except Exception as e:  # every rank must hear it, or they wait forever
                 cmd = {"end": True, "error": f"{type(e).__name__}: {e}"}
         box = [cmd]
         dist.broadcast_object_list(box, src=0, group=group, device=torch.device("cpu"))  # a gloo (host) group
@@ -160,7 +160,7 @@ def serve_phase(shard, layout: EngineLayout, group, leader: RoundLeader | None) 
         if leader is not None:
             try:
                 leader.collect(gathered)
-            except Exception as e:
+            except Exception as e:  # ends the phase on every rank at the next broadcast
                 leader.failed = f"{type(e).__name__}: {e}"
     if leader is None:
         return None

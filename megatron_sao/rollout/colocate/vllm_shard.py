@@ -249,5 +249,5 @@ class VLLMShard:
         if llm is not None:
             try:
                 llm.llm_engine.engine_core.shutdown()
-            except Exception:
+            except Exception:  # shutting down
                 pass

@@ -150,7 +150,7 @@ class WeightSync:
         async def one(i: int) -> None:
             try:
                 await asyncio.wait_for(self.engines[i].abort_weight_update(), self.timeout_s)
-            except Exception:
+            except Exception:  # aborting a broken engine may fail too
                 pass
         await asyncio.gather(*(one(i) for i in active))
 
@@ -178,7 +178,7 @@ class WeightSync:
             await asyncio.wait_for(call, self.timeout_s)
         except asyncio.TimeoutError:
             self._fail(index, f"{what} of weight sync v{v} timed out after {self.timeout_s:.1f}s")
-        except Exception as e:
+        except Exception as e:  # reported per engine
             self._fail(index, f"{what} of weight sync v{v} failed: {type(e).__name__}: {e}")
         else:
             per = self._metrics.per_engine_seconds
@@ -227,5 +227,5 @@ class WeightSync:
 async def _quietly(call: Awaitable, timeout_s: float) -> None:
     try:
         await asyncio.wait_for(call, timeout_s)
-    except Exception:
+    except Exception:  # cleaning up after a failure
         pass

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from megatron_sao.config import ConfigError, SAOConfig
-from megatron_sao.distributed import rank0_gate
+from megatron_sao.distributed.gated import GatedCollectives
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.stopping import TrainingStopped
 from megatron_sao.trainer.weight_push import check_tokens
@@ -191,6 +191,7 @@ class ColocatedPlacement(Placement):
     def __init__(self, cfg: SAOConfig, model_dir: Path, ctx) -> None:
         super().__init__(cfg)
         self.model_dir, self.ctx, self.rank0 = model_dir, ctx, ctx.rank == 0
+        self.collectives = GatedCollectives(ctx)
         self.bucket_bytes = cfg.rollout.weight_sync_bucket_mb << 20
         self.atol = cfg.rollout.weight_sync_check_atol
         self.cycle = None  # this rank's ColocatedRollout, built by start() after the trainer is offloaded
@@ -210,13 +211,13 @@ class ColocatedPlacement(Placement):
         self.cycle = build_colocated(self.cfg, self.model_dir, self.ctx)
         rng = rng_state()
         self.cycle.start(actor, models, bucket_bytes=self.bucket_bytes, check_tokens=self.check_tokens,
-                             atol=self.atol)
+                         atol=self.atol)
         set_rng_state(rng)
 
     def wait_for_batch(self, step: int, take, should_stop, timeout_s: float):
         """Every rank serves its engine shard until rank 0 holds the next batch (returned on rank 0),
         the run must stop, or ``timeout_s`` passes."""
-        rank0_gate.shared().arrive("the rollout phase")
+        self.collectives.wait_for_rank0("the rollout phase")
         got: dict = {}
         deadline = time.monotonic() + timeout_s
 
@@ -240,7 +241,7 @@ class ColocatedPlacement(Placement):
         self.cycle.mark_train(train_s, self.models)
         t0 = time.monotonic()
         update = self.cycle.refresh(self.actor, self.models, version=version, bucket_bytes=self.bucket_bytes,
-                                        check_tokens=self.check_tokens, atol=self.atol)
+                                    check_tokens=self.check_tokens, atol=self.atol)
         return {"time/weight_sync_s": time.monotonic() - t0,
                 **{f"colocate/update_{k}": v for k, v in update.items() if isinstance(v, (int, float))}}
 
@@ -252,7 +253,7 @@ class ColocatedPlacement(Placement):
         if self.rank0:
             tasks = C.eval_tasks(self.cfg)
             fut = rollout.driver.submit(rollout.evaluation(tasks, C.env_factory(self.cfg), eval_loop_config(self.cfg)))
-        rank0_gate.shared().arrive("the evaluation phase")
+        self.collectives.wait_for_rank0("the evaluation phase")
         self.cycle.serve(fut.done if self.rank0 else None, evaluation=True)
         if not self.rank0:
             return None
@@ -268,7 +269,7 @@ class ColocatedPlacement(Placement):
 
     def trainer_resident(self):
         """Checkpoints and the final export read the trainer state: the engine sleeps for them."""
-        if self.actor.resident():
+        if self.cycle is None or self.actor.resident():
             return contextlib.nullcontext()
         return self.cycle.trainer_resident(self.models)
 

@@ -16,6 +16,8 @@ TORCHRUN = os.path.join(ROOT, ".venv", "bin", "torchrun")
 # tiny qwen3_moe (megatron_sao/models/presets.py): vocab 128, hidden 64, 2 layers, 4 experts of 32.
 VOCAB, HIDDEN, LAYERS, EXPERTS, MOE_FFN = 128, 64, 2, 4, 32
 
+pytestmark = pytest.mark.slow  # a worker subprocess and a 2-rank torchrun launch
+
 
 def _run(cmd) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)

@@ -13,6 +13,8 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "engine_parallel.py"
 TORCHRUN = os.path.join(ROOT, ".venv", "bin", "torchrun")
 LAYOUTS = ["dp2", "tp2sp", "ep2", "pp2", "tp2sp_ep2"]
 
+pytestmark = pytest.mark.slow  # torchrun launches of 2 and 4 ranks
+
 
 def _launch(tmp, nproc: int, layouts: list[str]) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)

@@ -74,6 +74,7 @@ def _by(results, **match):
     return [r for r in results if all(r.get(k) == v for k, v in match.items())]
 
 
+@pytest.mark.slow
 def test_single_rank_logits_loss_grads_critic_freeze(dirs):
     root, ckpt = dirs
     results = _launch(1, root, "single", ckpt)
@@ -98,6 +99,7 @@ def test_single_rank_logits_loss_grads_critic_freeze(dirs):
     _check_vocab(from_ckpt, "qwen3_moe", tp=1)
 
 
+@pytest.mark.slow
 def test_two_ranks_tp_sp_pp_ep(dirs):
     root, ckpt = dirs
     results = _launch(2, root, "parallel", ckpt)

@@ -16,7 +16,7 @@ from megatron_sao.rollout.protocol import EngineConfig, SamplingParams  # noqa: 
 from megatron_sao.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from megatron_sao.rollout.weight_sync import WeightSync, WeightSyncError  # noqa: E402
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 KINDS = ("dense", "moe")
 
 

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CONFIG = Path(__file__).resolve().parents[1] / "e2e" / "tiny_ci.yaml"
 
 
+@pytest.mark.slow
 def test_two_trainer_ranks_and_a_rollout_server(tmp_path):
     run = tmp_path / "local"
     p = subprocess.run([sys.executable, "-m", "megatron_sao.cluster.launch_local", "--config", str(CONFIG),

@@ -87,6 +87,7 @@ def test_four_nodes_mixed_hostlist_swe():
         assert "--max-num-seqs 32" in serves[0]  # rollout.max_num_seqs of the recipe
 
 
+@pytest.mark.slow
 def test_dry_run_runs_the_preflight_plan_and_refuses():
     env = {"PATH": "/usr/bin:/bin", "SAO_PYTHON": sys.executable, "SLURM_JOB_NODELIST": "n[1-4]",
            "SLURM_JOB_ID": "1", "SAO_TRAINER_NODES": "2"}
@@ -120,6 +121,7 @@ def test_bash_rendering_round_trips_through_eval():
         assert lines[-1] == f"{plan.nodes[rank].role}|/r w/x/.trainer-done-local-0"
 
 
+@pytest.mark.slow
 def test_convert_uses_the_recipe_layout():
     env = {"PATH": "/usr/bin:/bin", "SAO_PYTHON": sys.executable, "SAO_MODEL_DIR": "/hf", "SAO_MEGATRON_CKPT": "/mg",
            "SAO_HF_OUT": "/out"}

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from launch import torchrun_cmd
+
 CONFIG = str(Path(__file__).with_name("tiny_ci.yaml"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -11,8 +13,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 def sao(*args, timeout=600, torchrun=0):
     """Run the real CLI in a subprocess (each stage builds its own Megatron world)."""
     if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torchrun),
-               "--standalone", "-m", "megatron_sao.cli", *args]
+        cmd = torchrun_cmd(torchrun, "-m", "megatron_sao.cli", *args)
     else:
         cmd = [sys.executable, "-m", "megatron_sao.cli", *args]
     p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)

@@ -156,6 +156,7 @@ def test_async_checkpoints_and_evaluation_between_phases(tp2):
     assert sum("level=1" in r["call"] for r in trace) >= 2 * 2  # a checkpoint per step on both ranks
 
 
+@pytest.mark.slow
 def test_a_colocated_layout_that_cannot_run_is_refused_before_anything_loads(tmp_path):
     run = tmp_path / "refused"
     p = subprocess.run([sys.executable, "-m", "megatron_sao.cli", "train", CONFIG, f"run.dir={run}",

@@ -14,6 +14,8 @@ import pytest
 
 from e2e_util import CONFIG, ENV, sao
 
+pytestmark = pytest.mark.slow  # each test runs `sao` (and torchrun) subprocesses
+
 
 def metrics(run):
     return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]

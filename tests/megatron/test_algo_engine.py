@@ -8,13 +8,15 @@ import subprocess
 import sys
 
 import pytest
+from launch import torchrun_cmd
 from result_lines import parse_tagged
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "algo_engine.py")
-TORCHRUN = os.path.join(ROOT, ".venv", "bin", "torchrun")
 # tiny qwen3_moe (megatron_sao/models/presets.py): vocab 128, hidden 64, 2 layers, 4 experts of 32.
 VOCAB, HIDDEN, LAYERS, EXPERTS, MOE_FFN = 128, 64, 2, 4, 32
+
+pytestmark = pytest.mark.slow  # a worker subprocess and a 2-rank torchrun launch
 
 
 def _run(cmd) -> dict:
@@ -31,8 +33,7 @@ def _run(cmd) -> dict:
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("algo_engine")
     out = _run([sys.executable, WORKER, str(tmp), "single"])
-    out.update(_run([TORCHRUN, "--nproc_per_node", "2", "--standalone", WORKER, str(tmp),
-                     "tp2sp_ep2", "pp2"]))
+    out.update(_run(torchrun_cmd(2, WORKER, str(tmp), "tp2sp_ep2", "pp2")))
     return out
 
 

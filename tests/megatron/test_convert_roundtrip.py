@@ -208,6 +208,7 @@ def test_hf_writer_shards_with_index(hf, tmp_path):
     _assert_same_checkpoint(hf["qwen3_moe"], back)
 
 
+@pytest.mark.slow
 def test_cli_reports_error_and_exit_code(hf, tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_megatron_to_hf.py"),
                            "--megatron-dir", str(tmp_path / "nope"), "--out-dir", str(tmp_path / "out")],

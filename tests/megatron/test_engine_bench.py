@@ -7,9 +7,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
+@pytest.mark.slow
 def test_bench_mfu_tiny_prints_mfu():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):

@@ -6,17 +6,19 @@ import os
 import subprocess
 
 import pytest
+from launch import torchrun_cmd
 from result_lines import parse_tagged
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "engine_parallel.py")
-TORCHRUN = os.path.join(ROOT, ".venv", "bin", "torchrun")
 LAYOUTS = ["dp2", "tp2sp", "ep2", "pp2", "tp2sp_ep2"]
+
+pytestmark = pytest.mark.slow  # torchrun launches of 2 and 4 ranks
 
 
 def _launch(tmp, nproc: int, layouts: list[str]) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = [TORCHRUN, "--nproc_per_node", str(nproc), "--standalone", WORKER, str(tmp), *layouts]
+    cmd = torchrun_cmd(nproc, WORKER, str(tmp), *layouts)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "ENGINE_PARALLEL DONE" in proc.stdout

@@ -17,6 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(HERE, "workers"))
 
+from launch import torchrun_cmd  # noqa: E402
 from models_hf_dirs import make_hf_dirs  # noqa: E402
 from result_lines import parse_untagged  # noqa: E402
 
@@ -53,9 +54,7 @@ def dirs(tmp_path_factory):
 
 def _launch(nproc: int, *args: str) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [os.path.join(REPO, ".venv", "bin", "torchrun"), "--nproc_per_node", str(nproc), "--standalone",
-           os.path.join(HERE, "workers", "models_equivalence.py"),
-           *args]
+    cmd = torchrun_cmd(nproc, os.path.join(HERE, "workers", "models_equivalence.py"), *args)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=REPO)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -74,6 +73,7 @@ def _by(results, **match):
     return [r for r in results if all(r.get(k) == v for k, v in match.items())]
 
 
+@pytest.mark.slow
 def test_single_rank_logits_loss_grads_critic_freeze(dirs):
     root, ckpt = dirs
     results = _launch(1, root, "single", ckpt)
@@ -98,6 +98,7 @@ def test_single_rank_logits_loss_grads_critic_freeze(dirs):
     _check_vocab(from_ckpt, "qwen3_moe", tp=1)
 
 
+@pytest.mark.slow
 def test_two_ranks_tp_sp_pp_ep(dirs):
     root, ckpt = dirs
     results = _launch(2, root, "parallel", ckpt)

@@ -15,6 +15,8 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "offload_roundtrip.py")
 
+pytestmark = pytest.mark.slow  # one Megatron worker subprocess for all the tests
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):

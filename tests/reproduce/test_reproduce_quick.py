@@ -26,6 +26,7 @@ EXPERIMENTS = {  # experiment -> (figures, labels that must appear in results.md
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_all_experiments_quick(tmp_path):
     work, out = tmp_path / "work", tmp_path / "results"

@@ -1,17 +1,18 @@
 """Shared fakes for the agent-loop and chat tests (this module holds no tests).
 
-The boundary mocks: a scripted rollout engine (emits chosen token ids with log-probs and versions, and
-can abort, fail or delay) and small environments, plus two Qwen3-shaped chat templates written over
-the char tokenizer (a real Qwen3 tokenizer cannot be downloaded here).
+The boundary mocks: a scripted rollout engine (engine_fixtures.ScriptedEngine, re-exported here: emits
+chosen token ids with log-probs and versions, and can abort, fail or delay) and small environments, plus
+two Qwen3-shaped chat templates written over the char tokenizer (a real Qwen3 tokenizer cannot be
+downloaded here).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+
+from engine_fixtures import ScriptedEngine, lp  # noqa: F401 (the agent-loop tests take them from here)
 
 from megatron_sao.envs.base import StepResult, Task
-from megatron_sao.rollout.engines.protocol import GenerationResult, SamplingParams
 from megatron_sao.tokenizers import build_char_tokenizer
 
 QWEN_SPECIALS = ("<|im_start|>", "<|im_end|>")
@@ -59,62 +60,6 @@ def qwen_shape_tokenizer(template: str = QWEN_SHAPE_TEMPLATE):
     tok = build_char_tokenizer(QWEN_SPECIALS)
     tok.chat_template = template
     return tok
-
-
-def lp(i: int) -> float:
-    """A distinct, valid log-prob per sampled position, so tests can check where each one landed."""
-    return -0.01 * (i + 1)
-
-
-class ScriptedEngine:
-    """A rollout engine that answers the n-th generate call with ``script(n, prefix)`` token ids.
-
-    The reply is cut to ``sampling.max_new_tokens`` (finish "length"); it finishes "stop" when its
-    last id is a stop id. ``aborts`` makes the first k calls return "abort" with partial tokens and
-    bumps ``version`` (as a weight update under the abort policy would). ``delay(prefix)`` sleeps.
-    """
-
-    def __init__(self, script: Callable[[int, list[int]], list[int]], *, version: int = 0, aborts: int = 0,
-                 fail_on_call: int | None = None, delay: Callable[[list[int]], float] | None = None) -> None:
-        self.script, self.version, self.aborts = script, version, aborts
-        self.fail_on_call, self.delay = fail_on_call, delay
-        self.calls: list[tuple[list[int], SamplingParams]] = []
-        self.active = self.max_active = 0
-
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
-        n = len(self.calls)
-        self.calls.append((list(prompt_ids), sampling))
-        self.active += 1
-        self.max_active = max(self.max_active, self.active)
-        try:
-            await asyncio.sleep(self.delay(prompt_ids) if self.delay else 0)
-            if self.fail_on_call == n:
-                raise ConnectionError("engine went away")
-            ids = list(self.script(n, list(prompt_ids)))
-            if n < self.aborts:
-                part = ids[:2]
-                self.version += 1
-                return GenerationResult(part, [lp(i) for i in range(len(part))], [self.version - 1] * len(part), "abort")
-            reason = "stop"
-            if len(ids) > sampling.max_new_tokens:
-                ids, reason = ids[:sampling.max_new_tokens], "length"
-            elif not ids or ids[-1] not in sampling.stop_token_ids:
-                reason = "length"
-            return GenerationResult(ids, [lp(i) for i in range(len(ids))], [self.version] * len(ids), reason)
-        finally:
-            self.active -= 1
-
-    async def update_weights(self, buckets, version: int) -> None:
-        self.version = version
-
-    async def pause(self) -> None: ...
-
-    async def resume(self) -> None: ...
-
-    async def health(self) -> bool:
-        return True
-
-    async def close(self) -> None: ...
 
 
 class CountingEnv:

@@ -5,8 +5,9 @@ its turns, the per-server request cap, a dead server's episodes re-run elsewhere
 The engines are scripted fakes (the boundary); the environment, tokenizer, chat formatting, agent
 loop and server pool are real."""
 
-import asyncio
 import time
+
+from engine_fixtures import answering
 
 from megatron_sao.envs.style_shift import load_style_tasks
 from megatron_sao.envs.toy_tool import ToyToolTasks
@@ -16,35 +17,9 @@ from megatron_sao.rollout.agent_loop import AgentLoopConfig
 from megatron_sao.rollout.chat import ChatFormatter
 from megatron_sao.rollout.episode_driver import EpisodeDriver
 from megatron_sao.rollout.prompts import PromptStream
-from megatron_sao.rollout.engines.protocol import GenerationResult, SamplingParams
+from megatron_sao.rollout.engines.protocol import SamplingParams
 from megatron_sao.rollout.server_pool import ServerPool
 from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
-
-
-class FakeEngine:
-    """Answers every turn with `answer<|end|>` (`=0`: a toy answer, so each episode is one turn)."""
-
-    def __init__(self, formatter, broken=False, answer="=0", name="fake", delay=0.0):
-        self.version, self.broken, self.calls, self.name, self.delay = 0, broken, 0, name, delay
-        self.ids = formatter.encode(answer) + [formatter.stop_token_ids[0]]
-        self.prompts: list[list[int]] = []
-        self.active = self.max_active = 0
-
-    async def generate(self, prompt_ids, sampling):
-        self.calls += 1
-        self.prompts.append(list(prompt_ids))
-        self.active += 1
-        self.max_active = max(self.max_active, self.active)
-        try:
-            await asyncio.sleep(self.delay)
-            if self.broken:
-                raise ConnectionError(f"engine at {self.name} refused the connection")
-            return GenerationResult(list(self.ids), [-0.5] * len(self.ids), [self.version] * len(self.ids), "stop")
-        finally:
-            self.active -= 1
-
-    async def health(self):
-        return not self.broken
 
 
 class ThreeTurns:
@@ -66,7 +41,7 @@ class ThreeTurns:
 
 def make_pool_driver(n_servers=3, concurrency=6, batch_size=6, max_num_seqs=None, delay=0.02, **driver_kw):
     fmt = ChatFormatter(build_char_tokenizer())
-    engines = [FakeEngine(fmt, name=f"http://srv{i}", delay=delay) for i in range(n_servers)]
+    engines = [answering(fmt, name=f"http://srv{i}", delay=delay) for i in range(n_servers)]
     pool = ServerPool(engines, [e.name for e in engines], max_num_seqs=max_num_seqs)
     done = []
     drv = EpisodeDriver(pool, lambda task: ThreeTurns(), PromptStream(ToyToolTasks(50, seed=0), seed=0), fmt,
@@ -79,7 +54,7 @@ def make_pool_driver(n_servers=3, concurrency=6, batch_size=6, max_num_seqs=None
 def make_driver(batch_size=4, ahead=0, broken=False, concurrency=8, env="toy_tool", answer="=0", **driver_kw):
     fmt = ChatFormatter(build_char_tokenizer())
     done = []
-    engine = FakeEngine(fmt, broken, answer)
+    engine = answering(fmt, answer, name="fake", down=broken)
     if env == "toy_tool":
         tasks, factory = ToyToolTasks(50, seed=0), (lambda task: make_env("toy_tool"))
     else:  # style_shift, its style switching every trainer step: cute, classical, cute, ...
@@ -160,9 +135,9 @@ def test_dead_engine_stops_the_driver_with_a_clear_error():
         assert wait_for(lambda: drv.error is not None)
         assert "unhealthy" in str(drv.error) and "refused the connection" in str(drv.error)
         assert done and all(not t.trainable for t in done)  # recorded as failures, none re-run: no server left
-        calls = engine.calls
+        calls = len(engine.calls)
         time.sleep(0.3)
-        assert engine.calls == calls  # stopped, not spinning through the prompt stream
+        assert len(engine.calls) == calls  # stopped, not spinning through the prompt stream
     finally:
         drv.stop()
 
@@ -237,8 +212,8 @@ def test_a_dead_server_gets_no_episodes_and_its_episodes_rerun_elsewhere():
                                                 health_interval_s=0.1, health_timeout_s=1.0)
     drv.start()
     try:
-        assert wait_for(lambda: engines[1].calls >= 1)
-        engines[1].broken = True  # its health check fails now; its in-flight episodes must move
+        assert wait_for(lambda: len(engines[1].calls) >= 1)
+        engines[1].down = True  # its health check fails now; its in-flight episodes must move
         assert wait_for(lambda: len(done) == 4, timeout=30)
         drv.step_finished()
         assert wait_for(lambda: len(done) == 8, timeout=30)
@@ -255,7 +230,7 @@ def test_a_dead_server_gets_no_episodes_and_its_episodes_rerun_elsewhere():
 def test_every_server_dead_stops_the_driver_naming_each():
     drv, done, engines, pool = make_pool_driver(n_servers=2, concurrency=4, batch_size=4, delay=0.05)
     for e in engines:
-        e.broken = True
+        e.down = True
     drv.start()
     try:
         assert wait_for(lambda: drv.error is not None)

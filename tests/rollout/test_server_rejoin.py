@@ -6,9 +6,8 @@ real. What a 32-GPU job meets and the one-server demo never does: a `vllm serve`
 or comes back from an overload mid-run. Before this, such a server stayed out for the rest of the run.
 """
 
-import asyncio
-
 import torch
+from engine_fixtures import answering
 from test_episode_driver import ThreeTurns, wait_for
 
 from megatron_sao.envs.toy_tool import ToyToolTasks
@@ -16,59 +15,24 @@ from megatron_sao.rollout.agent_loop import AgentLoopConfig
 from megatron_sao.rollout.chat import ChatFormatter
 from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig
 from megatron_sao.rollout.prompts import PromptStream
-from megatron_sao.rollout.engines.protocol import GenerationResult, SamplingParams
+from megatron_sao.rollout.engines.protocol import SamplingParams
 from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
 
 CHECK_TOKENS, CHECK_PROMPT_LEN = [5, 6, 7, 8, 9], 2
 REFERENCE = [-1.0, -2.0, -3.0]  # what the trainer computed for CHECK_TOKENS[2:] under the new weights
 
 
-class ScriptedServer:
-    """One rollout server: answers `=0` (a one-turn toy answer), reports health, takes weight updates.
-    `down` makes it fail generate and health (a crashed or overloaded server); `bad_update` makes it
-    refuse the weight update; `wrong_weights` makes its weight check disagree with the trainer."""
-
-    def __init__(self, formatter, name: str) -> None:
-        self.name, self.version, self.calls = name, 0, 0
-        self.ids = formatter.encode("=0") + [formatter.stop_token_ids[0]]
-        self.down = self.bad_update = self.wrong_weights = False
-        self.updates: list[int] = []  # versions it completed
-        self._pending = None
-
-    async def generate(self, prompt_ids, sampling):
-        await asyncio.sleep(0.02)
-        if self.down:
-            raise ConnectionError(f"{self.name}: connection refused")
-        self.calls += 1
-        return GenerationResult(list(self.ids), [-0.5] * len(self.ids), [self.version] * len(self.ids), "stop")
-
-    async def health(self):
-        return not self.down
-
-    async def begin_weight_update(self, version):
-        self._pending = version
-
-    async def push_weight_bucket(self, bucket):
-        if self.bad_update:
-            raise OSError(f"{self.name}: transfer group gone (the server process restarted)")
-
-    async def finish_weight_update(self, version):
-        self.version, self._pending = version, None
-        self.updates.append(version)
-
-    async def abort_weight_update(self):
-        self._pending = None
-
-    async def score(self, token_ids, start):
-        return [x + (0.5 if self.wrong_weights else 0.0) for x in REFERENCE]
-
-    async def close(self):
-        pass
+def scripted_server(formatter, name: str, **kw):
+    """One rollout server: answers `=0` (a one-turn toy answer) after 0.02 s, reports health, takes weight
+    updates, scores the check tokens as the trainer did. `down` makes it fail generate and health (a
+    crashed or overloaded server), `push_error` refuse the weight update, other `scores` disagree with
+    the trainer's weight check."""
+    return answering(formatter, name=name, delay=0.02, scores=REFERENCE, **kw)
 
 
 def make_side(n=2, check=False):
     fmt = ChatFormatter(build_char_tokenizer())
-    servers = [ScriptedServer(fmt, f"http://srv{i}") for i in range(n)]
+    servers = [scripted_server(fmt, f"http://srv{i}") for i in range(n)]
     done = []
     cfg = RolloutSideConfig(batch_size=4, ahead=0, concurrency=4, sync_timeout_s=5.0, check_weights=check,
                             health_interval_s=0.05, health_timeout_s=1.0)
@@ -91,7 +55,7 @@ def push(side, version, check):
 
 def kill_and_recover(side, servers, done):
     """srv1 goes down mid-batch (its episodes move to srv0), then answers its health check again."""
-    assert wait_for(lambda: servers[1].calls >= 1)
+    assert wait_for(lambda: servers[1].answered >= 1)
     servers[1].down = True
     assert wait_for(lambda: not side.pool.slots[1].alive)
     servers[1].down = False
@@ -108,14 +72,14 @@ def test_a_server_that_answers_again_rejoins_at_the_current_version():
         m = push(side, 1, check=True)
         assert not m.failed and set(m.logprob_diff) == {"http://srv0", "http://srv1"}
         side.step_finished()
-        calls_before = servers[1].calls
+        calls_before = servers[1].answered
         assert wait_for(lambda: len(done) == 8, timeout=30)
         metrics = side.metrics()
     finally:
         side.close()
     assert side.error is None
     assert servers[1].updates == [1] and servers[1].version == servers[0].version == 1
-    assert servers[1].calls > calls_before  # it generates again
+    assert servers[1].answered > calls_before  # it generates again
     late = [t for t in done[4:] if t.info["server"] == "http://srv1"]
     # Its episodes after the rejoin carry only new-version tokens.
     assert late and all(set(t.versions[t.action_mask].tolist()) == {1} for t in late)
@@ -129,7 +93,7 @@ def test_a_rejoin_that_fails_its_update_leaves_the_server_out_and_the_run_going(
     side.start()
     try:
         kill_and_recover(side, servers, done)
-        servers[1].bad_update = True
+        servers[1].push_error = OSError("http://srv1: transfer group gone (the server process restarted)")
         m = push(side, 1, check=False)
         assert "http://srv1" in m.failed and "transfer group gone" in m.failed["http://srv1"]
         side.step_finished()
@@ -150,7 +114,7 @@ def test_a_rejoining_server_with_wrong_weights_is_refused_not_the_run():
     side.start()
     try:
         kill_and_recover(side, servers, done)
-        servers[1].wrong_weights = True
+        servers[1].scores = [x + 0.5 for x in REFERENCE]  # wrong weights
         m = push(side, 1, check=True)
     finally:
         side.close()
@@ -160,18 +124,10 @@ def test_a_rejoining_server_with_wrong_weights_is_refused_not_the_run():
     assert m.logprob_diff == {"http://srv0": 0.0}
 
 
-class HungServer(ScriptedServer):
-    """Alive (its health check passes, so nothing marks it dead) but never finishes a generate call."""
-
-    async def generate(self, prompt_ids, sampling):
-        self.calls += 1
-        await asyncio.sleep(3600)
-
-
 def test_an_evaluation_on_a_hung_server_times_out_and_frees_its_slots():
     fmt = ChatFormatter(build_char_tokenizer())
     side, _, _ = make_side()
-    hung = HungServer(fmt, "http://hung")
+    hung = answering(fmt, name="http://hung", delay=3600)  # alive (health passes) but never answers
     side.pool.slots[0].engine = side.pool.slots[1].engine = hung  # every server alive but stuck
     side.start()
     pinned = lambda: sum(s.episodes for s in side.pool.slots)  # noqa: E731
@@ -191,4 +147,4 @@ def test_an_evaluation_on_a_hung_server_times_out_and_frees_its_slots():
     finally:
         side.close()
     assert "evaluation of 6 tasks did not finish within 0.5s (run.eval_timeout_s)" in msg
-    assert hung.calls >= 8 and side.error is None  # 4 training + 4 evaluation requests were sent
+    assert len(hung.calls) >= 8 and side.error is None  # 4 training + 4 evaluation requests were sent

@@ -16,7 +16,7 @@ from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams  
 from megatron_sao.rollout.engines.vllm_engine import VLLMEngine  # noqa: E402
 from megatron_sao.rollout.weights.sync import WeightSync, WeightSyncError  # noqa: E402
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 KINDS = ("dense", "moe")
 
 

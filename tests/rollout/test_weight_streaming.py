@@ -106,6 +106,7 @@ def _hf(d, name):
     return HFEngine(AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32), max_model_len=256, name=name)
 
 
+@pytest.mark.slow  # two HTTP rollout servers and a RolloutSide running episodes
 def test_push_streams_to_every_server_with_two_buckets_alive_at_most(moe_dir):
     new = perturbed(load_checkpoint(moe_dir), seed=21)
     fmt = ChatFormatter(build_char_tokenizer())

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 import torch
-from engine_fixtures import hf_logprobs, load_checkpoint, make_tiny_model, perturbed
+from engine_fixtures import ScriptedEngine, hf_logprobs, load_checkpoint, make_tiny_model, perturbed
 
 from megatron_sao.rollout.engines.protocol import SamplingParams
 from megatron_sao.rollout.engines.hf_engine import HFEngine
@@ -27,41 +27,18 @@ def _engine(d, name: str) -> HFEngine:
     return HFEngine(AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32), max_model_len=128, name=name)
 
 
-class _OkEngine:
-    """The streamed-update surface of an engine, nothing else (the boundary of these tests)."""
-
-    name = "ok-engine"
-
-    def __init__(self) -> None:
-        self.version, self.buckets, self.aborted = 0, 0, False
-
-    async def begin_weight_update(self, version):
-        self.buckets = 0
-
-    async def push_weight_bucket(self, bucket):
-        self.buckets += 1
-
-    async def finish_weight_update(self, version):
-        self.version = version
-
-    async def abort_weight_update(self):
-        self.aborted = True
+def _ok_engine() -> ScriptedEngine:
+    """No script and no score: only its streamed-update surface is used (the boundary of these tests)."""
+    return ScriptedEngine(name="ok-engine")
 
 
-class _SlowEngine(_OkEngine):
+def _slow_engine() -> ScriptedEngine:
     """Stands in for a hung rollout engine."""
-
-    name = "slow-engine"
-
-    async def push_weight_bucket(self, bucket):
-        await asyncio.sleep(30)
+    return ScriptedEngine(name="slow-engine", push_delay=30)
 
 
-class _BrokenEngine(_OkEngine):
-    name = "broken-engine"
-
-    async def push_weight_bucket(self, bucket):
-        raise OSError("connection reset")
+def _broken_engine() -> ScriptedEngine:
+    return ScriptedEngine(name="broken-engine", push_error=OSError("connection reset"))
 
 
 def _buckets(state: dict[str, torch.Tensor], size: int = 5):
@@ -119,10 +96,10 @@ def test_timeout_and_failure_name_the_engine(moe_dir):
 
     async def run():
         with pytest.raises(WeightSyncError, match=r"engine 1 \(slow-engine\): bucket of weight sync v1 timed out after 0.2s"):
-            await WeightSync([_OkEngine(), _SlowEngine()], timeout_s=0.2).push(_buckets(state), 1)
+            await WeightSync([_ok_engine(), _slow_engine()], timeout_s=0.2).push(_buckets(state), 1)
         with pytest.raises(WeightSyncError, match=r"engine 0 \(broken-engine\): bucket of weight sync v1 failed: "
                                                   r"OSError: connection reset"):
-            await WeightSync([_BrokenEngine()], timeout_s=5).push(_buckets(state), 1)
+            await WeightSync([_broken_engine()], timeout_s=5).push(_buckets(state), 1)
 
     asyncio.run(run())
 
@@ -131,7 +108,7 @@ def test_a_failed_engine_is_left_out_and_reported_when_not_strict(moe_dir):
     """The rollout side's mode: the healthy engines get the whole update, the failed one none of
     the buckets after its failure, and the metrics name it (the caller takes it out of service)."""
     state = load_checkpoint(moe_dir)
-    ok, broken, ok2 = _OkEngine(), _BrokenEngine(), _OkEngine()
+    ok, broken, ok2 = _ok_engine(), _broken_engine(), _ok_engine()
 
     async def run():
         sync = WeightSync([ok, broken, ok2], timeout_s=5, strict=False, labels=["a", "b", "c"])
@@ -148,14 +125,14 @@ def test_bad_arguments_are_refused(moe_dir):
     with pytest.raises(ValueError, match="at least one"):
         WeightSync([], timeout_s=1)
     with pytest.raises(ValueError, match="timeout_s"):
-        WeightSync([_OkEngine()], timeout_s=0)
+        WeightSync([_ok_engine()], timeout_s=0)
 
     async def run():
         with pytest.raises(ValueError, match="check_tokens"):
-            await WeightSync([_OkEngine()], timeout_s=1, check=True).push([], 1)
+            await WeightSync([_ok_engine()], timeout_s=1, check=True).push([], 1)
         with pytest.raises(ValueError, match="version"):
-            await WeightSync([_OkEngine()], timeout_s=1).push([], -1)
+            await WeightSync([_ok_engine()], timeout_s=1).push([], -1)
         with pytest.raises(TypeError, match="no score"):
-            await WeightSync([_OkEngine()], timeout_s=1).verify(_OkEngine(), [1, 2, 3], [0.0, 0.0], 1e-3)
+            await WeightSync([_ok_engine()], timeout_s=1).verify(_ok_engine(), [1, 2, 3], [0.0, 0.0], 1e-3)
 
     asyncio.run(run())

@@ -8,6 +8,8 @@ loop of take -> version + 1 -> step_finished) has finished 11 steps since the ep
 """
 
 import asyncio
+import sys
+from pathlib import Path
 
 from megatron_sao.buffer import TrajectoryBuffer
 from megatron_sao.config import load_config
@@ -15,30 +17,19 @@ from megatron_sao.envs import make_env
 from megatron_sao.envs.toy_tool import ToyToolTasks
 from megatron_sao.rollout.agent_loop import AgentLoopConfig
 from megatron_sao.rollout.chat import ChatFormatter
-from megatron_sao.rollout.engines.protocol import GenerationResult, SamplingParams
+from megatron_sao.rollout.engines.protocol import SamplingParams
 from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
 from megatron_sao.rollout.episode_driver import EpisodeDriver
 from megatron_sao.rollout.prompts import PromptStream
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
+from engine_fixtures import answering  # noqa: E402 (tests/rollout/engine_fixtures.py)
 
 SLOW_POS, SLOW_STEPS = 0, 11
 
 
 class Trainer:
     steps = 0  # trainer steps finished (what the slow episode waits on)
-
-
-class Engine:
-    """Answers `=0<|end|>` at once, tagged with the policy version it holds."""
-
-    def __init__(self, fmt):
-        self.version = 0
-        self.ids = fmt.encode("=0") + [fmt.stop_token_ids[0]]
-
-    async def generate(self, prompt_ids, sampling):
-        return GenerationResult(list(self.ids), [-0.5] * len(self.ids), [self.version] * len(self.ids), "stop")
-
-    async def health(self):
-        return True
 
 
 class SlowForOnePrompt:
@@ -70,7 +61,7 @@ def train_until_the_slow_prompt_is_trained(overrides, max_steps):
     b = cfg.buffer
     Trainer.steps = 0
     fmt = ChatFormatter(build_char_tokenizer())
-    engine = Engine(fmt)
+    engine = answering(fmt)  # `=0<|end|>` at once, tagged with the policy version it holds
     buf = TrajectoryBuffer(b.batch_size, b.max_staleness, b.staleness_policy, max_stale_drops=b.max_stale_drops)
     drv = EpisodeDriver(engine, lambda task: SlowForOnePrompt(), PromptStream(ToyToolTasks(200, seed=0), seed=0), fmt,
                         AgentLoopConfig(max_turns=2, max_total_tokens=256, max_new_tokens_per_turn=16,

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import RECIPES, REPO
+
 from megatron_sao.cluster.launch_plan import LaunchPlanError, build_launch_plan, render_bash
 
 AIME = str(RECIPES / "aime_disaggregated.yaml")

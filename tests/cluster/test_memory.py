@@ -1,14 +1,12 @@
 """Memory formulas against hand calculations of the published formulas."""
 
 import json
-from pathlib import Path
 
 import pytest
+from conftest import QWEN_JSON as QWEN
 
 from megatron_sao.cluster import memory as mem
 from megatron_sao.models.hf_config import model_spec_from_hf
-
-from conftest import QWEN_JSON as QWEN
 
 
 @pytest.fixture(scope="module")

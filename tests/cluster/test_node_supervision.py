@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 from conftest import RECIPES, REPO
+
 from megatron_sao.cluster.launch_local import build_local_plan
 from megatron_sao.cluster.supervisor import Supervisor, SupervisorError
 

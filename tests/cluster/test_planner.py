@@ -1,8 +1,8 @@
 """`sao plan`: recipes fit, memory numbers match hand calculations, impossible layouts are refused."""
 
 import pytest
-
 from conftest import RECIPES
+
 from megatron_sao.cluster import memory as mem
 from megatron_sao.cluster.layout import LayoutError
 from megatron_sao.cluster.planner import PlanOptions, main, plan

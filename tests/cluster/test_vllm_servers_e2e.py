@@ -16,11 +16,10 @@ import json
 import shutil
 
 import pytest
+from conftest import REPO
 
 from megatron_sao.cluster.launch_local import build_local_plan, run_local
 from megatron_sao.cluster.supervisor import Supervisor
-
-from conftest import REPO
 
 pytest.importorskip("vllm")
 CONFIG = REPO / "tests" / "e2e" / "tiny_ci.yaml"

@@ -1,5 +1,4 @@
 import pytest
-
 from e2e_util import CONFIG
 
 

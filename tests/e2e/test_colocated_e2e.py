@@ -24,7 +24,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from e2e_util import CONFIG, ENV, sao
 
 pytest.importorskip("vllm")

@@ -3,7 +3,6 @@
 Resume after kill -9 at every moment: test_resume_kills.py."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from e2e_util import CONFIG, ENV, sao
 
 pytestmark = pytest.mark.slow  # each test runs `sao` (and torchrun) subprocesses

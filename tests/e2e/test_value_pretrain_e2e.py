@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from e2e_util import CONFIG, sao
 
 

@@ -11,8 +11,15 @@ from pathlib import Path
 import pytest
 
 from megatron_sao.envs import load_tasks, make_env
-from megatron_sao.envs.arith_python import (EVAL_FRACTION, KIND_BY_NAME, KINDS, SYSTEM_PROMPT, generate_problems,
-                                            make_demonstrations, split_of)
+from megatron_sao.envs.arith_python import (
+    EVAL_FRACTION,
+    KIND_BY_NAME,
+    KINDS,
+    SYSTEM_PROMPT,
+    generate_problems,
+    make_demonstrations,
+    split_of,
+)
 from megatron_sao.envs.tool_calls import format_tool_response
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -3,13 +3,12 @@
 import asyncio
 import json
 import threading
-from pathlib import Path
 
 import pytest
+from shared_data import shared_data_dir
 
 from megatron_sao.envs.math_grading import grade_boxed
 from megatron_sao.envs.math_python import MathPythonEnv, load_math_tasks
-from shared_data import shared_data_dir
 
 DATA = shared_data_dir()
 

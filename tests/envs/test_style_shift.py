@@ -11,8 +11,14 @@ import pytest
 from megatron_sao.envs import make_env
 from megatron_sao.envs.base import Task
 from megatron_sao.envs.style_judges import STYLES, JudgeError, OpenAICompatibleJudge, RuleBasedStyleJudge
-from megatron_sao.envs.style_shift import (SHORT_SYSTEM_PROMPT, SYSTEM_PROMPT, StyleSchedule, StyleShiftEnv,
-                                           load_style_tasks, make_demonstrations)
+from megatron_sao.envs.style_shift import (
+    SHORT_SYSTEM_PROMPT,
+    SYSTEM_PROMPT,
+    StyleSchedule,
+    StyleShiftEnv,
+    load_style_tasks,
+    make_demonstrations,
+)
 from megatron_sao.rollout.chat import ChatFormatter
 from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
 

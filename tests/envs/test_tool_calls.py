@@ -1,7 +1,6 @@
 """Parsing of tool calls and final answers."""
 
-from megatron_sao.envs.tool_calls import (extract_boxed, extract_python_block, format_tool_response,
-                                           parse_tool_calls)
+from megatron_sao.envs.tool_calls import extract_boxed, extract_python_block, format_tool_response, parse_tool_calls
 
 
 def test_hermes_json_tool_call():

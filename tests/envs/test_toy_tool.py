@@ -6,8 +6,18 @@ from collections import Counter
 import pytest
 
 from megatron_sao.envs.base import Task
-from megatron_sao.envs.toy_tool import (ANSWER_RE, CALL_RE, ENV_NAME, TOY_ALPHABET, ToyToolEnv, ToyToolTasks,
-                                         calculate, evaluate, make_demonstrations, op_count_pmf)
+from megatron_sao.envs.toy_tool import (
+    ANSWER_RE,
+    CALL_RE,
+    ENV_NAME,
+    TOY_ALPHABET,
+    ToyToolEnv,
+    ToyToolTasks,
+    calculate,
+    evaluate,
+    make_demonstrations,
+    op_count_pmf,
+)
 
 
 def test_generator_is_seeded_and_valid():

@@ -7,8 +7,14 @@ import torch
 
 from megatron_sao.checkpoint.names import canonical_name
 from megatron_sao.checkpoint.param_layout import full_param_shapes
-from megatron_sao.checkpoint.sharding import (RankLayout, global_to_local_name, local_to_global_name, shard_tensor,
-                                              tp_partition, unshard_tensor)
+from megatron_sao.checkpoint.sharding import (
+    RankLayout,
+    global_to_local_name,
+    local_to_global_name,
+    shard_tensor,
+    tp_partition,
+    unshard_tensor,
+)
 from megatron_sao.models.hf_config import ModelSpec, model_spec_from_hf
 from megatron_sao.models.parallel_sizes import ParallelSizes
 from megatron_sao.models.presets import qwen3_30b_a3b_config, tiny_hf_config

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.reproduce.runner import Run
-from benchmarks.reproduce.summary import (binomial_se, first_step_started_after, mean_curve, recovery_steps,
-                                          smooth, stat)
+from benchmarks.reproduce.summary import binomial_se, first_step_started_after, mean_curve, recovery_steps, smooth, stat
 
 
 def test_recovery_steps_counts_steps_until_90_percent_of_the_pre_switch_level():

@@ -9,15 +9,15 @@ import time
 
 from engine_fixtures import answering
 
-from megatron_sao.envs.style_shift import load_style_tasks
-from megatron_sao.envs.toy_tool import ToyToolTasks
 from megatron_sao.envs import make_env
 from megatron_sao.envs.base import StepResult
+from megatron_sao.envs.style_shift import load_style_tasks
+from megatron_sao.envs.toy_tool import ToyToolTasks
 from megatron_sao.rollout.agent_loop import AgentLoopConfig
 from megatron_sao.rollout.chat import ChatFormatter
+from megatron_sao.rollout.engines.protocol import SamplingParams
 from megatron_sao.rollout.episode_driver import EpisodeDriver
 from megatron_sao.rollout.prompts import PromptStream
-from megatron_sao.rollout.engines.protocol import SamplingParams
 from megatron_sao.rollout.server_pool import ServerPool
 from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
 

@@ -13,9 +13,9 @@ from test_episode_driver import ThreeTurns, wait_for
 from megatron_sao.envs.toy_tool import ToyToolTasks
 from megatron_sao.rollout.agent_loop import AgentLoopConfig
 from megatron_sao.rollout.chat import ChatFormatter
-from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig
-from megatron_sao.rollout.prompts import PromptStream
 from megatron_sao.rollout.engines.protocol import SamplingParams
+from megatron_sao.rollout.prompts import PromptStream
+from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig
 from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
 
 CHECK_TOKENS, CHECK_PROMPT_LEN = [5, 6, 7, 8, 9], 2

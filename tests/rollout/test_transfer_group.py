@@ -19,8 +19,13 @@ import torch
 
 pytest.importorskip("vllm")
 
-from megatron_sao.rollout.vllm_worker.transfer_group import (Rendezvous, broadcast_bucket, free_port, join_group,  # noqa: E402
-                                                 worker_group_rank)
+from megatron_sao.rollout.vllm_worker.transfer_group import (  # noqa: E402
+    Rendezvous,
+    broadcast_bucket,
+    free_port,
+    join_group,
+    worker_group_rank,
+)
 
 pytestmark = pytest.mark.timeout(300)
 

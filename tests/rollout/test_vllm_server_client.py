@@ -12,9 +12,9 @@ from engine_fixtures import hf_logprobs, load_checkpoint, make_tiny_model, pertu
 pytest.importorskip("aiohttp")
 
 from megatron_sao.rollout.engines.factory import make_engine  # noqa: E402
-from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams  # noqa: E402
 from megatron_sao.rollout.engines.hf_engine import HFEngine  # noqa: E402
 from megatron_sao.rollout.engines.http_server import start_server  # noqa: E402
+from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams  # noqa: E402
 from megatron_sao.rollout.engines.vllm_server_client import ServerError, VLLMServerClient  # noqa: E402
 from megatron_sao.rollout.weights.sync import WeightSync  # noqa: E402
 

@@ -17,7 +17,6 @@ import threading
 import time
 import types
 import weakref
-from collections import deque
 
 import pytest
 import torch
@@ -29,12 +28,12 @@ from megatron_sao.envs import make_env  # noqa: E402
 from megatron_sao.envs.toy_tool import ToyToolTasks  # noqa: E402
 from megatron_sao.rollout.agent_loop import AgentLoopConfig  # noqa: E402
 from megatron_sao.rollout.chat import ChatFormatter  # noqa: E402
-from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig  # noqa: E402
 from megatron_sao.rollout.engines.hf_engine import HFEngine  # noqa: E402
-from megatron_sao.rollout.prompts import PromptStream  # noqa: E402
-from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams  # noqa: E402
 from megatron_sao.rollout.engines.http_server import start_server  # noqa: E402
+from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams  # noqa: E402
 from megatron_sao.rollout.engines.vllm_server_client import VLLMServerClient  # noqa: E402
+from megatron_sao.rollout.prompts import PromptStream  # noqa: E402
+from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig  # noqa: E402
 from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)

@@ -16,9 +16,9 @@ def test_example_config_loads(path):
 
 
 def test_math_task_loader_finds_gsm8k_from_the_example_data_dir():
-    from megatron_sao.envs import load_tasks
-
     from shared_data import shared_data_dir
+
+    from megatron_sao.envs import load_tasks
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / "smollm2_gsm8k.yaml")
     assert cfg.env.task_kwargs["data_dir"] == "../shared/data"  # shared/ beside the checkout

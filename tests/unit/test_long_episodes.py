@@ -18,9 +18,9 @@ from megatron_sao.envs.toy_tool import ToyToolTasks
 from megatron_sao.rollout.agent_loop import AgentLoopConfig
 from megatron_sao.rollout.chat import ChatFormatter
 from megatron_sao.rollout.engines.protocol import SamplingParams
-from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
 from megatron_sao.rollout.episode_driver import EpisodeDriver
 from megatron_sao.rollout.prompts import PromptStream
+from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
 from engine_fixtures import answering  # noqa: E402 (tests/rollout/engine_fixtures.py)

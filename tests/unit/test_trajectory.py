@@ -9,8 +9,16 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from megatron_sao.trajectory import (
-    Span, Trajectory, TrajectoryBuilder, TrajectoryError, TrajectoryFileError, collate_packed, collate_padded,
-    load_trajectories, save_trajectories, trajectories_equal,
+    Span,
+    Trajectory,
+    TrajectoryBuilder,
+    TrajectoryError,
+    TrajectoryFileError,
+    collate_packed,
+    collate_padded,
+    load_trajectories,
+    save_trajectories,
+    trajectories_equal,
 )
 
 
@@ -124,7 +132,8 @@ def test_load_rejects_foreign_file(tmp_path):
 @given(st.lists(st.tuples(st.sampled_from(["action", "observation"]), st.integers(1, 5)), min_size=1, max_size=6),
        st.floats(-3, 3, allow_nan=False))
 def test_property_builder_round_trip(segments, reward):
-    import tempfile, os
+    import os
+    import tempfile
     b = TrajectoryBuilder(prompt_id="q")
     b.add_prompt([1, 2])
     b.add_action([3], [-0.5], 0)  # at least one action

@@ -128,6 +128,7 @@ for bucket in eng0.export_hf_weights(bucket_bytes=64 << 10):
     exported.update(dict(bucket))
 src = hf.state_dict()
 from safetensors.torch import load_file  # noqa: E402
+
 disk = {}
 for f in os.listdir(hf_dir):
     if f.endswith(".safetensors"):

@@ -21,7 +21,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models_helpers as H  # noqa: E402  (applies the CPU patches first)
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402

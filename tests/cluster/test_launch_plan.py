@@ -190,7 +190,8 @@ def test_every_server_gets_its_own_transfer_group_and_the_same_cap_as_the_traine
     assert all(a[a.index("--max-num-seqs") + 1] == "32" and "--enable-scale-out" in a for a in serves)
     derived = load_config(AIME, [*(o for o in plan.trainer_overrides if not o.startswith("rollout.max_num_seqs")),
                                  "rollout.max_num_seqs=null"])
-    assert max_num_seqs(derived, len(derived.rollout.server_urls)) == 64  # without it: an even share of concurrency 256 over 4 servers
+    # without it: an even share of concurrency 256 over 4 servers
+    assert max_num_seqs(derived, len(derived.rollout.server_urls)) == 64
     assert all(a[a.index("--weight-transfer-config") + 1] == '{"backend":"nccl"}' for a in serves)
     assert all("--worker-extension-cls" not in a for a in serves)  # GPU build: vLLM's own NCCL engine
     assert all("SAO_WEIGHT_SYNC_PORT" not in p.env for n in plan.nodes for p in n.processes)
@@ -198,9 +199,11 @@ def test_every_server_gets_its_own_transfer_group_and_the_same_cap_as_the_traine
 
 def test_plan_refuses_transfer_ports_on_the_torchrun_port_and_reload_with_vllm():
     with pytest.raises(LaunchPlanError, match="collide with cluster.master_port=29500"):
-        build_launch_plan(AIME, ["t0", "r0"], run_dir="/r", trainer_nodes=1, overrides=["cluster.weight_sync_port=29500"])
+        build_launch_plan(AIME, ["t0", "r0"], run_dir="/r", trainer_nodes=1,
+                          overrides=["cluster.weight_sync_port=29500"])
     with pytest.raises(LaunchPlanError, match="reload works with rollout/engines/http_server.py only"):
-        build_launch_plan(AIME, ["t0", "r0"], run_dir="/r", trainer_nodes=1, overrides=["rollout.weight_transport=reload"])
+        build_launch_plan(AIME, ["t0", "r0"], run_dir="/r", trainer_nodes=1,
+                          overrides=["rollout.weight_transport=reload"])
     plan = build_launch_plan(AIME, ["t0", "r0"], run_dir="/r", trainer_nodes=1, overrides=["rollout.max_num_seqs=12"])
     (serve, _) = [p.argv for p in plan.nodes[1].processes]
     assert serve[serve.index("--max-num-seqs") + 1] == "12" and "rollout.max_num_seqs=12" in plan.trainer_overrides

@@ -65,8 +65,9 @@ def _alive(pid: int) -> bool:
 def _env(tmp_path, port, **extra):
     return {"PATH": os.environ["PATH"], "SAO_PYTHON": sys.executable, "SAO_REPO": str(REPO),
             "SAO_CONFIG": str(RECIPES / "aime_disaggregated.yaml"), "SLURM_JOB_NODELIST": "127.0.0.1,localhost",
-            "SLURM_JOB_ID": "7", "SAO_TRAINER_NODES": "1", "SAO_GPUS_PER_NODE": "4", "SAO_RUN_DIR": str(tmp_path / "run"),
-            "SAO_POLL_S": "0.2", "SAO_KILL_GRACE_S": "5", "SAO_HEALTH_TIMEOUT_S": "60",
+            "SLURM_JOB_ID": "7", "SAO_TRAINER_NODES": "1", "SAO_GPUS_PER_NODE": "4",
+            "SAO_RUN_DIR": str(tmp_path / "run"), "SAO_POLL_S": "0.2", "SAO_KILL_GRACE_S": "5",
+            "SAO_HEALTH_TIMEOUT_S": "60",
             "SAO_OVERRIDES_STR": f"cluster.rollout_port={port}", "FAKE_OUT": str(tmp_path),
             "SAO_VLLM": _exe(tmp_path / "vllm", FAKE_VLLM), "SAO_TORCHRUN": _exe(tmp_path / "torchrun", FAKE_TORCHRUN),
             **extra}
@@ -147,7 +148,8 @@ def test_local_plan_is_the_slurm_plan_on_localhost(tmp_path):
                      "--master-addr=127.0.0.1", "--master-port=29700"]
     assert t[8:12] == ["-m", "megatron_sao.cli", "train", str(RECIPES / "online_style.yaml")]
     assert 'rollout.server_urls=["http://127.0.0.1:9101", "http://127.0.0.1:9102"]' in t
-    assert "rollout.weight_transfer_ports=[29801, 29802]" in t and "rollout.weight_transfer_master_address=127.0.0.1" in t
+    assert ("rollout.weight_transfer_ports=[29801, 29802]" in t
+            and "rollout.weight_transfer_master_address=127.0.0.1" in t)
     assert "rollout.max_num_seqs=64" in t and "rollout.weight_transport=gloo" in t
     assert "rollout.backend=vllm_server" in t and f"run.dir={tmp_path}" in t
     assert plan.trainer.env["OMP_NUM_THREADS"] == "1"
@@ -170,4 +172,5 @@ def test_local_plan_refuses_bad_input(tmp_path):
     with pytest.raises(ValueError, match="--server must be vllm or sao"):
         build_local_plan(cfg, trainer_ranks=1, rollout_servers=1, run_dir=str(tmp_path), server="sglang")
     with pytest.raises(ConfigError, match="run.total_stepz"):
-        build_local_plan(cfg, trainer_ranks=1, rollout_servers=1, run_dir=str(tmp_path), overrides=["run.total_stepz=1"])
+        build_local_plan(cfg, trainer_ranks=1, rollout_servers=1, run_dir=str(tmp_path),
+                         overrides=["run.total_stepz=1"])

@@ -72,7 +72,8 @@ def _interpreter_for(uid: int) -> str:
     """A Python the unprivileged user can execute (the venv's may live under root's 0700 home)."""
     for cand in (sys.executable, os.path.realpath(sys.executable), shutil.which("python3"), "/usr/bin/python3"):
         if cand and subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", cand,
-                                    "-I", "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', ''], check=True)"],
+                                    "-I", "-c",
+                                    "import subprocess, sys; subprocess.run([sys.executable, '-c', ''], check=True)"],
                                    capture_output=True).returncode == 0:
             return cand
     raise AssertionError(f"no Python interpreter is executable by uid {uid}: the non-root sandbox cannot be tested")

@@ -145,7 +145,8 @@ def test_transformers_pin_is_inside_vllms_range(resolved):
     ours = exact(pins(GPU_FILE)["transformers"])
     theirs = requires(resolved["vllm"], "transformers")
     assert theirs.specifier.contains(ours), \
-        f"transformers: requirements-gpu.txt pins =={ours}, vllm {resolved['vllm']['version']} requires {theirs.specifier}"
+        f"transformers: requirements-gpu.txt pins =={ours}, " \
+        f"vllm {resolved['vllm']['version']} requires {theirs.specifier}"
 
 
 @pytest.mark.slow
@@ -200,7 +201,8 @@ def test_transformer_engine_pieces_exist_for_the_target(tmp_path):
             f"transformer-engine {version} extra {extra} requires {theirs}, not =={version}"
     core = pip("index", "versions", "transformer-engine-cu13", *target_args(), timeout=300)
     assert core.returncode == 0 and version in core.stdout.split("Available versions:")[-1].replace(",", " ").split(), \
-        f"transformer-engine-cu13=={version}: no wheel for Python {PYTHON} on manylinux x86_64:\n{core.stdout}{core.stderr}"
+        f"transformer-engine-cu13=={version}: no wheel for Python {PYTHON} on manylinux x86_64:\n" \
+        f"{core.stdout}{core.stderr}"
     torch_part = pip("index", "versions", "transformer-engine-torch", "--python-version", PYTHON, timeout=300)
     assert torch_part.returncode == 0 and \
         version in torch_part.stdout.split("Available versions:")[-1].replace(",", " ").split(), \

@@ -65,7 +65,8 @@ def test_unsupported_arch_and_parallel_sizes():
 def test_canonical_names_fold_te_spellings():
     assert canonical_name("module.decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") == \
         "decoder.layers.3.input_layernorm.weight"
-    assert canonical_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == "decoder.layers.0.pre_mlp_layernorm.weight"
+    assert canonical_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == \
+        "decoder.layers.0.pre_mlp_layernorm.weight"
     assert canonical_name("decoder.layers.1.mlp.experts.linear_fc2.weight7") == \
         "decoder.layers.1.mlp.experts.local_experts.7.linear_fc2.weight"
 

@@ -45,7 +45,8 @@ def test_recompute_and_dtype_reach_every_engine_of_every_stage(records, stage):
     rows = records[stage]
     assert sorted(r["role"] for r in rows) == sorted(STAGES[stage][1]), rows
     for r in rows:
-        assert (r["recompute_granularity"], r["recompute_method"], r["recompute_num_layers"]) == ("full", "uniform", 1), r
+        assert (r["recompute_granularity"], r["recompute_method"], r["recompute_num_layers"]) == \
+            ("full", "uniform", 1), r
         assert r["params_dtype"] == "torch.bfloat16" and r["bf16"], r
         assert r["model_param_dtypes"] == ["torch.bfloat16"], r  # the model trains in bf16 ...
         assert r["main_param_dtypes"] == ["torch.float32"], r  # ... on fp32 main params in the optimizer

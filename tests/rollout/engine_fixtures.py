@@ -77,7 +77,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def perturbed(state: dict[str, torch.Tensor], seed: int, scale: float = 0.5) -> dict[str, torch.Tensor]:
     """A clearly different set of weights with the same names/shapes (what a training step would send)."""
     g = torch.Generator().manual_seed(seed)
-    return {k: v + scale * v.float().std().clamp_min(1e-3) * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    return {k: v + scale * v.float().std().clamp_min(1e-3) * torch.randn(v.shape, generator=g)
+            for k, v in state.items()}
 
 
 @torch.no_grad()

@@ -47,7 +47,8 @@ def test_action_mask_covers_exactly_the_sampled_ids_with_their_logprobs_and_vers
         sampled = calls(k, [])
         assert traj.tokens[span.start:span.end].tolist() == sampled  # stop token kept
         assert traj.action_mask[span.start:span.end].all()
-        assert traj.rollout_logprobs[span.start:span.end].tolist() == pytest.approx([lp(i) for i in range(len(sampled))])
+        assert traj.rollout_logprobs[span.start:span.end].tolist() == \
+            pytest.approx([lp(i) for i in range(len(sampled))])
         assert (traj.versions[span.start:span.end] == 7).all()
     off = ~traj.action_mask
     assert (traj.rollout_logprobs[off] == 0).all() and (traj.versions[off] == -1).all()

@@ -150,7 +150,8 @@ def test_bad_updates_raise_and_change_nothing(model_dirs):
         before = {k: v.clone() for k, v in engine.model.state_dict().items()}
         good = list(new.items())
         with pytest.raises(KeyError, match="unknown weight name.*model.layers.0.mlp.experts.9.gate_proj.weight"):
-            await engine.update_weights([good, [("model.layers.0.mlp.experts.9.gate_proj.weight", torch.zeros(32, 64))]], 1)
+            await engine.update_weights(
+                [good, [("model.layers.0.mlp.experts.9.gate_proj.weight", torch.zeros(32, 64))]], 1)
         with pytest.raises(ValueError, match="model.norm.weight.*shape"):
             await engine.update_weights([good[:-1] + [("model.norm.weight", torch.zeros(3))]], 1)
         with pytest.raises(ValueError, match="twice"):

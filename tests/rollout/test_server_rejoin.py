@@ -49,7 +49,8 @@ def buckets():
 
 
 def push(side, version, check):
-    kw = dict(check_tokens=CHECK_TOKENS, check_prompt_len=CHECK_PROMPT_LEN, reference_logprobs=REFERENCE) if check else {}
+    kw = (dict(check_tokens=CHECK_TOKENS, check_prompt_len=CHECK_PROMPT_LEN, reference_logprobs=REFERENCE)
+          if check else {})
     return side.push_weights(buckets(), version, **kw)
 
 

@@ -95,7 +95,8 @@ def test_logprobs_match_transformers_forward(h, kind):
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20]]
 
     async def run():
-        return await asyncio.gather(*(engine.generate(p, SamplingParams(max_new_tokens=16, seed=i)) for i, p in enumerate(prompts)))
+        return await asyncio.gather(*(engine.generate(p, SamplingParams(max_new_tokens=16, seed=i))
+                                      for i, p in enumerate(prompts)))
 
     for p, out in zip(prompts, h.run(run())):
         assert out.versions == [engine.version] * len(out.token_ids)
@@ -133,7 +134,8 @@ def test_update_weights_then_logprobs_match_new_weights(h, kind, transport):
     assert _max_diff(out.logprobs, hf_logprobs(h.dirs[kind], None, [5, 6, 7], out.token_ids)) > 1e-2
     # check mode: engine log-probs on fixed tokens vs the trainer's reference (here: transformers)
     tokens = [5, 6, 7] + out.token_ids
-    diff = h.run(sync.verify(engine, tokens, hf_logprobs(h.dirs[kind], new, [5, 6, 7], out.token_ids), atol=1e-4, prompt_len=3))
+    diff = h.run(sync.verify(engine, tokens, hf_logprobs(h.dirs[kind], new, [5, 6, 7], out.token_ids),
+                             atol=1e-4, prompt_len=3))
     assert diff <= 1e-4
     stale = hf_logprobs(h.dirs[kind], None, [5, 6, 7], out.token_ids)
     with pytest.raises(WeightSyncError, match="weight check failed on engine 0"):
@@ -150,7 +152,8 @@ def test_bad_updates_are_refused_and_a_complete_update_recovers(h):
     with pytest.raises(KeyError, match="unknown weight name"):
         h.run(engine.update_weights([list(state.items()) + [("model.bogus.weight", torch.zeros(2))]], version + 1))
     with pytest.raises(ValueError, match="shape"):
-        h.run(engine.update_weights([[(n, t[..., :1] if n == "model.norm.weight" else t) for n, t in state.items()]], version + 1))
+        h.run(engine.update_weights([[(n, t[..., :1] if n == "model.norm.weight" else t) for n, t in state.items()]],
+                                    version + 1))
     again = h.run(engine.generate([5, 6, 7], SamplingParams(max_new_tokens=8, seed=5)))
     assert again.token_ids == before.token_ids and _max_diff(again.logprobs, before.logprobs) <= 1e-6  # untouched
     new = perturbed(state, seed=55)
@@ -184,7 +187,8 @@ def test_abort_policy_returns_partial_tokens(h):
     engine.cfg.inflight_policy = "abort"
     try:
         new = perturbed(load_checkpoint(h.dirs["dense"]), seed=44)
-        out = h.run(_run_with_update_midway(engine, new, v0 + 1, [5, 6, 7], SamplingParams(max_new_tokens=200, seed=seed)))
+        out = h.run(_run_with_update_midway(engine, new, v0 + 1, [5, 6, 7],
+                                            SamplingParams(max_new_tokens=200, seed=seed)))
         h.state["dense"] = new
     finally:
         engine.cfg.inflight_policy = "keep"

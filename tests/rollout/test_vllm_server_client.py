@@ -176,7 +176,8 @@ def _halves(state):
 def test_expand_spans_names_a_bad_label():
     from megatron_sao.rollout.engines.vllm_server_client import expand_spans
 
-    assert expand_spans([{"version": "2", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 3}], 3, "x") == [2, 2, 3]
+    assert expand_spans([{"version": "2", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 3}], 3, "x") == \
+        [2, 2, 3]
     with pytest.raises(ServerError, match="'default' is not an int"):
         expand_spans([{"version": "default", "start": 0, "end": 1}], 1, "x")
     with pytest.raises(ServerError, match="do not cover"):

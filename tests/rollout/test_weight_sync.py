@@ -95,7 +95,8 @@ def test_timeout_and_failure_name_the_engine(moe_dir):
     state = load_checkpoint(moe_dir)
 
     async def run():
-        with pytest.raises(WeightSyncError, match=r"engine 1 \(slow-engine\): bucket of weight sync v1 timed out after 0.2s"):
+        with pytest.raises(WeightSyncError,
+                           match=r"engine 1 \(slow-engine\): bucket of weight sync v1 timed out after 0.2s"):
             await WeightSync([_ok_engine(), _slow_engine()], timeout_s=0.2).push(_buckets(state), 1)
         with pytest.raises(WeightSyncError, match=r"engine 0 \(broken-engine\): bucket of weight sync v1 failed: "
                                                   r"OSError: connection reset"):

@@ -187,7 +187,8 @@ def test_gae_bootstrap_and_gamma():
     rewards = torch.tensor([[0.0, 0.0, 1.0]], dtype=F64)
     values = torch.tensor([[0.5, 0.25, 2.0]], dtype=F64)
     mask = torch.tensor([[True, False, True]])
-    adv, ret = skip_observation_gae(rewards, values, mask, gamma=0.5, lam=1.0, bootstrap_values=torch.tensor([4.0], dtype=F64))
+    adv, ret = skip_observation_gae(rewards, values, mask, gamma=0.5, lam=1.0,
+                                    bootstrap_values=torch.tensor([4.0], dtype=F64))
     # last action: delta = 1 + 0.5*4 - 2 = 1; first action: delta = 0 + 0.5*2 - 0.5 = 0.5, A = 0.5 + 0.5*1.
     assert adv.tolist() == [[1.0, 0.0, 1.0]]
     assert ret.tolist() == [[1.5, 0.0, 3.0]]
@@ -367,4 +368,5 @@ def test_step_level_gae_input_errors():
         step_level_gae(rewards, rewards, mask, torch.tensor([[0, 0, -1, 1]]), 1.0, 1.0, mode="mean")
     with pytest.raises(TypeError, match="turn_ids must be an integer"):
         step_level_gae(rewards, rewards, mask, torch.zeros(1, 4), 1.0, 1.0)
-    assert math.isfinite(step_level_gae(rewards, rewards, mask, torch.tensor([[0, 0, -1, 1]]), 1.0, 1.0)[0].sum().item())
+    assert math.isfinite(
+        step_level_gae(rewards, rewards, mask, torch.tensor([[0, 0, -1, 1]]), 1.0, 1.0)[0].sum().item())

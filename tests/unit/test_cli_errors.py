@@ -65,12 +65,15 @@ def _cases(tmp: Path, hf: Path):
         "negative batch size": (["train", CONFIG, f"run.dir={run}", "buffer.batch_size=-1"], "buffer.batch_size", run),
         "missing config": (["train", str(tmp / "nope.yaml"), f"run.dir={run}"], "nope.yaml does not exist", run),
         "missing model": (["train", CONFIG, f"run.dir={run}", "model.path=/nonexistent/model"], "model.path", run),
-        "replay length mismatch": (["train", CONFIG, f"run.dir={run}",
-                                    f"trainer.replay={_replay(tmp / 'len.safetensors', versions=lambda t: t['versions'][:-3])}"],
-                                   "len.safetensors: length mismatch", run),
-        "replay offsets past the end": (["train", CONFIG, f"run.dir={run}",
-                                         f"trainer.replay={_replay(tmp / 'off.safetensors', offsets=lambda t: t['offsets'] + (t['offsets'] > 0) * 7)}"],
-                                        "off.safetensors: offsets run from 0 to", run),
+        "replay length mismatch": (
+            ["train", CONFIG, f"run.dir={run}",
+             f"trainer.replay={_replay(tmp / 'len.safetensors', versions=lambda t: t['versions'][:-3])}"],
+            "len.safetensors: length mismatch", run),
+        "replay offsets past the end": (
+            ["train", CONFIG, f"run.dir={run}",
+             "trainer.replay="
+             f"{_replay(tmp / 'off.safetensors', offsets=lambda t: t['offsets'] + (t['offsets'] > 0) * 7)}"],
+            "off.safetensors: offsets run from 0 to", run),
         "replay truncated": (["train", CONFIG, f"run.dir={run}",
                               f"trainer.replay={_truncated(_replay(tmp / 'cut.safetensors'))}"],
                              "cut.safetensors: truncated: tensor", run),
@@ -78,8 +81,9 @@ def _cases(tmp: Path, hf: Path):
                               f"trainer.replay={_replay(tmp / 'short.safetensors')}"], "holds 40 trainable", run),
         "run directory in use": (["train", CONFIG, f"run.dir={occupied}"], "already holds a training run", occupied),
         "sft config error": (["sft", CONFIG, f"run.dir={run}", "sft.steps=many"], "sft.steps", run),
-        "convert truncated safetensors": (["convert", "hf-to-megatron", "--hf-dir", str(hf), "--out-dir", str(tmp / "mc"),
-                                           "--no-progress"], "model.safetensors: truncated: tensor '", tmp / "mc"),
+        "convert truncated safetensors": (
+            ["convert", "hf-to-megatron", "--hf-dir", str(hf), "--out-dir", str(tmp / "mc"), "--no-progress"],
+            "model.safetensors: truncated: tensor '", tmp / "mc"),
     }
 
 

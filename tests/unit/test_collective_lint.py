@@ -18,8 +18,8 @@ TENSOR_COLLECTIVES = {"all_reduce", "broadcast", "reduce", "all_gather", "all_ga
                       "reduce_scatter_tensor", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv",
                       "isend", "irecv"}
 DEVICE_OBJECT_COLLECTIVES = {"broadcast_object_list", "send_object_list", "recv_object_list"}
-FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "arange", "as_tensor", "from_numpy", "rand", "randn", "randint",
-             "linspace", "eye"}
+FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "arange", "as_tensor", "from_numpy", "rand", "randn",
+             "randint", "linspace", "eye"}
 NOT_TENSORS = {"group", "op", "src", "dst", "async_op", "group_src", "group_dst", "tag"}
 
 

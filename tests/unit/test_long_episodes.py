@@ -1,8 +1,8 @@
 """Long trajectories are trained on: an episode that takes longer than 10 trainer steps reaches a
 batch with the default config (keep and let DIS mask) and, under `drop`, after `max_stale_drops`.
 
-Real parts: EpisodeDriver (admission control, requeue; rollout/episode_driver.py), TrajectoryBuffer built as the trainer builds
-it, the agent loop, chat formatting and the toy calculator environment. At the boundary: a scripted
+Real parts: EpisodeDriver (admission control, requeue; rollout/episode_driver.py), TrajectoryBuffer built as the
+trainer builds it, the agent loop, chat formatting and the toy calculator environment. At the boundary: a scripted
 engine and an environment wrapper that holds one prompt's episode until the "trainer" (this test's
 loop of take -> version + 1 -> step_finished) has finished 11 steps since the episode started.
 """

@@ -224,7 +224,8 @@ def test_ppo_matches_textbook_maximum_form():
 
 def test_ppo_overflowing_clipped_ratio_has_zero_grad():
     lp = torch.tensor([[0.0]], requires_grad=True)
-    loss, _ = ppo_clip_loss(lp, torch.tensor([[-200.0]]), torch.tensor([[1.0]]), torch.ones(1, 1, dtype=torch.bool), 0.2, 0.2)
+    loss, _ = ppo_clip_loss(lp, torch.tensor([[-200.0]]), torch.tensor([[1.0]]), torch.ones(1, 1, dtype=torch.bool),
+                            0.2, 0.2)
     loss.backward()
     assert loss.item() == pytest.approx(-1.2) and lp.grad.item() == 0.0
 

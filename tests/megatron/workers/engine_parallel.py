@@ -72,7 +72,8 @@ for name in names:
         exported.update(dict(bucket))
     step = actor.train_step(batch, nll_loss)
     lp_after = actor.logprobs(batch)
-    critic = MegatronEngine(spec, sizes, opt, role="critic", init=InitSource.from_hf(hf_dir), micro_batch_size=2, ctx=ctx)
+    critic = MegatronEngine(spec, sizes, opt, role="critic", init=InitSource.from_hf(hf_dir), micro_batch_size=2,
+                            ctx=ctx)
     values = critic.values(batch)
     # every rank must return the same tensors
     gathered = [torch.empty_like(lp_after) for _ in range(ctx.world_size)]
@@ -86,7 +87,8 @@ for name in names:
             "logprobs_vs_hf": (lp - ref_lp).abs().max().item(),
             "export_missing": sorted(set(disk) - set(exported))[:5],
             "export_extra": sorted(set(exported) - set(disk))[:5],
-            "export_max_abs_diff": max(((exported[k] - disk[k]).abs().max().item() for k in disk if k in exported), default=-1.0),
+            "export_max_abs_diff": max(((exported[k] - disk[k]).abs().max().item() for k in disk if k in exported),
+                                       default=-1.0),
             "n_buckets": n_buckets,
             "loss": step.loss, "grad_norm": step.grad_norm, "skipped": step.skipped,
             "vs_first": first["name"],

@@ -82,7 +82,8 @@ before, steps_before = snapshot(eng), adam_steps(eng)
 res_nan = eng.train_step(batch, lambda o, mb, d: (nll_loss(o, mb, d)[0] * float("nan"), {}))
 nan_change, steps_after = max_diff(snapshot(eng), before), adam_steps(eng)
 res_ok = eng.train_step(batch, nll_loss)
-emit("nan_skip", {"skipped": res_nan.skipped, "param_change": nan_change, "grad_norm_finite": math.isfinite(res_nan.grad_norm),
+emit("nan_skip", {"skipped": res_nan.skipped, "param_change": nan_change,
+                  "grad_norm_finite": math.isfinite(res_nan.grad_norm),
                   "adam_steps": [steps_before, steps_after], "next_step_skipped": res_ok.skipped,
                   "next_step_change": max_diff(snapshot(eng), before), "state_version": eng.state_version})
 
@@ -133,7 +134,8 @@ disk = {}
 for f in os.listdir(hf_dir):
     if f.endswith(".safetensors"):
         disk.update(load_file(os.path.join(hf_dir, f)))
-emit("export", {"n_buckets": n_buckets, "max_multi_bucket_bytes": max_bucket, "missing": sorted(set(disk) - set(exported))[:5],
+emit("export", {"n_buckets": n_buckets, "max_multi_bucket_bytes": max_bucket,
+                "missing": sorted(set(disk) - set(exported))[:5],
                 "extra": sorted(set(exported) - set(disk))[:5],
                 "max_abs_diff": max((exported[k] - disk[k]).abs().max().item() for k in disk if k in exported)})
 

@@ -202,10 +202,17 @@ def recompute_layer_bytes(hidden: int, s: int, b: int, tp: int = 1, sequence_par
     return dtype_bytes * s * b * hidden / (tp if sequence_parallel else 1)
 
 
-def logits_bytes(vocab: int, s: int, b: int, tp: int = 1, dtype_bytes: int = BF16) -> float:
-    """Vocab-parallel logits of the LM head: the output (training dtype) plus the fp32 copy
-    log-softmax works on. `vocab` is the padded row count the model is built with (models/vocab.py)."""
-    return s * b * (vocab / tp) * (dtype_bytes + FP32)
+def logits_bytes(vocab: int, s: int, b: int, tp: int = 1, dtype_bytes: int = BF16,
+                 chunk_tokens: int | None = None) -> float:
+    """The actor's log-prob stage (megatron/logprobs.py): the LM head's vocab-parallel logits in the
+    training dtype (their storage later holds their gradient), one fp32 chunk of `chunk_tokens` rows
+    the log-softmax works on, and per token the fp32 log-prob and log-sum-exp plus the int64 label
+    index. `vocab` is the padded row count the model is built with (models/vocab.py)."""
+    if chunk_tokens is None:
+        from megatron_sao.megatron.logprobs import DEFAULT_CHUNK_TOKENS as chunk_tokens
+    per_token_vectors = 2 * FP32 + 8 + 1  # logp, lse; the local label (int64) and whether this rank owns it
+    shard = vocab / tp
+    return s * b * shard * dtype_bytes + min(chunk_tokens, s * b) * shard * FP32 + s * b * per_token_vectors
 
 
 # ------------------------------------------------------------------------------- KV cache

@@ -22,48 +22,27 @@ import torch
 import torch.distributed as dist
 
 from megatron_sao.megatron.batching import Batch
+from megatron_sao.megatron.logprobs import vocab_parallel_logprobs
 
 LossFn = Callable[[torch.Tensor, Batch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 _ONE = torch.ones((), dtype=torch.int)
 _WEIGHT = "__action_tokens__"  # per-micro-batch weight for mean-type metrics
 
 
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
-    """Logits of the padding rows (global vocab index >= vocab_size) set to -inf on this TP rank.
-
-    The model's vocabulary is padded to a multiple of 128 x TP (models/vocab.py, as Megatron-LM
-    does); the padding rows are not tokens. Left in, their logits would enter the softmax's
-    normaliser and change every log-prob; at -inf they add exp(-inf) = 0 and get zero gradient.
-    `logits` is this rank's vocab shard [b, s, V_padded/TP]; rank r holds rows r*V/TP ..
-    (r+1)*V/TP - 1, so the padding lies on the last rank(s) only.
-    """
-    if vocab_size is None:
-        return logits
-    from megatron.core import parallel_state as ps
-
-    per_rank = logits.shape[-1]
-    valid = vocab_size - ps.get_tensor_model_parallel_rank() * per_rank  # real rows on this rank
-    if valid >= per_rank:
-        return logits
-    padding = torch.arange(per_rank, device=logits.device) >= max(valid, 0)
-    return logits.masked_fill(padding, float("-inf"))
-
-
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
     """log p(tokens[:, t] | tokens[:, :t]) placed at position t ([b, s]); position 0 gets 0.
 
-    `logits` is [b, s, V/TP]: the vocab stays sharded; Megatron's vocab-parallel cross entropy
-    reduces max and sum-exp over the TP group, so no rank ever holds the full vocabulary.
-    `vocab_size` (the real one) masks the padding rows out of the normaliser (`mask_padded_vocab`).
+    `logits` is [b, s, V/TP]: the vocab stays sharded (max and sum-exp are reduced over the TP group,
+    so no rank ever holds the full vocabulary) and the log-softmax is taken in sequence chunks, so no
+    fp32 copy of the logits is ever whole (megatron/logprobs.py). `vocab_size` (the real one) keeps
+    the padding rows of the vocabulary (models/vocab.py) out of the normaliser. The logits' storage
+    holds their gradient after the backward pass.
     """
-    from megatron.core import tensor_parallel
-
     labels = torch.roll(tokens, shifts=-1, dims=1)  # labels[:, t] = tokens[:, t + 1]
     # The last column has no next token: its (wrapped) label is computed and thrown away.
-    logits = mask_padded_vocab(logits.float(), vocab_size)
-    nll = tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), labels)
-    zeros = torch.zeros_like(nll[:, :1])
-    return torch.cat([zeros, -nll[:, :-1]], dim=1)
+    lp = vocab_parallel_logprobs(logits, labels, vocab_size)
+    zeros = torch.zeros_like(lp[:, :1])
+    return torch.cat([zeros, lp[:, :-1]], dim=1)
 
 
 def model_inputs(mb: Batch) -> tuple[torch.Tensor, torch.Tensor, None]:

@@ -170,7 +170,7 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, *, role: str = "
     Call after `initialize_model_parallel` (and, on CPU, `ensure_cpu_compat()`); `pre_process` /
     `post_process` are this pipeline stage's first/last flags. Forward as
     `model(input_ids, position_ids, None)`: attention is causal by mask type. The actor's logits
-    have `padded_vocab_size(V, TP)` columns; mask the padding (megatron.forward.mask_padded_vocab)
+    have `padded_vocab_size(V, TP)` columns; mask the padding (megatron.logprobs.vocab_parallel_logprobs)
     before any softmax.
     """
     if role not in ROLES:

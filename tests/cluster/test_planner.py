@@ -58,7 +58,8 @@ def test_aime_memory_by_hand(qwen_long):
     per_layer = mem.layer_activation_bytes(mem.LayerShape.from_spec(qwen_long), s, 1, 4, True, True, 1)
     assert p.actor.activations == pytest.approx(48 * per_layer)
     assert p.actor.activations_recompute == pytest.approx(48 * 2 * s * h / 4 + per_layer)
-    assert p.actor.logits == pytest.approx(s * v / 4 * 6) and p.critic.logits == 0
+    # The log-prob stage: bf16 logits, one fp32 chunk of 1024 rows, 17 bytes a token (megatron/logprobs.py).
+    assert p.actor.logits == pytest.approx(s * v / 4 * 2 + 1024 * v / 4 * 4 + s * 17) and p.critic.logits == 0
     assert p.recompute_needed and p.recompute  # the recipe sets parallel.recompute: full
     assert p.trainer_peak == pytest.approx(p.trainer_static + p.actor.activations_recompute + p.actor.logits)
     # vLLM TP=4: bf16 weights / 4; KV of one token = 2 * 48 layers * 1 kv head * 128 * 2 bytes.

@@ -31,9 +31,13 @@ EXAMPLE = str(ROOT / "examples" / "smollm2_arith.yaml")
 FIXTURE = ROOT / "tests" / "fixtures" / "smollm2_tokenizer"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1",
        "PYTHONPATH": str(ROOT)}
-# CI size: few demonstrations of one-operation problems, a high constant LR so a random model picks up
-# the tool format in 50 small steps (~1 min on 2 cores; it still writes random digits).
-SFT = ["sft.steps=50", "sft.batch_size=8", "sft.lr=1e-2", "sft.min_lr=1e-2", "sft.warmup_steps=2",
+# CI size: few demonstrations of one-operation problems, a high LR so a random model picks up the tool
+# format in 50 small steps (~1 min on 2 cores; it still writes random digits). The LR decays (cosine,
+# 5e-3 -> 5e-4) so the model the test samples from has settled: at a constant 1e-2 the SFT oscillated,
+# p("<" | "<|im_start|>assistant\n") went 0.99 -> 0.0-0.09 in the last 5 steps, and which way the last
+# step fell depended on float rounding (ATen's AVX2 vs default kernels flip it), so the rollouts wrote
+# "python>print(..)" on one CPU and "<python>print(..)" on another. With the decay both give ~0.96.
+SFT = ["sft.steps=50", "sft.batch_size=8", "sft.lr=5e-3", "sft.min_lr=5e-4", "sft.warmup_steps=2",
        "sft.demonstrations=256", "sft.error_rate=0.0", "sft.eval=false", "env.task_kwargs.max_ops=1",
        "parallel.micro_batch_size=8", "run.console=plain"]
 TRAIN = ["run.total_steps=2", "algorithm.critic_warmup_steps=1", "run.eval_every=3", "env.eval_size=4",

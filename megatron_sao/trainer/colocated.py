@@ -10,6 +10,7 @@ hosts a shard of a vLLM engine and generation and training take turns on the sam
     start(actor, models)                    build the engine shards (colocated), load the actor into them
     wait_for_batch(step, take, ...)         rank 0's batch; colocated: every rank serves until it is there
     before_train()                          colocated: engines asleep, trainer state back on the device
+    weight_push(...).push(version, step)    after an actor step: streamed by rank 0 (colocated: nothing)
     after_train(version, train_s)           colocated: trainer offloaded, new weights loaded, engines awake
     evaluate(rollout, out)                  held-out accuracy on the live engines (rank 0's figure)
     end_step(step, run_dir)                 colocated: the step's per-phase seconds and memory
@@ -36,7 +37,7 @@ from megatron_sao.config import ConfigError, SAOConfig
 from megatron_sao.distributed.gated import GatedCollectives
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.stopping import TrainingStopped
-from megatron_sao.trainer.weight_push import check_tokens
+from megatron_sao.trainer.weight_push import NoWeightPush, WeightPush, check_tokens
 
 
 def is_colocated(cfg: SAOConfig) -> bool:
@@ -160,6 +161,12 @@ class Placement:
     def after_train(self, version: int, train_s: float) -> dict:
         return {}
 
+    def weight_push(self, actor, rollout, collectives) -> WeightPush | NoWeightPush:
+        """How the actor's weights reach the engines after each actor step: streamed by rank 0."""
+        r = self.cfg.rollout
+        return WeightPush(actor, rollout, collectives, bucket_bytes=r.weight_sync_bucket_mb << 20,
+                          policy_lag=self.cfg.trainer.policy_lag, check=r.weight_sync_check)
+
     def evaluate(self, rollout, out: Path) -> float | None:
         """Rank 0 (the only one with a rollout side) runs the episodes over every live server; past
         run.eval_timeout_s they are cancelled and TimeoutError raised."""
@@ -244,6 +251,9 @@ class ColocatedPlacement(Placement):
                                     check_tokens=self.check_tokens, atol=self.atol)
         return {"time/weight_sync_s": time.monotonic() - t0,
                 **{f"colocate/update_{k}": v for k, v in update.items() if isinstance(v, (int, float))}}
+
+    def weight_push(self, actor, rollout, collectives) -> NoWeightPush:
+        return NoWeightPush()  # after_train loads the new weights into every rank's shard, in-process
 
     def evaluate(self, rollout, out: Path) -> float | None:
         """Evaluation episodes need the engines: every rank serves until rank 0's evaluation finished."""

@@ -47,7 +47,7 @@ from megatron_sao.trainer.losses import critic_loss_fn, policy_loss_fn
 from megatron_sao.trainer.run_dir import rng_state, set_rng_state
 from megatron_sao.trainer.step import sao_step
 from megatron_sao.trainer.stopping import NonFiniteGuard, TrainingInterrupted, TrainingStopped
-from megatron_sao.trainer.weight_push import NoWeightPush, WeightPush
+from megatron_sao.trainer.weight_push import NoWeightPush
 from megatron_sao.trajectory import collate_padded
 
 __all__ = ["SAOTrainer", "TrainingInterrupted", "TrainingStopped"]
@@ -205,7 +205,8 @@ class SAOTrainer:
 
     # ------------------------------------------------------------------ rollouts
     def _start_rollouts(self, state: dict | None) -> None:
-        """The placement's engines (every rank; colocated only), then rank 0's rollout side and the weight push."""
+        """The placement's engines (every rank; colocated only), then rank 0's rollout side and the
+        placement's weight push (colocated: none, every rank loads its engine shard after the step)."""
         cfg = self.cfg
         if cfg.trainer.replay:
             if self.rank0:
@@ -224,10 +225,7 @@ class SAOTrainer:
                                                 engines=self.placement.engines)
             self.buffer.on_drop = self.rollout.requeue
             self.rollout.start()
-        if not colo.is_colocated(cfg):  # colocated: every rank loads its engine shard after the step
-            self.weights = WeightPush(self.actor, self.rollout, self.collectives,
-                                      bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20,
-                                      policy_lag=cfg.trainer.policy_lag, check=cfg.rollout.weight_sync_check)
+        self.weights = self.placement.weight_push(self.actor, self.rollout, self.collectives)
 
     def _eval_due(self, step: int) -> bool:
         every = self.cfg.run.eval_every

@@ -9,7 +9,7 @@ padding), megatron-core's vocab_parallel_cross_entropy (its fp32 exp-logits save
 Each variant runs in a fresh process on one TP rank's shard: [seq, padded_vocab/TP] bf16 logits, the
 last TP rank's (the one with the padding rows) at TP > 1; the all-reduces over the TP group do not
 change a rank's memory, so a 1-rank group stands in for them. The figure is the process's peak RSS
-(ru_maxrss) during the stage minus its RSS with the logits and their gradient buffer's inputs in place,
+(ru_maxrss) during the stage minus its peak RSS once the logits, labels and loss weights exist,
 i.e. what the stage adds on top of the logits the LM head produced; the stage's seconds, as a ratio;
 and the planner's logits term (cluster/memory.py::logits_bytes) against the logits plus that figure.
 """

@@ -81,7 +81,8 @@ class _ChunkedLogprob(torch.autograd.Function):
             rows = torch.arange(p.shape[0], device=p.device)
             p[rows, local[i:i + ctx.chunk]] -= own[i:i + ctx.chunk].float()
             p.mul_(-g[i:i + ctx.chunk, None])  # d logp / d logits = onehot - softmax
-            logits[i:i + ctx.chunk] = p  # the logits are not read again (module docstring)
+            if p.dtype != logits.dtype:  # fp32 logits: p is already their slice, written in place
+                logits[i:i + ctx.chunk] = p  # the logits are not read again (module docstring)
             del p
         return logits, None, None, None, None, None
 

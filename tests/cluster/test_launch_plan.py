@@ -61,7 +61,7 @@ def test_two_nodes_bracket_form_disaggregated():
     (vllm,) = [line for line in blocks["1 node02 rollout"] if "vllm serve" in line]
     assert "VLLM_SERVER_DEV_MODE=1" in vllm and "CUDA_VISIBLE_DEVICES=0,1,2,3" in vllm
     assert "--tensor-parallel-size 4" in vllm and "--port 8000" in vllm
-    assert "--logprobs-mode processed_logprobs" in vllm
+    assert "--logprobs-mode processed_logprobs" in vllm and "--generation-config vllm" in vllm
     assert """--weight-transfer-config '{"backend":"nccl"}'""" in vllm
     assert "torchrun" not in " ".join(blocks["1 node02 rollout"])
 

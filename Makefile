@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: venv demo lint test test-fast clean-venv smollm2 smollm2-curve gpu-check gpu-check-smoke
+.PHONY: venv demo lint test test-fast clean-venv smollm2 smollm2-curve gpu-check gpu-check-smoke gpu-wheels
 
 $(STAMP): requirements.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,14 @@ smollm2-curve:
 GPU_CHECK_OUT ?= runs/gpu_check.json
 gpu-check:
 	bash tools/gpu_check_device.sh $(GPU_CHECK_OUT)
+
+# What a bare GPU box (Python 3.12 with torch, no megatron-core, no internet) lacks for the check, as
+# cp312 wheels in .whl/ (git-ignored): carry that folder with the working tree. The device script
+# installs only those its Python lacks (tools/wheelhouse.py).
+gpu-wheels: venv
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+	    -d .whl megatron-core==0.16.1
 
 # The same script on the CPU: tiny shapes, gloo, fp32 (tests/gpu/test_gpu_check_smoke.py runs it in CI).
 gpu-check-smoke: venv

@@ -155,7 +155,7 @@ class TrajectoryBuffer:
         if self.group_size == 1:
             return ids[: self.batch_size] if len(ids) >= self.batch_size else None
         groups: OrderedDict[str, list[str]] = OrderedDict()
-        for tid in ids:  # groups complete in the order their last member finished
+        for tid in ids:  # groups in the order their first member finished; a group is taken once complete
             groups.setdefault(self._ready[tid].traj.prompt_id, []).append(tid)
         # A failed member has finished too: its group is complete without it.
         complete = [g[: self.group_size - self._failed_members.get(pid, 0)] for pid, g in groups.items()

@@ -12,8 +12,10 @@ Invariants (checked by `Trajectory.validate`, which the constructor calls):
 - rollout_logprobs <= 0 and finite, versions >= 0 on action tokens;
 - the turn spans tile [0, T) in order, and a span is "action" exactly where the mask is True;
 - a terminated or truncated trajectory has at least one action token (its reward needs a home);
-- status "truncated" needs `bootstrap` ("critic" = the trainer bootstraps from the critic's value of
-  the final state, or a float given by the producer); other statuses must not set it;
+- status "truncated" needs `bootstrap`: "critic" (the trainer bootstraps from the critic's value of
+  the final state), "critic_before_stop" (from its value of the state the final stop token was
+  sampled in: the last token must be an action token with one before it), or a float given by the
+  producer; other statuses must not set it;
 - a "failed" trajectory has reward 0 and an `error`; the trainer excludes it from training and counts it.
 """
 
@@ -34,6 +36,9 @@ from megatron_sao.errors import UserError
 Status = Literal["terminated", "truncated", "failed"]
 SpanKind = Literal["prompt", "action", "observation"]
 STATUSES: tuple[str, ...] = ("terminated", "truncated", "failed")
+# A truncated trajectory's bootstrap from the critic: the state after its last token, or the state its
+# final stop token was sampled in (when the observation that should follow does not fit).
+BOOTSTRAP_FROM_CRITIC: tuple[str, ...] = ("critic", "critic_before_stop")
 SPAN_KINDS: tuple[str, ...] = ("prompt", "action", "observation")
 FORMAT_VERSION = 1
 
@@ -58,7 +63,7 @@ class Trajectory:
     spans: list[Span]
     reward: float
     status: str
-    bootstrap: float | str | None = None  # truncated only: "critic" or a value
+    bootstrap: float | str | None = None  # truncated only: one of BOOTSTRAP_FROM_CRITIC or a value
     prompt_id: str = ""
     env: str = ""
     traj_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -111,8 +116,11 @@ class Trajectory:
         if self.status == "truncated":
             if self.bootstrap is None:
                 self._fail("a truncated trajectory needs a bootstrap ('critic' or a value)")
-            if isinstance(self.bootstrap, str) and self.bootstrap != "critic":
-                self._fail(f"bootstrap {self.bootstrap!r} must be 'critic' or a float")
+            if isinstance(self.bootstrap, str) and self.bootstrap not in BOOTSTRAP_FROM_CRITIC:
+                self._fail(f"bootstrap {self.bootstrap!r} must be one of {BOOTSTRAP_FROM_CRITIC} or a float")
+            if self.bootstrap == "critic_before_stop" and (T < 2 or not bool(self.action_mask[-1])):
+                self._fail("bootstrap 'critic_before_stop' needs the last token to be a sampled one, "
+                           "with a token before it")
         elif self.bootstrap is not None:
             self._fail(f"bootstrap is only allowed on truncated trajectories (status {self.status})")
         if self.status == "failed":
@@ -264,8 +272,9 @@ class TrajectoryBatch:
     """A padded batch, [B, T] per-token tensors, right padded. Training works on this.
 
     rewards holds each trajectory's reward on its last action token (0 elsewhere);
-    bootstrap_mask marks truncated rows whose final value comes from the critic (bootstrap_values
-    holds the given values, or 0 until the trainer fills them from the critic).
+    bootstrap_state is, for truncated rows whose final value comes from the critic, the position t
+    whose state value (the state ending with token t) bootstraps the row, and -1 elsewhere;
+    bootstrap_values holds the given values (0 where the critic's is used).
     """
 
     tokens: torch.Tensor  # int64 [B, T]
@@ -277,13 +286,18 @@ class TrajectoryBatch:
     turn_ids: torch.Tensor  # int64 [B, T]
     lengths: torch.Tensor  # int64 [B]
     bootstrap_values: torch.Tensor  # float32 [B]
-    bootstrap_from_critic: torch.Tensor  # bool [B]
+    bootstrap_state: torch.Tensor  # int64 [B], -1 where bootstrap_values is used
     traj_ids: list[str]
     prompt_ids: list[str]
 
     @property
     def size(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def bootstrap_from_critic(self) -> torch.Tensor:
+        """bool [B]: rows whose bootstrap is a critic value."""
+        return self.bootstrap_state >= 0
 
     def to_dict(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
@@ -306,7 +320,7 @@ def collate_padded(trajs: Sequence[Trajectory], pad_id: int = 0, pad_to_multiple
     rew = torch.zeros((B, T), dtype=torch.float32)
     turns = torch.full((B, T), -1, dtype=torch.int64)
     boot = torch.zeros(B, dtype=torch.float32)
-    boot_critic = torch.zeros(B, dtype=torch.bool)
+    boot_state = torch.full((B,), -1, dtype=torch.int64)
     for i, t in enumerate(trajs):
         n = t.length
         tokens[i, :n] = t.tokens
@@ -318,11 +332,13 @@ def collate_padded(trajs: Sequence[Trajectory], pad_id: int = 0, pad_to_multiple
         rew[i, t.last_action_index] = t.reward
         if t.status == "truncated":
             if t.bootstrap == "critic":
-                boot_critic[i] = True
+                boot_state[i] = n - 1
+            elif t.bootstrap == "critic_before_stop":
+                boot_state[i] = n - 2
             else:
                 boot[i] = float(t.bootstrap)
     return TrajectoryBatch(tokens, attn, amask, lps, vers, rew, turns,
-                           torch.tensor([t.length for t in trajs], dtype=torch.int64), boot, boot_critic,
+                           torch.tensor([t.length for t in trajs], dtype=torch.int64), boot, boot_state,
                            [t.traj_id for t in trajs], [t.prompt_id for t in trajs])
 
 

@@ -15,11 +15,14 @@ section runs; the JSON is rewritten after every section, so a killed run leaves 
   train        one DIS actor step and one critic step (the trainer's own loss closures)
   memory       per-layer activation bytes (torch.cuda.memory_allocated at each decoder layer's entry during
                a train step's forward) and the step's peak, against cluster/memory.py's formulas
+  logits       the actor's log-prob stage at one 64K-token micro-batch with the real vocabulary (bf16
+               logits, chunked log-softmax forward + backward): peak GPU memory against the planner's term
   generate     the HF rollout engine generating on the GPU (tokens/s, log-probs finite)
   colocated    the colocated placement on one GPU (tools/gpu_check_colocated.py): trainer offloaded, a vLLM
                engine shard built in this process (external launcher, sleep mode), woken with the actor's
                weights loaded in-process, generate; sleep, trainer back, train step, offload, wake, reload,
-               generate; GPU memory (mem_get_info and torch's allocator) after every call
+               generate; GPU memory (mem_get_info and torch's allocator) after every call. Needs vLLM:
+               on a machine without it the section is skipped ("ok": null, listed in skipped_sections)
   mfu          train-step MFU of the Qwen3-30B-A3B layer shape (2 layers, small vocab so the layers
                dominate; FLOPs formula of benchmarks/bench_mfu.py)
 The project's GPU machine (one H200, no internet): tools/gpu_check_device.sh; docs/cluster.md says how
@@ -39,7 +42,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpu_check_sections import SECTIONS, SHAPES  # noqa: E402  (tools/ is on sys.path when run as a script)
+from gpu_check_sections import NEEDS, SECTIONS, SHAPES  # noqa: E402  (tools/ is on sys.path when run as a script)
+
+
+def _missing(modules: tuple[str, ...]) -> list[str]:
+    import importlib.util
+
+    return [m for m in modules if importlib.util.find_spec(m) is None]
 
 
 class Check:
@@ -54,6 +63,11 @@ class Check:
         left = self.deadline - time.monotonic()
         if left <= 0:
             self.figures["sections"][name] = {"ok": False, "skipped": f"time budget spent ({self.elapsed():.0f}s)"}
+            return self._write()
+        missing = _missing(NEEDS.get(name, ()))
+        if missing:  # not a failure of the trainer's GPU path: this machine lacks the package
+            self.figures["sections"][name] = {"ok": None, "skipped": f"not installed here: {missing}"}
+            print(f"[gpu-check {self.elapsed():6.1f}s] {name}: skipped (not installed: {missing})", flush=True)
             return self._write()
         print(f"[gpu-check {self.elapsed():6.1f}s] {name} ...", flush=True)
         t0, rec = time.monotonic(), {}
@@ -105,8 +119,9 @@ def main(argv=None) -> int:
         destroy_parallel()  # NCCL wants its communicators destroyed before exit
     except Exception as e:  # the figures are written; say it and finish
         print(f"[gpu-check] destroy_parallel: {e!r}", flush=True)
-    failed = [k for k, v in check.figures["sections"].items() if not v.get("ok")]
+    failed = [k for k, v in check.figures["sections"].items() if v.get("ok") is False]
     check.figures["failed_sections"] = failed
+    check.figures["skipped_sections"] = [k for k, v in check.figures["sections"].items() if v.get("ok") is None]
     check._write()
     print(f"[gpu-check] wrote {out}; failed sections: {failed or 'none'}", flush=True)
     return 1 if failed else 0

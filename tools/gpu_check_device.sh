@@ -4,12 +4,14 @@
 #
 #   bash tools/gpu_check_device.sh [OUT_JSON] [gpu_check.py options...]
 #
-# Wheels the machine lacks come from a local wheelhouse, $SAO_WHEELHOUSE (default .whl/): they are
-# installed with --no-index --no-deps into a private directory (never into the system Python) that
-# goes first on PYTHONPATH. On the project's H200 image torch, transformers, safetensors, numpy and
+# Wheels the machine lacks come from a local wheelhouse, $SAO_WHEELHOUSE (default .whl/, filled by
+# `make gpu-wheels`): those whose distribution this Python lacks, or has at another version
+# (tools/wheelhouse.py), are installed with --no-index --no-deps into a private directory
+# ($SAO_GPU_CHECK_SITE, never the system Python) that goes first on PYTHONPATH. On the project's H200 image torch, transformers, safetensors, numpy and
 # pyyaml are there and megatron-core is not; docs/cluster.md ("The GPU check") has the pip download
 # line that fills .whl/ on a machine with internet.
-# Variables: SAO_GPU_PYTHON (python3), SAO_WHEELHOUSE (.whl), SAO_GPU_CHECK_TIMEOUT_S (480, the whole
+# Variables: SAO_GPU_PYTHON (python3), SAO_WHEELHOUSE (.whl), SAO_GPU_CHECK_SITE (/tmp/sao-gpu-check-site),
+# SAO_GPU_CHECK_TIMEOUT_S (480, the whole
 # check), SAO_GPU_CHECK_BUDGET_S (420: sections not started by then are skipped).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,10 +19,16 @@ out_json="${1:-runs/gpu_check.json}"
 shift || true
 py="${SAO_GPU_PYTHON:-python3}"
 wheels="${SAO_WHEELHOUSE:-.whl}"
+site="${SAO_GPU_CHECK_SITE:-/tmp/sao-gpu-check-site}"
 if compgen -G "$wheels/*.whl" >/dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sao-gpu-check-site \
-        "$wheels"/*.whl || { echo "gpu-check: installing the wheels in $wheels failed" >&2; exit 2; }
-    export PYTHONPATH="/tmp/sao-gpu-check-site${PYTHONPATH:+:$PYTHONPATH}"
+    # Only what this Python lacks (or has at another version): the machine's own torch, numpy, ... stay.
+    mapfile -t need < <("$py" tools/wheelhouse.py "$wheels"/*.whl) || { echo "gpu-check: reading $wheels failed" >&2; exit 2; }
+    echo "gpu-check: ${#need[@]} of $(compgen -G "$wheels/*.whl" | wc -l) wheels in $wheels needed here: ${need[*]##*/}"
+    if ((${#need[@]})); then
+        "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+            "${need[@]}" || { echo "gpu-check: installing the wheels in $wheels failed" >&2; exit 2; }
+        export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"

@@ -363,8 +363,53 @@ def mfu(st) -> dict:
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None, "target_mfu": 0.35}
 
 
+def logits(st) -> dict:
+    """The actor's log-prob stage at one long micro-batch: the LM head's logits [S, V] in the training
+    dtype, then log p(label) and its backward (megatron/logprobs.py, chunked). Its peak against the
+    planner's logits term (cluster/memory.py::logits_bytes), i.e. what the batch-path planner counts."""
+    import torch.distributed as dist
+
+    from megatron_sao.cluster.memory import logits_bytes
+    from megatron_sao.megatron.logprobs import vocab_parallel_logprobs
+    from megatron_sao.models.vocab import padded_vocab_size
+
+    seq, vocab = (4096, 1024) if st["smoke"] else (65536, 151936)
+    if not dist.is_initialized():
+        raise RuntimeError("the logits section needs the process group of the build section")
+    padded = padded_vocab_size(vocab, 1)
+    dev, dtype = st["device"], st["dtype"]
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(seq, padded, device=dev, dtype=dtype, generator=g).requires_grad_(True)
+    labels = torch.randint(0, vocab, (seq,), device=dev, generator=g)
+    weights = torch.randn(seq, device=dev, generator=g)
+    if st["cuda"]:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() - x.numel() * x.element_size()  # before the logits existed
+    t0 = time.monotonic()
+    lp = vocab_parallel_logprobs(x, labels, vocab)
+    (lp * weights).sum().backward()
+    _sync(st["cuda"])
+    out = {"seq": seq, "vocab": vocab, "dtype": str(dtype).replace("torch.", ""),
+           "seconds": round(time.monotonic() - t0, 3),
+           "planned_bytes": logits_bytes(padded, seq, 1, 1, dtype_bytes=x.element_size())}
+    finite = bool(torch.isfinite(lp).all()) and bool(torch.isfinite(x.grad).all())
+    checks = {"finite": finite}
+    if st["cuda"]:  # the CPU has no allocator statistics; the CPU figure is benchmarks/bench_logprob_memory.py
+        out["measured_peak_bytes"] = torch.cuda.max_memory_allocated() - base
+        out["ratio_planned_to_measured"] = out["planned_bytes"] / out["measured_peak_bytes"]
+        checks["planner_within_10pct"] = abs(out["ratio_planned_to_measured"] - 1) <= MEMORY_TOL
+    del x, lp
+    return {**out, "failed_checks": _failed(checks)}
+
+
+# What a section needs beyond torch and megatron-core: on a machine without it the section is skipped
+# (recorded with the reason, not a failure), so a bare GPU box still runs every other section.
+NEEDS = {"colocated": ("vllm",)}
+
+
 from gpu_check_colocated import colocated  # noqa: E402  (tools/ is on sys.path)
 
 SECTIONS = {"env": env, "build": build, "parity": parity, "export": export, "train": train, "memory": memory,
-            "generate": generate, "colocated": colocated, "mfu": mfu}
+            "logits": logits, "generate": generate, "colocated": colocated, "mfu": mfu}
 

@@ -234,6 +234,9 @@ def _vllm_process(cfg: SAOConfig, exe: Executables, model_dir: str | None, host:
             "--seed", str(cfg.run.seed + 1000 * j + i),
             # Log-probs after temperature/top-p: the distribution the tokens were sampled from.
             "--logprobs-mode", "processed_logprobs",
+            # vLLM's neutral sampling defaults: a generation_config.json's repetition_penalty or min_p
+            # would reshape that distribution away from the learner's softmax.
+            "--generation-config", "vllm",
             # /inference/v1/generate: token ids in and out, with per-token weight_versions spans.
             "--enable-scale-out",
             "--weight-transfer-config", json.dumps(transfer, separators=(",", ":"))]

@@ -15,7 +15,7 @@ PRESETS: dict[str, dict[str, Any]] = {
              "buffer": {"batch_size": 128},
              "rollout": {"max_total_tokens": 131072, "max_turns": 50, "temperature": 1.0, "top_p": 1.0},
              "env": {"name": "math_python"}},
-    # Paper settings for coding (SWE): DIS band 0.2..4.0.
+    # The paper's settings for its coding (SWE) runs: DIS band 0.2..4.0.
     "coding": {"algorithm": {"eps_low": 0.8, "eps_high": 3.0, "critic_steps": 2, "critic_warmup_steps": 10,
                              "policy_alpha": 1.5, "critic_lambda": 1.0, "gamma": 1.0},
                "actor": {"optim": {"lr": 1e-6}}, "critic": {"optim": {"lr": 5e-6}},

@@ -224,7 +224,9 @@ class ValuePretrainConfig:
     steps: int = 50  # critic optimizer steps
     batch_size: int = 64
     lr: Optional[float] = None  # default: critic.optim.lr
-    freeze_attention: bool = False  # the paper freezes attention during RL; pretraining fits it all
+    # Apply `critic.freeze` (attention, embeddings, router, norms by default) during pretraining too.
+    # Off: pretraining fits the whole critic; the paper freezes attention during RL only.
+    apply_critic_freeze: bool = False
 
 
 @dataclass

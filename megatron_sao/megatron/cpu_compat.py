@@ -1,8 +1,9 @@
-"""Run Megatron-Core on a CPU-only torch build (gloo), applied only when CUDA is absent.
+"""Run Megatron-Core on a CPU-only torch build (gloo), and its MoE on CUDA without TransformerEngine.
 
 Megatron-Core assumes CUDA in a handful of places that have nothing to do with the math. Each patch
 below names the call it fixes, so that the engineer who upgrades megatron-core can drop the ones that
-are no longer needed. On a machine with CUDA `ensure_cpu_compat()` does nothing at all.
+are no longer needed. On a machine with CUDA `ensure_cpu_compat()` applies patch 5 only, and only
+where TransformerEngine is absent (the local layer spec's fallback).
 
 Patches (measured on megatron-core 0.16.1 and 0.19.2, torch 2.13 CPU; see
 shared/reference/feasibility/megatron_cpu for the failures they fix):
@@ -13,7 +14,7 @@ shared/reference/feasibility/megatron_cpu for the failures they fix):
 4. Tensor.type() reports "torch.cuda.*" names for CPU tensors: the distributed optimizer and grad
    clipping assert parameters are CUDA tensors by type name.
 5. moe_utils.te_general_gemm = None: 0.16.1 leaves the name undefined without TransformerEngine, so
-   every MoE router forward raises NameError.
+   every MoE router forward raises NameError, on CUDA as on CPU (`ensure_no_te_compat`).
 6. token_dispatcher.maybe_move_tensor_to_cpu: CPU split sizes must become numpy for all_to_all.
 7. tensor_parallel.random._get/_set_cuda_rng_state -> the CPU generator: activation recompute
    (parallel.recompute: full, CheckpointFunction) saves and restores the CUDA RNG state around
@@ -32,7 +33,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _LOCK = threading.Lock()
-_APPLIED: list[str] = []
+_APPLIED: list[str] = []  # what was patched, in order (for logs and tests)
+_CPU_PATCHED = False
 
 
 def _is_cuda(dev) -> bool:
@@ -138,12 +140,7 @@ def _patch_torch_cuda() -> None:
 
 
 def _patch_megatron() -> None:
-    import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-        _APPLIED.append("moe_utils.te_general_gemm = None")
 
     original_move = token_dispatcher.maybe_move_tensor_to_cpu
 
@@ -167,15 +164,35 @@ def _patch_megatron() -> None:
     _APPLIED.append("fused_softmax.get_default_causal_mask -> cpu")
 
 
+def ensure_no_te_compat() -> bool:
+    """Patch 5, wherever TransformerEngine is absent (CUDA or not); True if it was needed.
+
+    megatron-core 0.16.1 imports `te_general_gemm` inside a try and defines no fallback name: the
+    router's forward tests `te_general_gemm is not None` and so raises NameError without TE.
+    """
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    with _LOCK:
+        if hasattr(moe_utils, "te_general_gemm"):
+            return False
+        moe_utils.te_general_gemm = None
+        _APPLIED.append("moe_utils.te_general_gemm = None")
+    return True
+
+
 def ensure_cpu_compat() -> bool:
-    """Apply every patch once if CUDA is absent. Returns True when the CPU path is active.
+    """Apply every patch once if CUDA is absent (on CUDA only the no-TE one). Returns True when the
+    CPU path is active.
 
     Call it before importing/building any Megatron model. Idempotent and thread-safe.
     """
+    ensure_no_te_compat()
     if torch.cuda.is_available():
         return False
+    global _CPU_PATCHED
     with _LOCK:
-        if not _APPLIED:
+        if not _CPU_PATCHED:
             _patch_torch_cuda()
             _patch_megatron()
+            _CPU_PATCHED = True
     return True

@@ -19,8 +19,10 @@ How an episode ends (``info["end_reason"]``):
     the environment's observation is appended when it fits in ``max_total_tokens``, so the last
     position is "before the next action's first token", the value the skip-observation GAE pairs
     with that token. A stop-token state itself is never a target (an observation always follows it).
-    When the observation does not fit, the end is treated as terminal: ``bootstrap=0.0``
-    (``info["bootstrap"] = "no_room_for_observation"``).
+    When the observation does not fit, the trajectory ends with the stop token and bootstraps from
+    the value of the state that token was sampled in (``bootstrap="critic_before_stop"``,
+    ``info["bootstrap"] = "no_room_for_observation"``): a trained state, and with the stop token's
+    reward 0 the return there is that value, as for any cut episode, not the 0 of a failure.
 * ``error``: the environment (or anything but the engine call) raised -> ``failed``, reward 0, ``error`` =
   type + message; ``engine_error``: the engine's generate raised (a dead or unreachable server). A
   failure ends only its own episode; the trainer counts failed trajectories and never trains on them,
@@ -224,7 +226,7 @@ async def run_episode(engine: RolloutEngine, env: Environment, task: Task, forma
                     b.add_observation(obs)
                     bootstrap = "critic"
                 else:
-                    bootstrap, info["bootstrap"] = 0.0, "no_room_for_observation"
+                    bootstrap, info["bootstrap"] = "critic_before_stop", "no_room_for_observation"
                 break
             b.add_observation(obs)
     except Exception as e:  # an episode's failure must never stop the others

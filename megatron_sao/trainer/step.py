@@ -37,7 +37,9 @@ if TYPE_CHECKING:
 #   2: issue 12: staleness_policy keep by default; vanilla `grpo` against the learner's own
 #      log-probs; the critic freezes embeddings, router and norms too; the truncation bootstrap reads
 #      a trained state; the step-level ablation keeps the adaptive lambda.
-ALGORITHM_VERSION = 2
+#   3: issue 26: a trajectory whose last observation does not fit bootstraps from the value of the
+#      state its stop token was sampled in, not 0.
+ALGORITHM_VERSION = 3
 
 # Called after every optimizer step with (result, "actor" | "critic"); it may raise to stop the run
 # (the trainer's non-finite policy does, after a checkpoint), before the next step starts.

@@ -7,8 +7,9 @@ The bootstrap value of a truncated trajectory is the value of the state after it
 `critic[:, length-1]`. The agent loop makes that a state the critic is trained on: a trajectory cut
 inside an action ends mid-action (every such state precedes a sampled token somewhere), and one cut
 after a stop token ends with the observation that follows it (the state before the next action's
-first token, the V the GAE pairs with that token); where no observation can follow, it carries a
-bootstrap of 0 instead (rollout/agent_loop.py).
+first token, the V the GAE pairs with that token). Where that observation does not fit, the row asks
+for the value of the state its stop token was sampled in, `critic[:, length-2]` (a trained state):
+with the stop token's reward 0 its return is then that value (rollout/agent_loop.py).
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ def bootstrap_values(batch: TrajectoryBatch, state_values: torch.Tensor | None) 
         if state_values is None:
             raise ValueError("truncated trajectories need a critic to bootstrap from, but this algorithm "
                              "has none; give them a bootstrap value or use algorithm.name=sao")
-        last = (batch.lengths - 1).clamp(min=0)
-        from_critic = state_values.gather(1, last[:, None]).squeeze(1).to(boot.dtype)
+        at = batch.bootstrap_state.clamp(min=0)
+        from_critic = state_values.gather(1, at[:, None]).squeeze(1).to(boot.dtype)
         boot = torch.where(batch.bootstrap_from_critic, from_critic, boot)
     return boot
 

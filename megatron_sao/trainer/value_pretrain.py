@@ -64,7 +64,7 @@ def run_value_pretrain(cfg: SAOConfig) -> Path:
         raise RuntimeError(f"value-pretrain: all {len(trajs)} rollouts failed; first error: {trajs[0].error}")
     if v.lr is not None:
         cfg.critic.optim.lr = v.lr
-    critic = C.build_critic(cfg, policy_dir, ctx=ctx, init=str(policy_dir), freeze=v.freeze_attention,
+    critic = C.build_critic(cfg, policy_dir, ctx=ctx, init=str(policy_dir), freeze=v.apply_critic_freeze,
                             total_steps=v.steps)
     rng = random.Random(cfg.run.seed)
     loss_fn = critic_loss_fn()

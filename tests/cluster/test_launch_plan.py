@@ -61,13 +61,13 @@ def test_two_nodes_bracket_form_disaggregated():
     (vllm,) = [line for line in blocks["1 node02 rollout"] if "vllm serve" in line]
     assert "VLLM_SERVER_DEV_MODE=1" in vllm and "CUDA_VISIBLE_DEVICES=0,1,2,3" in vllm
     assert "--tensor-parallel-size 4" in vllm and "--port 8000" in vllm
-    assert "--logprobs-mode processed_logprobs" in vllm
+    assert "--logprobs-mode processed_logprobs" in vllm and "--generation-config vllm" in vllm
     assert """--weight-transfer-config '{"backend":"nccl"}'""" in vllm
     assert "torchrun" not in " ".join(blocks["1 node02 rollout"])
 
 
-def test_four_nodes_mixed_hostlist_swe():
-    out = dry_run("sao_swe.sh", "gpu[1-2],cpu[07-08]", "run.total_steps=3", SAO_TRAINER_NODES="2",
+def test_four_nodes_mixed_hostlist_coding():
+    out = dry_run("sao_coding.sh", "gpu[1-2],cpu[07-08]", "run.total_steps=3", SAO_TRAINER_NODES="2",
                   SAO_MODEL_DIR="/ckpt/qwen")
     blocks = node_blocks(out)
     assert list(blocks) == ["0 gpu1 trainer", "1 gpu2 trainer", "2 cpu07 rollout", "3 cpu08 rollout"]
@@ -77,7 +77,7 @@ def test_four_nodes_mixed_hostlist_swe():
         assert [x.split()[1] for x in lines if x.startswith("wait-health")] == [u + "/health" for u in urls]
         cmd = lines[-1]
         assert f"--nnodes=2 --nproc-per-node=8 --node-rank={rank} --master-addr=gpu1 --master-port=29500" in cmd
-        assert "swe_disaggregated.yaml" in cmd and "run.total_steps=3" in cmd and "model.path=/ckpt/qwen" in cmd
+        assert "coding_disaggregated.yaml" in cmd and "run.total_steps=3" in cmd and "model.path=/ckpt/qwen" in cmd
         assert "rollout.server_urls=" + json.dumps(urls) in cmd.replace("'", "")
     for host in ("cpu07", "cpu08"):
         serves = [x for x in blocks[f"{['cpu07', 'cpu08'].index(host) + 2} {host} rollout"] if "vllm serve" in x]

@@ -14,7 +14,7 @@ RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
 
 def test_there_are_four_recipes():
     assert {p.name for p in RECIPE_FILES} >= {"aime_disaggregated.yaml", "aime_colocated.yaml",
-                                              "swe_disaggregated.yaml", "online_style.yaml"}
+                                              "coding_disaggregated.yaml", "online_style.yaml"}
 
 
 @pytest.mark.parametrize("path", RECIPE_FILES, ids=lambda p: p.name)
@@ -32,8 +32,8 @@ def test_aime_recipe_has_paper_settings():
     assert (a.eps_low, a.eps_high, a.critic_steps, a.critic_warmup_steps, a.policy_alpha) == (0.3, 5.0, 2, 10, 1.5)
     assert (cfg.actor.optim.lr, cfg.critic.optim.lr, cfg.buffer.batch_size) == (1e-6, 5e-6, 128)
     assert (cfg.rollout.max_total_tokens, cfg.rollout.max_turns) == (131072, 50)
-    swe = load_config(RECIPES / "swe_disaggregated.yaml").algorithm
-    assert (swe.eps_low, swe.eps_high) == (0.8, 3.0)
+    coding = load_config(RECIPES / "coding_disaggregated.yaml").algorithm
+    assert (coding.eps_low, coding.eps_high) == (0.8, 3.0)
 
 
 def test_aime_memory_by_hand(qwen_long):

@@ -131,11 +131,12 @@ def test_truncation_when_the_observation_leaves_no_room_for_an_action():
     assert traj.status == "truncated" and traj.info["end_reason"] == "max_total_tokens"
     assert traj.bootstrap == "critic" and traj.length == prompt_len + len(action) + len(obs)
     assert traj.spans[-1].kind == "observation"
-    # One token less: the observation does not fit; no trained state follows, so the end is terminal.
+    # One token less: the observation does not fit; the trajectory ends with the stop token and
+    # bootstraps from the state that token was sampled in (trained), not from 0 like a failure.
     c = cfg(max_total_tokens=prompt_len + len(action) + len(obs) - 1)
     traj = play(ScriptedEngine(lambda n, p: action), CountingEnv(done_after=100), c)
     assert traj.status == "truncated" and traj.info["end_reason"] == "max_total_tokens"
-    assert traj.bootstrap == 0.0 and traj.info["bootstrap"] == "no_room_for_observation"
+    assert traj.bootstrap == "critic_before_stop" and traj.info["bootstrap"] == "no_room_for_observation"
     assert traj.length == prompt_len + len(action) and traj.action_mask[-1]
 
 

@@ -35,6 +35,28 @@ def test_sao_targets_use_shifted_values_and_critic_bootstrap():
     assert (t.advantages[~batch.action_mask] == 0).all()
 
 
+def test_no_room_for_the_observation_returns_the_value_of_the_stop_tokens_state():
+    """A trajectory cut after a stop token whose observation does not fit (agent_loop's
+    "no_room_for_observation") is a cut episode, not a failure: its return is the critic's value
+    of the state its stop token was sampled in, not 0."""
+    b = TrajectoryBuilder(prompt_id="c")
+    b.add_prompt([1, 2])
+    b.add_action([3, 4], [-0.1, -0.2], 0)  # ends with its stop token, no observation after it
+    cut = b.finish("truncated", bootstrap="critic_before_stop")
+    batch = collate_padded([_traj("a", 1.0), cut])
+    assert batch.bootstrap_state.tolist() == [-1, 2]  # the state ending at token 2, before the stop token 4
+    state_values = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.7, -0.2, 0.9, 0.4, 0.0, 0.0]])
+    t = compute_targets(batch, state_values, AlgorithmConfig(critic_lambda=1.0))
+    assert torch.allclose(t.returns[1][batch.action_mask[1]], torch.tensor([0.9, 0.9]))
+    assert t.advantages[1, 3] == 0.0  # the stop token: gamma*V(before stop) - V(before stop) with gamma 1
+    with pytest.raises(ValueError, match="critic_before_stop"):
+        b2 = TrajectoryBuilder(prompt_id="d")
+        b2.add_prompt([1, 2])
+        b2.add_action([3], [-0.1], 0)
+        b2.add_observation([5])
+        b2.finish("truncated", bootstrap="critic_before_stop")  # ends with an observation
+
+
 def test_grpo_targets_are_group_normalized():
     batch = collate_padded([_traj("a", 1.0), _traj("a", 0.0), _traj("b", 1.0), _traj("b", 1.0)])
     t = compute_targets(batch, None, AlgorithmConfig(name="grpo"))

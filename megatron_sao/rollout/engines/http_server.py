@@ -26,13 +26,16 @@ import asyncio
 from typing import Any
 
 from megatron_sao.rollout.engines.factory import make_engine
-from megatron_sao.rollout.engines.protocol import EngineConfig, RolloutEngine, SamplingParams
+from megatron_sao.rollout.engines.protocol import NEUTRAL_SAMPLING, EngineConfig, RolloutEngine, SamplingParams
 
 _ALLOWED = {"prompt", "model", "max_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed", "logprobs",
-            "return_token_ids", "skip_special_tokens", "n", "prompt_logprobs", "stream", "return_weight_versions"}
-_NEUTRAL = {"n": 1, "stream": False, "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False}
+            "return_token_ids", "skip_special_tokens", "n", "prompt_logprobs", "stream", "return_weight_versions",
+            *NEUTRAL_SAMPLING}
+# Fields served only at one value (the HF engine samples plain temperature/top-k/top-p).
+_NEUTRAL = {"n": 1, "stream": False, "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
+            **NEUTRAL_SAMPLING}
 _GENERATE_SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed", "logprobs", "n",
-                      "detokenize"}
+                      "detokenize", *NEUTRAL_SAMPLING}
 
 
 def _sampling(body: dict) -> SamplingParams:
@@ -84,6 +87,9 @@ def build_app(engine: RolloutEngine):
             return bad(f"unsupported sampling_params field(s) {extra}")
         if sp.get("n", 1) != 1 or sp.get("logprobs", 0) not in (0, None):
             return bad("sampling_params: only n=1 and logprobs=0 are served")
+        off = sorted(k for k, want in NEUTRAL_SAMPLING.items() if sp.get(k, want) != want)
+        if off:
+            return bad(f"sampling_params {off} are served only at their neutral values {NEUTRAL_SAMPLING}")
         try:
             out = await engine.generate(prompt, _sampling(sp))
         except ValueError as e:

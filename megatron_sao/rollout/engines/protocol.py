@@ -43,6 +43,10 @@ _BACKENDS = ("hf", "vllm", "vllm_server")
 _TRANSPORTS = ("auto", "reload", "nccl", "gloo")
 _POLICIES = ("keep", "abort")
 _DTYPES = ("float32", "bfloat16", "float16")
+# The sampling controls SAO never uses, at their off values: sent explicitly to vLLM so that no server
+# or generation_config.json default reshapes the distribution the tokens are sampled (and scored) from.
+NEUTRAL_SAMPLING: dict[str, float] = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                      "min_p": 0.0}
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from megatron_sao.rollout.engines.protocol import (
+    NEUTRAL_SAMPLING,
     EngineConfig,
     GenerationResult,
     SamplingParams,
@@ -116,6 +117,7 @@ class VLLMEngine(StreamedUpdate):
             seed=cfg.seed,
             tensor_parallel_size=cfg.tensor_parallel_size,
             logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # vLLM's neutral defaults, never the model's generation_config.json
             worker_extension_cls=WORKER_EXTENSION,
             enable_sleep_mode=cfg.enable_sleep_mode,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -160,6 +162,7 @@ class VLLMEngine(StreamedUpdate):
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
+            **NEUTRAL_SAMPLING,
             max_tokens=sampling.max_new_tokens,
             stop_token_ids=list(sampling.stop_token_ids),
             seed=sampling.seed,

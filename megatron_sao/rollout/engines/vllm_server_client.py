@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from megatron_sao.rollout.engines.protocol import (
+    NEUTRAL_SAMPLING,
     EngineConfig,
     GenerationResult,
     SamplingParams,
@@ -166,8 +167,12 @@ class VLLMServerClient:
         return await self._generate_completions(prompt_ids, sampling)
 
     def _sampling_body(self, sampling: SamplingParams) -> dict:
+        # Every field that shapes the distribution is sent, the neutral ones included: a field left out
+        # takes the model's generation_config.json default on vLLM's completions route (e.g. a
+        # repetition_penalty), and the recorded log-probs would no longer be the learner's softmax.
         body = {"max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                "top_k": sampling.top_k, "stop_token_ids": list(sampling.stop_token_ids), "logprobs": 0}
+                "top_k": sampling.top_k, **NEUTRAL_SAMPLING, "stop_token_ids": list(sampling.stop_token_ids),
+                "logprobs": 0}
         if sampling.seed is not None:
             body["seed"] = sampling.seed
         return body

@@ -160,7 +160,7 @@ class MegatronEngine:
         self.routing = RoutingReplay(install_router_replay(model) if role == "actor" else [],
                                      RouteSlice(c.tp, c.tp_rank, c.sequence_parallel))
         self.replay_routes = False  # rollout.routing_replay: replay the engine's routes, not only measure
-        self.last_routing_agreement: float | None = None  # of the latest logprobs() call with routes
+        self.last_routing_agreement: dict[str, float] | None = None  # of the latest logprobs() call with routes
         self.layout = self._rank_layout()
         if init.hf_dir is not None:
             from megatron_sao.checkpoint.load import load_hf_into_model
@@ -245,14 +245,18 @@ class MegatronEngine:
         self.routing.begin(self.replay_routes)
         return self.routing
 
-    def _routing_agreement(self, routing) -> float | None:
-        """Share of routed token x layer top-k sets where the trainer's own choice equals the engine's,
-        over every rank (a collective; with SP each token is counted on one TP rank)."""
+    def _routing_agreement(self, routing) -> dict[str, float]:
+        """Shares of routed token x layer top-k sets where the trainer's own choice (and the set the
+        forward used) equals the engine's, over every rank (a collective; with SP each token is counted
+        on one TP rank). {} when the batch had no routes."""
         if routing is None:
-            return None
+            return {}
         counts = routing.end(self.ctx.device)
         dist.all_reduce(counts)
-        return float(counts[0] / counts[1]) if counts[1] > 0 else None
+        if counts[2] == 0:
+            return {}
+        return {"moe/routing_agreement": float(counts[0] / counts[2]),
+                "moe/routing_agreement_used": float(counts[1] / counts[2])}
 
     def _forward_all(self, batch: Batch, role: str) -> torch.Tensor:
         if self.role != role:
@@ -305,8 +309,7 @@ class MegatronEngine:
                                  forward_only=False, routing=routing)
         t1 = time.perf_counter()
         metrics = fwd.reduce_step_metrics(store, self.ctx)
-        if (agreement := self._routing_agreement(routing)) is not None:
-            metrics["moe/routing_agreement"] = agreement
+        metrics.update(self._routing_agreement(routing))
         bad = torch.tensor([0.0 if math.isfinite(metrics["loss"]) else 1.0], device=self.ctx.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank must take the same branch
         outcome = safe_optimizer_step(self.optimizer, clip_grad=self.optim_config.clip_grad,

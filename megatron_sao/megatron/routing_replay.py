@@ -15,7 +15,9 @@ recompute replay the same routes). `MeasuredRouterReplay` keeps that protocol an
 - tokens without an engine route (the last token, trailing observations, padding) route freely
   (the trainer's own top-k), as verl's replay mask does; no scored log-prob depends on them;
 - every forward counts, per token x layer with an engine route, whether the trainer's own top-k
-  set equals the engine's: `moe/routing_agreement`, measured with replay on or off.
+  set equals the engine's (`moe/routing_agreement`, measured with replay on or off) and whether the
+  set the forward used does (`moe/routing_agreement_used`: 1.0 with replay on, the same as the
+  first with it off).
 
 Each router sees its own tokens: under sequence parallelism the TP rank's sequence chunk, flattened
 [s, b] (Megatron's hidden layout), under PP its stage's layers (by the router's global layer number),
@@ -53,6 +55,7 @@ def make_measured_router_replay():
             self.replay = False  # False: measure only (the trainer routes freely)
             self.recomputed = 0  # forwards replayed by activation recompute (REPLAY_BACKWARD), for tests
             self.agree = torch.zeros((), dtype=torch.int64)  # tensors: no device sync per layer
+            self.used = torch.zeros((), dtype=torch.int64)  # the routes the forward used equal the engine's
             self.total = torch.zeros((), dtype=torch.int64)
 
         def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
@@ -70,13 +73,16 @@ def make_measured_router_replay():
                 raise RuntimeError(f"routing replay: targets {tuple(target.shape)} for a router that sees "
                                    f"{tuple(own.shape)} (tokens x topk): routes are sliced wrongly")
             has = target[:, 0] >= 0
+            chosen = torch.where(has[:, None], target, own) if self.replay else own
             if action == RouterReplayAction.REPLAY_FORWARD:  # recompute repeats the forward: count once
-                same = (own.sort(dim=1).values == target.sort(dim=1).values).all(dim=1) & has
+                engine = target.sort(dim=1).values
+                same = (own.sort(dim=1).values == engine).all(dim=1) & has
+                used = (chosen.sort(dim=1).values == engine).all(dim=1) & has
                 self.agree = self.agree.to(same.device) + same.sum()
+                self.used = self.used.to(same.device) + used.sum()
                 self.total = self.total.to(same.device) + has.sum()
             if not self.replay:
                 return own_probs, own
-            chosen = torch.where(has[:, None], target, own)
             return scores.gather(1, chosen), chosen
 
     return MeasuredRouterReplay()
@@ -145,7 +151,7 @@ class RoutingReplay:
             r.clear_indices()
             r.clear_router_replay_action()
             r.replay = replay
-            r.agree, r.total = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+            r.agree, r.used, r.total = (torch.zeros((), dtype=torch.int64) for _ in range(3))
 
     def before_forward(self, mb: dict) -> None:
         """Targets of this micro-batch (REPLAY_FORWARD), or free routing when it has no routes."""
@@ -167,11 +173,11 @@ class RoutingReplay:
                     r.set_router_replay_action(Action.REPLAY_BACKWARD)
 
     def end(self, device) -> torch.Tensor:
-        """After a schedule: float64 [agreeing, total] token x layer counts of this rank, on `device`
-        (for the all-reduce); targets dropped."""
-        counts = torch.zeros(2, dtype=torch.float64, device=device)
+        """After a schedule: float64 [own agrees, used agrees, total] token x layer counts of this rank, on
+        `device` (for the all-reduce); targets dropped."""
+        counts = torch.zeros(3, dtype=torch.float64, device=device)
         for _, r in self.routers:
-            counts += torch.stack([r.agree.to(device), r.total.to(device)]).double()
+            counts += torch.stack([r.agree.to(device), r.used.to(device), r.total.to(device)]).double()
         for _, r in self.routers:
             r.clear_indices()
             r.clear_router_replay_action()

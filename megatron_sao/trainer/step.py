@@ -93,8 +93,7 @@ def sao_step(batch: TrajectoryBatch, actor: MegatronEngine, critic: MegatronEngi
     check(result, "actor")
     if (mismatch := lag0_mismatch(result.metrics)) is not None:
         m["logprob_mismatch_lag0"] = mismatch
-    if "moe/routing_agreement" in result.metrics:
-        m["moe/routing_agreement"] = result.metrics["moe/routing_agreement"]
+    m.update({k: v for k, v in result.metrics.items() if k.startswith("moe/")})
     m.update(step_metrics("actor", result))
     return StepOutcome(actor_updated=not result.skipped, metrics=m)
 

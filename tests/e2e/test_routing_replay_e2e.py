@@ -17,7 +17,7 @@ def test_replay_on_trains_three_steps_with_every_route_agreeing(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == [0, 1, 2]
     for r in rows:
-        assert r["moe/routing_agreement"] == 1.0, r
+        assert r["moe/routing_agreement"] == r["moe/routing_agreement_used"] == 1.0, r
         assert r["logprob_mismatch_lag0"] < 1e-4, r
     files = sorted((run / "buffer").rglob("*.safetensors"))
     assert files, "no buffer files"

@@ -47,6 +47,9 @@ def test_agreement_metric(results, layout):
     assert r["own_measure_vs_hf_free"] <= 1e-5 and r["forced_measure_vs_hf_free"] <= 1e-5, r
     assert r["forced_agreement_replay_off"] < 0.5 and r["forced_agreement_replay_on"] < 0.5, r
     assert r["train_agreement"] == r["forced_agreement_replay_on"], r
+    # the routes the forward used: the engine's with replay on, the trainer's own with it off
+    assert r["forced_used_replay_on"] == 1.0 and r["train_used"] == 1.0, r
+    assert r["forced_used_replay_off"] == r["forced_agreement_replay_off"], r
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -114,20 +114,23 @@ for name in names:
     a = actor()
     a.replay_routes = True
     lp_replay = a.logprobs({**batch, "routes": enc(forced)})
-    out["forced_agreement_replay_on"] = a.last_routing_agreement
+    out["forced_agreement_replay_on"] = a.last_routing_agreement["moe/routing_agreement"]
+    out["forced_used_replay_on"] = a.last_routing_agreement["moe/routing_agreement_used"]
     out["forced_vs_hf_forced"] = (lp_replay - lp_forced_hf).abs().max().item()
     out["forced_vs_hf_free"] = (lp_replay - lp_free_hf).abs().max().item()
     out["hf_forced_vs_free"] = (lp_forced_hf - lp_free_hf).abs().max().item()
     a.replay_routes = False
     lp_measure = a.logprobs({**batch, "routes": enc(own)})
-    out["own_agreement_replay_off"] = a.last_routing_agreement
+    out["own_agreement_replay_off"] = a.last_routing_agreement["moe/routing_agreement"]
     out["own_measure_vs_hf_free"] = (lp_measure - lp_free_hf).abs().max().item()
     lp_measure_forced = a.logprobs({**batch, "routes": enc(forced)})
-    out["forced_agreement_replay_off"] = a.last_routing_agreement
+    out["forced_agreement_replay_off"] = a.last_routing_agreement["moe/routing_agreement"]
+    out["forced_used_replay_off"] = a.last_routing_agreement["moe/routing_agreement_used"]
     out["forced_measure_vs_hf_free"] = (lp_measure_forced - lp_free_hf).abs().max().item()
     a.replay_routes = True
     step = a.train_step({**batch, "routes": enc(forced)}, nll_loss)
     out["train_agreement"] = step.metrics.get("moe/routing_agreement")
+    out["train_used"] = step.metrics.get("moe/routing_agreement_used")
     out["train_loss"], out["train_grad_norm"] = step.loss, step.grad_norm
     out["train_loss_vs_hf_forced"] = abs(step.loss + (lp_forced_hf * batch["action_mask"]).sum().item()
                                          / batch["action_mask"].sum().item())

@@ -16,8 +16,8 @@ Printed per mode: moe/routing_agreement (the trainer's own top-k set equals the 
 token x layer), moe/routing_agreement_used (the set the forward used equals the engine's), the lag-0
 mismatch |log p_train - log p_rollout| over action tokens (mean, median, p99), and the fraction of action
 tokens DIS keeps (1 - eps_low < ratio < 1 + eps_high, the math preset's 0.3 / 5.0). `ratio` is on / off of
-the mean and median mismatch; what is left with replay on is the router probabilities' and bf16's own
-share. `--noise 0` and `--engine-dtype float32` show the baseline of no drift.
+the mismatch figures; what is left with replay on is bf16's (and the perturbed router probabilities') own
+share. `--engine-dtype float32` is the baseline of no drift.
 """
 
 from __future__ import annotations

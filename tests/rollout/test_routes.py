@@ -110,3 +110,14 @@ def test_server_routes_decode_from_base64_npy():
         decode_b64_routes(None, 4, "test")
     with pytest.raises(RuntimeError, match="not a base64 .npy"):
         decode_b64_routes(base64.b64encode(b"junk").decode(), 4, "test")
+
+
+def test_colocated_routes_pack_comparably_and_unpack_exactly():
+    from megatron_sao.rollout.engines.routes import packed_routes, unpacked_routes
+
+    array = np.array([[[0, 3], [2, 1]], [[1, 2], [3, 0]]], dtype=np.int64)
+    a, b = packed_routes(array, 4, "e0"), packed_routes(array.copy(), 4, "e0")
+    assert a == b and a != packed_routes(array[:1], 4, "e0")  # what the leader's lockstep check compares
+    t = unpacked_routes(a)
+    assert t.dtype == torch.uint8 and t.tolist() == array.tolist()
+    assert unpacked_routes(None) is None

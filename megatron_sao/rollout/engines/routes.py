@@ -49,3 +49,17 @@ def decode_b64_routes(data: str | None, num_experts: int, where: str) -> torch.T
     except (ValueError, OSError) as e:
         raise RuntimeError(f"{where}: routed_experts is not a base64 .npy array ({e})") from None
     return routes_tensor(array, num_experts, where)
+
+
+def packed_routes(routes: np.ndarray | None, num_experts: int, where: str) -> tuple:
+    """routed_experts as (shape, dtype name, bytes): compact, picklable, and comparable with == (the colocated
+    leader checks that an engine's ranks finished the same requests; tensors do not compare that way)."""
+    t = routes_tensor(routes, num_experts, where)
+    return tuple(t.shape), str(t.dtype).removeprefix("torch."), t.numpy().tobytes()
+
+
+def unpacked_routes(packed: tuple | None) -> torch.Tensor | None:
+    if packed is None:
+        return None
+    shape, dtype, data = packed
+    return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)

@@ -370,7 +370,7 @@ class TrajectoryBatch:
     bootstrap_state: torch.Tensor  # int64 [B], -1 where bootstrap_values is used
     traj_ids: list[str]
     prompt_ids: list[str]
-    routes: torch.Tensor | None = None  # int16/int32 [B, T, layers, topk], expert id + 1 (0 = none)
+    routes: torch.Tensor | None = None  # uint8/int16/int32 [B, T, layers, topk], expert id + 1 (0 = none)
 
     @property
     def size(self) -> int:
@@ -433,8 +433,9 @@ def collate_routes(trajs: Sequence[Trajectory], width: int) -> torch.Tensor | No
     if len(shapes) != 1:
         raise ValueError(f"collate_padded: trajectories route with different [layers, topk]: {sorted(shapes)}")
     (layers, topk), = shapes
-    top = max(int(r.max()) if r.numel() else 0 for r in routed)
-    dtype = torch.int16 if top + 1 <= torch.iinfo(torch.int16).max else torch.int32
+    top = max(int(r.max()) if r.numel() else 0 for r in routed) + 1  # the largest value stored
+    # The widest per-token field of a batch (Qwen3-30B-A3B: 48 layers x top-8), so the smallest dtype.
+    dtype = torch.uint8 if top <= 255 else (torch.int16 if top <= torch.iinfo(torch.int16).max else torch.int32)
     out = torch.zeros((len(trajs), width, layers, topk), dtype=dtype)
     for i, t in enumerate(trajs):
         if t.routed_experts is not None:

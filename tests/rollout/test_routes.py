@@ -121,3 +121,39 @@ def test_colocated_routes_pack_comparably_and_unpack_exactly():
     t = unpacked_routes(a)
     assert t.dtype == torch.uint8 and t.tolist() == array.tolist()
     assert unpacked_routes(None) is None
+
+
+@pytest.mark.parametrize("route", ["generate", "completions"])
+def test_server_client_gets_the_routes_of_a_served_engine(tmp_path, route):
+    """VLLMServerClient -> rollout/engines/http_server.py (vLLM's routes, an HF engine behind them): the client
+    sends routed_experts_prompt_start and decodes the base64 routes, on both of vLLM's generation routes."""
+    pytest.importorskip("aiohttp")
+    from engine_fixtures import make_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from megatron_sao.rollout.engines.factory import make_engine
+    from megatron_sao.rollout.engines.http_server import start_server
+    from megatron_sao.rollout.engines.protocol import EngineConfig
+
+    model_dir = make_tiny_model(tmp_path, "moe")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    prompt = [5, 6, 7, 8]
+
+    async def run():
+        engine = HFEngine(model, max_model_len=128, eos_token_ids=())
+        runner, port = await start_server(engine)
+        client = make_engine(EngineConfig(backend="vllm_server", server_urls=(f"http://127.0.0.1:{port}",),
+                                          model_path=str(model_dir), weight_transport="reload"))
+        try:
+            await client.connect()
+            client.route = route
+            return await client.generate(prompt, SamplingParams(max_new_tokens=5, seed=3, return_routes=True,
+                                                                routes_start=2))
+        finally:
+            await client.close()
+            await runner.cleanup()
+            await engine.close()
+
+    out = asyncio.run(run())
+    assert out.routed_experts.dtype == torch.uint8 and out.routed_experts.shape == (2 + 5 - 1, 2, 2)
+    assert same_sets(out.routed_experts, full_forward_routes(model, prompt + out.token_ids)[2:-1])

@@ -89,11 +89,14 @@ def test_collate_encodes_expert_plus_one_and_zero_where_there_is_no_route():
                          versions=[-1, 0, 0], spans=[(0, 1, "prompt"), (1, 3, "action")], reward=0.0,
                          status="terminated")
     batch = collate_padded([without, with_routes])
-    assert batch.routes.shape == (2, 10, 2, 2) and batch.routes.dtype == torch.int16
+    assert batch.routes.shape == (2, 10, 2, 2) and batch.routes.dtype == torch.uint8
     assert int(batch.routes[0].abs().sum()) == 0  # a row without routes routes freely
-    assert torch.equal(batch.routes[1, :9], with_routes.routed_experts.to(torch.int16) + 1)
+    assert torch.equal(batch.routes[1, :9], with_routes.routed_experts + 1)
     assert int(batch.routes[1, 9].abs().sum()) == 0  # the last token has no route
     assert collate_padded([without]).routes is None
+    wide = two_turns()
+    wide.routed_experts = wide.routed_experts.to(torch.int16) + 255  # expert 255 + 1 needs int16
+    assert collate_padded([wide]).routes.dtype == torch.int16
 
 
 def test_files_keep_routes_bit_exactly_and_mixed_with_unrouted_trajectories(tmp_path):

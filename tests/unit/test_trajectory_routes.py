@@ -162,3 +162,22 @@ def test_dense_actor_refuses_routing_replay():
     with pytest.raises(ConfigError, match="rollout.routing_replay: .* dense model"):
         check_routing_replay(cfg, model_spec_from_hf(tiny_hf_config("qwen3")))
     check_routing_replay(cfg, model_spec_from_hf(tiny_hf_config("qwen3_moe")))  # an MoE actor is fine
+
+
+def test_buffer_resume_restores_routes_and_refuses_a_damaged_route_file(tmp_path):
+    """The buffer persists every trajectory on arrival; a resumed buffer gets the routes back bit-exactly, and a
+    file whose routes were damaged stops the restore with the file's name (nothing is trained on half a route)."""
+    from megatron_sao.buffer import TrajectoryBuffer
+
+    buf = TrajectoryBuffer(batch_size=1, max_staleness=4, directory=tmp_path / "buffer")
+    traj = two_turns()
+    buf.put(traj)
+    (back,) = TrajectoryBuffer(batch_size=1, max_staleness=4, directory=tmp_path / "buffer").restore()
+    assert trajectories_equal(back, traj)
+    (path,) = (tmp_path / "buffer").glob("*.safetensors")
+    _edit(path, path.with_suffix(".tmp"), routed_experts=lambda r: r[:-2],
+          route_offsets=lambda o: o - torch.tensor([0, 2]))
+    path.with_suffix(".tmp").replace(path)
+    with pytest.raises(TrajectoryFileError, match="must cover every token before the last action token") as e:
+        TrajectoryBuffer(batch_size=1, max_staleness=4, directory=tmp_path / "buffer").restore()
+    assert path.name in str(e.value)

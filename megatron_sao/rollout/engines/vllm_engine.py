@@ -126,7 +126,7 @@ class VLLMEngine(StreamedUpdate):
         )
         if cfg.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
-        self.num_experts = num_experts_of(cfg.model_path)
+        self.num_experts = num_experts_of(cfg.model_path) if cfg.return_routes else 0
         if cfg.return_routes:  # routing replay: every request may ask for RequestOutput.routed_experts
             if not self.num_experts:
                 raise ValueError(f"{self.name}: return_routes needs a Mixture-of-Experts model (no num_experts "

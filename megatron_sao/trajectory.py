@@ -16,7 +16,13 @@ Invariants (checked by `Trajectory.validate`, which the constructor calls):
   the final state), "critic_before_stop" (from its value of the state the final stop token was
   sampled in: the last token must be an action token with one before it), or a float given by the
   producer; other statuses must not set it;
-- a "failed" trajectory has reward 0 and an `error`; the trainer excludes it from training and counts it.
+- a "failed" trajectory has reward 0 and an `error`; the trainer excludes it from training and counts it;
+- `routed_experts` (MoE routing replay, optional) is an integer tensor [R, layers, topk] of the experts
+  the engine routed tokens 0..R-1 to, R in [last action index, T - 1]: an engine never forwards the
+  last token it samples (its route would come from the next turn's prefill, and there is none), and
+  observation tokens after the last action are never forwarded; neither changes a scored log-prob.
+  Ids are >= 0 and distinct within a token's top-k; stored in the smallest dtype that holds the
+  expert count (`route_dtype`).
 """
 
 from __future__ import annotations
@@ -40,7 +46,17 @@ STATUSES: tuple[str, ...] = ("terminated", "truncated", "failed")
 # final stop token was sampled in (when the observation that should follow does not fit).
 BOOTSTRAP_FROM_CRITIC: tuple[str, ...] = ("critic", "critic_before_stop")
 SPAN_KINDS: tuple[str, ...] = ("prompt", "action", "observation")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: optional routed_experts (files of version 1 have none and still load)
+_ROUTE_DTYPES = (torch.uint8, torch.int16, torch.int32)
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer dtype holding expert ids 0..num_experts-1 (uint8 up to 256 experts)."""
+    if num_experts < 1:
+        raise ValueError(f"route_dtype: num_experts must be >= 1, got {num_experts}")
+    if num_experts <= 256:
+        return torch.uint8
+    return torch.int16 if num_experts <= 32768 else torch.int32
 
 
 class TrajectoryError(ValueError):
@@ -70,6 +86,7 @@ class Trajectory:
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    routed_experts: torch.Tensor | None = None  # [R, layers, topk] (module docstring), MoE replay only
 
     def __post_init__(self) -> None:
         self.tokens = torch.as_tensor(self.tokens, dtype=torch.int64).reshape(-1)
@@ -78,6 +95,8 @@ class Trajectory:
         self.versions = torch.as_tensor(self.versions, dtype=torch.int64).reshape(-1)
         self.spans = [s if isinstance(s, Span) else Span(*s) for s in self.spans]
         self.reward = float(self.reward)
+        if self.routed_experts is not None:
+            self.routed_experts = torch.as_tensor(self.routed_experts)
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -128,6 +147,30 @@ class Trajectory:
                 self._fail("a failed trajectory must record its error")
             if self.reward != 0.0:
                 self._fail("a failed trajectory must have reward 0")
+        if self.routed_experts is not None:
+            self._validate_routes(T)
+
+    def _validate_routes(self, T: int) -> None:
+        r = self.routed_experts
+        if r.dtype not in _ROUTE_DTYPES or r.dim() != 3 or r.shape[1] < 1 or r.shape[2] < 1:
+            self._fail(f"routed_experts must be a [R, layers, topk] tensor of {[str(d) for d in _ROUTE_DTYPES]}, "
+                       f"got {r.dtype} {tuple(r.shape)}")
+        n = r.shape[0]
+        if self.status != "failed" and not (max(self.last_action_index, 0) <= n <= T - 1):
+            self._fail(f"routed_experts covers {n} token(s); it must cover every token before the last action "
+                       f"token ({self.last_action_index}) and at most T - 1 = {T - 1} (the last token is never "
+                       "forwarded by an engine)")
+        if n > T - 1:
+            self._fail(f"routed_experts covers {n} token(s), more than T - 1 = {T - 1}")
+        if n and r.shape[2] > 1:
+            ids = r.to(torch.int64)
+            if (ids < 0).any():
+                self._fail("routed_experts has negative expert ids")
+            srt = ids.sort(dim=-1).values
+            if (srt[..., 1:] == srt[..., :-1]).any():
+                self._fail("routed_experts names one expert twice in a token's top-k")
+        elif n and (r.to(torch.int64) < 0).any():
+            self._fail("routed_experts has negative expert ids")
 
     def _validate_spans(self, T: int) -> None:
         if not self.spans:
@@ -193,6 +236,7 @@ class Trajectory:
             "spans": [[s.start, s.end, s.kind] for s in self.spans],
             "timings": self.timings,
             "info": self.info,
+            "routes": self.routed_experts is not None,
         }
 
 
@@ -213,6 +257,8 @@ class TrajectoryBuilder:
         self.spans: list[Span] = []
         self.timings: dict[str, float] = {}
         self.info: dict[str, Any] = {}
+        self.routes: list[torch.Tensor] | None = None  # per generate call, stitched (see add_routes)
+        self._routes_len = 0
         self._t0 = time.time()
 
     def __len__(self) -> int:
@@ -249,11 +295,43 @@ class TrajectoryBuilder:
                 f"{len(versions)} versions")
         self._append(ids, "action", logprobs, versions)
 
+    @property
+    def routes_covered(self) -> int:
+        """Tokens whose routes are recorded: the next generate call asks for routes from here on."""
+        return self._routes_len
+
+    def add_routes(self, start: int, routes: torch.Tensor) -> None:
+        """Routes [n, layers, topk] of tokens start..start+n-1, as one generate call returned them.
+
+        Each call must continue exactly where the previous one ended (no gap, no token twice): an engine
+        returns the routes of the prompt tokens from `start` (vLLM's routed_experts_prompt_start; the
+        re-prefilled history before it was covered by earlier turns) and of every sampled token but
+        its last.
+        """
+        routes = torch.as_tensor(routes)
+        if routes.dim() != 3:
+            raise TrajectoryError(f"trajectory {self.traj_id}: routes must be [n, layers, topk], "
+                                  f"got {tuple(routes.shape)}")
+        if start != self._routes_len:
+            raise TrajectoryError(f"trajectory {self.traj_id}: routes start at token {start}, but tokens "
+                                  f"0..{self._routes_len - 1} are covered: routes must tile the tokens")
+        if self.routes is None:
+            self.routes = []
+        elif self.routes and routes.shape[1:] != self.routes[0].shape[1:]:
+            raise TrajectoryError(f"trajectory {self.traj_id}: routes of shape {tuple(routes.shape)} after "
+                                  f"{tuple(self.routes[0].shape)}: layers / topk changed between turns")
+        self.routes.append(routes)
+        self._routes_len += routes.shape[0]
+
     def finish(self, status: str, reward: float = 0.0, bootstrap: float | str | None = None,
                error: str | None = None, info: dict | None = None) -> Trajectory:
         self.timings.setdefault("rollout_s", time.time() - self._t0)
         if status == "truncated" and bootstrap is None:
             bootstrap = "critic"
+        routes = None
+        if self.routes and status != "failed":  # a failed episode is never trained on: no routes kept
+            dtype = max((r.dtype for r in self.routes), key=_ROUTE_DTYPES.index)
+            routes = torch.cat([r.to(dtype) for r in self.routes])
         return Trajectory(
             tokens=torch.tensor(self.tokens, dtype=torch.int64),
             action_mask=torch.tensor(self.mask, dtype=torch.bool),
@@ -261,7 +339,7 @@ class TrajectoryBuilder:
             versions=torch.tensor(self.versions, dtype=torch.int64),
             spans=list(self.spans), reward=reward, status=status, bootstrap=bootstrap,
             prompt_id=self.prompt_id, env=self.env, traj_id=self.traj_id, error=error,
-            timings=dict(self.timings), info={**self.info, **(info or {})})
+            timings=dict(self.timings), info={**self.info, **(info or {})}, routed_experts=routes)
 
 
 # ---------------------------------------------------------------------- collation
@@ -275,6 +353,9 @@ class TrajectoryBatch:
     bootstrap_state is, for truncated rows whose final value comes from the critic, the position t
     whose state value (the state ending with token t) bootstraps the row, and -1 elsewhere;
     bootstrap_values holds the given values (0 where the critic's is used).
+    routes ([B, T, layers, topk], only when some trajectory carries routed_experts) holds expert id + 1,
+    and 0 where the engine gave no route (a row without routes, the tokens after R, padding): zero
+    padding then means "route freely" wherever the batch is padded or split.
     """
 
     tokens: torch.Tensor  # int64 [B, T]
@@ -289,6 +370,7 @@ class TrajectoryBatch:
     bootstrap_state: torch.Tensor  # int64 [B], -1 where bootstrap_values is used
     traj_ids: list[str]
     prompt_ids: list[str]
+    routes: torch.Tensor | None = None  # uint8/int16/int32 [B, T, layers, topk], expert id + 1 (0 = none)
 
     @property
     def size(self) -> int:
@@ -339,7 +421,26 @@ def collate_padded(trajs: Sequence[Trajectory], pad_id: int = 0, pad_to_multiple
                 boot[i] = float(t.bootstrap)
     return TrajectoryBatch(tokens, attn, amask, lps, vers, rew, turns,
                            torch.tensor([t.length for t in trajs], dtype=torch.int64), boot, boot_state,
-                           [t.traj_id for t in trajs], [t.prompt_id for t in trajs])
+                           [t.traj_id for t in trajs], [t.prompt_id for t in trajs], collate_routes(trajs, T))
+
+
+def collate_routes(trajs: Sequence[Trajectory], width: int) -> torch.Tensor | None:
+    """[B, width, layers, topk] expert id + 1 (0 = no route), or None when no trajectory has routes."""
+    routed = [t.routed_experts for t in trajs if t.routed_experts is not None]
+    if not routed:
+        return None
+    shapes = {tuple(r.shape[1:]) for r in routed}
+    if len(shapes) != 1:
+        raise ValueError(f"collate_padded: trajectories route with different [layers, topk]: {sorted(shapes)}")
+    (layers, topk), = shapes
+    top = max(int(r.max()) if r.numel() else 0 for r in routed) + 1  # the largest value stored
+    # The widest per-token field of a batch (Qwen3-30B-A3B: 48 layers x top-8), so the smallest dtype.
+    dtype = torch.uint8 if top <= 255 else (torch.int16 if top <= torch.iinfo(torch.int16).max else torch.int32)
+    out = torch.zeros((len(trajs), width, layers, topk), dtype=dtype)
+    for i, t in enumerate(trajs):
+        if t.routed_experts is not None:
+            out[i, :t.routed_experts.shape[0]] = t.routed_experts.to(dtype) + 1
+    return out
 
 
 @dataclass
@@ -394,6 +495,7 @@ def save_trajectories(path: str | os.PathLike, trajs: Sequence[Trajectory]) -> N
         "rollout_logprobs": cat("rollout_logprobs", torch.float32),
         "versions": cat("versions", torch.int64),
     }
+    tensors.update(_route_tensors(trajs))
     metadata = {"format": "megatron_sao.trajectories", "format_version": str(FORMAT_VERSION),
                 "meta": json.dumps([t.meta() for t in trajs])}
     path = os.fspath(path)
@@ -404,6 +506,22 @@ def save_trajectories(path: str | os.PathLike, trajs: Sequence[Trajectory]) -> N
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _route_tensors(trajs: list[Trajectory]) -> dict[str, torch.Tensor]:
+    """routed_experts of every trajectory concatenated ([sum R, layers, topk], the widest dtype among
+    them) with route_offsets [n + 1]; a trajectory without routes has an empty range and meta routes=false."""
+    routed = [t.routed_experts for t in trajs if t.routed_experts is not None]
+    if not routed:
+        return {}
+    shapes = {tuple(r.shape[1:]) for r in routed}
+    if len(shapes) != 1:
+        raise ValueError(f"save_trajectories: trajectories route with different [layers, topk]: {sorted(shapes)}")
+    dtype = max((r.dtype for r in routed), key=_ROUTE_DTYPES.index)
+    lengths = torch.tensor([0 if t.routed_experts is None else t.routed_experts.shape[0] for t in trajs])
+    offsets = torch.zeros(len(trajs) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return {"route_offsets": offsets, "routed_experts": torch.cat([r.to(dtype) for r in routed]).contiguous()}
 
 
 class TrajectoryFileError(UserError, ValueError):
@@ -443,6 +561,10 @@ def load_trajectories(path: str | os.PathLike) -> list[Trajectory]:
         if missing:
             raise bad(f"missing tensor(s) {missing}")
         t = {k: f.get_tensor(k) for k in _FILE_TENSORS}
+        has_routes = [k for k in ("route_offsets", "routed_experts") if k in f.keys()]
+        if len(has_routes) == 1:
+            raise bad(f"has {has_routes[0]!r} without its pair (route_offsets and routed_experts go together)")
+        routes = (f.get_tensor("route_offsets"), f.get_tensor("routed_experts")) if has_routes else None
     for k, dtype in _FILE_TENSORS.items():
         if t[k].dtype != dtype or t[k].dim() != 1:
             raise bad(f"tensor {k!r} is {t[k].dtype} with shape {tuple(t[k].shape)}, expected 1-D {dtype}")
@@ -464,6 +586,7 @@ def load_trajectories(path: str | os.PathLike) -> list[Trajectory]:
     for i in range(len(metas)):
         if offsets[i + 1] <= offsets[i]:
             raise bad(f"offsets of trajectory {i} are [{offsets[i]}, {offsets[i + 1]}): empty or decreasing")
+    route_of = _file_routes(routes, metas, bad)
     out = []
     for i, m in enumerate(metas):
         a, b = offsets[i], offsets[i + 1]
@@ -473,7 +596,7 @@ def load_trajectories(path: str | os.PathLike) -> list[Trajectory]:
                 rollout_logprobs=t["rollout_logprobs"][a:b], versions=t["versions"][a:b],
                 spans=[Span(s, e, k) for s, e, k in m["spans"]], reward=m["reward"], status=m["status"],
                 bootstrap=m["bootstrap"], prompt_id=m["prompt_id"], env=m["env"], traj_id=m["traj_id"],
-                error=m["error"], timings=m["timings"], info=m["info"]))
+                error=m["error"], timings=m["timings"], info=m["info"], routed_experts=route_of(i)))
         except TrajectoryError as e:
             raise bad(f"trajectory {i}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:
@@ -481,8 +604,34 @@ def load_trajectories(path: str | os.PathLike) -> list[Trajectory]:
     return out
 
 
+def _file_routes(routes, metas: list, bad):
+    """Check a file's route tensors against its trajectories; returns i -> routed_experts or None."""
+    flags = [bool(m.get("routes", False)) if isinstance(m, dict) else False for m in metas]
+    if routes is None:
+        if any(flags):
+            raise bad(f"{sum(flags)} trajectory(ies) have routes=true but the file has no routed_experts")
+        return lambda i: None
+    offsets, data = routes
+    if offsets.dtype != torch.int64 or offsets.dim() != 1 or len(offsets) != len(metas) + 1:
+        raise bad(f"route_offsets is {offsets.dtype} {tuple(offsets.shape)}, expected 1-D int64 of "
+                  f"{len(metas) + 1} entries")
+    if data.dtype not in _ROUTE_DTYPES or data.dim() != 3:
+        raise bad(f"routed_experts is {data.dtype} {tuple(data.shape)}, expected [N, layers, topk] of "
+                  f"{[str(d) for d in _ROUTE_DTYPES]}")
+    o = offsets.tolist()
+    if o[0] != 0 or o[-1] != data.shape[0] or any(o[i + 1] < o[i] for i in range(len(metas))):
+        raise bad(f"route_offsets run {o[0]}..{o[-1]} (or decrease), expected 0..{data.shape[0]} rising")
+    for i, flag in enumerate(flags):
+        if not flag and o[i + 1] != o[i]:
+            raise bad(f"trajectory {i} has routes=false but {o[i + 1] - o[i]} route rows")
+    return lambda i: data[o[i]:o[i + 1]].clone() if flags[i] else None
+
+
 def trajectories_equal(a: Trajectory, b: Trajectory) -> bool:
     """Exact equality of every field (bit-exact tensors), for tests and resume checks."""
+    routes_equal = (a.routed_experts is None and b.routed_experts is None) or (
+        a.routed_experts is not None and b.routed_experts is not None
+        and a.routed_experts.dtype == b.routed_experts.dtype and torch.equal(a.routed_experts, b.routed_experts))
     return (torch.equal(a.tokens, b.tokens) and torch.equal(a.action_mask, b.action_mask)
             and torch.equal(a.rollout_logprobs.view(torch.int32), b.rollout_logprobs.view(torch.int32))
-            and torch.equal(a.versions, b.versions) and a.meta() == b.meta())
+            and torch.equal(a.versions, b.versions) and a.meta() == b.meta() and routes_equal)

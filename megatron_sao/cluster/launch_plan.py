@@ -242,6 +242,8 @@ def _vllm_process(cfg: SAOConfig, exe: Executables, model_dir: str | None, host:
             "--weight-transfer-config", json.dumps(transfer, separators=(",", ":"))]
     if gloo:
         argv += ["--worker-extension-cls", WORKER_EXTENSION]
+    if r.returns_routes:  # routing replay: every completion may carry its routed experts
+        argv += ["--enable-return-routed-experts"]
     argv += list(r.vllm_serve_args)
     # Dev mode exposes /pause, /resume and the weight-update routes the trainer drives.
     env = {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": gpus}

@@ -161,6 +161,16 @@ class RolloutConfig:
     weight_sync_check_atol: float = 1e-3
     health_check_interval_s: float = 10.0  # servers failing it stop getting episodes (theirs re-run elsewhere)
     vllm_serve_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags of the launch plan
+    # Rollout routing replay (R3, MoE actors only): the engines return the experts every token was routed
+    # to, the trajectory keeps them, and the actor's forward replays them (megatron/routing_replay.py).
+    routing_replay: bool = False
+    # Return and store the engines' routes without replaying them: moe/routing_agreement measured with the
+    # trainer's own routing (routing_replay implies it).
+    record_routes: bool = False
+
+    @property
+    def returns_routes(self) -> bool:
+        return self.routing_replay or self.record_routes
 
 
 @dataclass

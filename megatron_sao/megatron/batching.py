@@ -5,6 +5,8 @@ Contract: every rank passes the SAME full batch. A batch is a dict of tensors:
   attention_mask  bool/int [B, T] 1 on real tokens, then only 0s (right padding)
   any other key   [B, T] per-token fields (action_mask, rollout_logprobs, advantages, returns, ...)
                   or [B] per-row fields; they are sliced along rows with the tokens.
+                  A per-token field may have trailing dims ([B, T, ...]: the MoE actor's `routes`
+                  [B, T, layers, topk]); it is padded, split and trimmed like the [B, T] ones.
 
 The engine pads rows up to a multiple of dp * micro_batch_size (padding rows are all-zero, so a
 loss weighted by action_mask ignores them) and columns up to a multiple of `seq_multiple` (TP
@@ -45,8 +47,9 @@ def validate_batch(batch: Batch, *, required: tuple[str, ...] = ()) -> tuple[int
     for key, value in batch.items():
         if not torch.is_tensor(value):
             raise ValueError(f"batch[{key!r}] must be a tensor, got {type(value).__name__}")
-        if value.shape[:1] != (b,) or (value.dim() >= 2 and value.shape[:2] != (b, t)) or value.dim() > 2:
-            raise ValueError(f"batch[{key!r}] has shape {tuple(value.shape)}; expected [B, T]={[b, t]} or [B]={[b]}")
+        if value.shape[:1] != (b,) or (value.dim() >= 2 and value.shape[:2] != (b, t)):
+            raise ValueError(f"batch[{key!r}] has shape {tuple(value.shape)}; expected [B, T, ...]={[b, t]} "
+                             f"or [B]={[b]}")
     mask = batch["attention_mask"].bool()
     if mask.dim() != 2:
         raise ValueError("batch['attention_mask'] must be [B, T]")
@@ -68,9 +71,9 @@ def pad_batch(batch: Batch, rows: int, cols: int) -> Batch:
         raise ValueError(f"cannot pad a [{b}, {t}] batch down to [{rows}, {cols}]")
     out: Batch = {}
     for key, value in batch.items():
-        shape = (rows, cols) if value.dim() == 2 else (rows,)
+        shape = (rows, cols, *value.shape[2:]) if value.dim() >= 2 else (rows,)
         padded = torch.zeros(shape, dtype=value.dtype, device=value.device)
-        if value.dim() == 2:
+        if value.dim() >= 2:
             padded[:b, :t] = value
         else:
             padded[:b] = value
@@ -130,5 +133,5 @@ def prepare_local_batch(
     micro = split_micro_batches(local, micro_batch_size)
     if trim:
         widths = trimmed_widths(padded, dp, micro_batch_size, seq_multiple)
-        micro = [{k: (v[:, :w] if v.dim() == 2 else v) for k, v in mb.items()} for mb, w in zip(micro, widths)]
+        micro = [{k: (v[:, :w] if v.dim() >= 2 else v) for k, v in mb.items()} for mb, w in zip(micro, widths)]
     return micro, b, t, cols

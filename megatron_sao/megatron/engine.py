@@ -141,6 +141,8 @@ class MegatronEngine:
 
         overrides = dict(config_overrides or {})
         overrides["calculate_per_token_loss"] = True  # see forward.py: exact global token-mean
+        if role == "actor" and spec.is_moe:  # rollout routing replay (megatron/routing_replay.py)
+            overrides["moe_enable_routing_replay"] = True
         self.config = transformer_config_from_spec(spec, sizes, params_dtype=params_dtype, **overrides)
         if init.seed is not None:
             # Same seed on every rank: with use_cpu_initialization Megatron builds each full
@@ -151,6 +153,14 @@ class MegatronEngine:
         model = build_gpt_model(spec, self.config, role=role, pre_process=c.is_first_stage,
                                 post_process=c.is_last_stage)
         model.to(c.device)
+        # The MoE actor's routers replay (or, with replay_routes False, are only compared with) the
+        # batch's `routes`; the critic routes by itself and never sees them.
+        from megatron_sao.megatron.routing_replay import RouteSlice, RoutingReplay, install_router_replay
+
+        self.routing = RoutingReplay(install_router_replay(model) if role == "actor" else [],
+                                     RouteSlice(c.tp, c.tp_rank, c.sequence_parallel))
+        self.replay_routes = False  # rollout.routing_replay: replay the engine's routes, not only measure
+        self.last_routing_agreement: dict[str, float] | None = None  # of the latest logprobs() call with routes
         self.layout = self._rank_layout()
         if init.hf_dir is not None:
             from megatron_sao.checkpoint.load import load_hf_into_model
@@ -209,10 +219,44 @@ class MegatronEngine:
 
     def _local(self, batch: Batch, required: tuple[str, ...] = ()):
         c = self.ctx
+        if isinstance(batch, dict) and "routes" in batch:
+            if not self.routing:  # the critic (or a dense actor) routes by itself
+                batch = {k: v for k, v in batch.items() if k != "routes"}
+            else:
+                self._check_routes(batch["routes"])
         batch = {k: v.to(c.device) for k, v in batch.items()} if isinstance(batch, dict) else batch
         seq_multiple = c.tp if c.sequence_parallel else 1
         return prepare_local_batch(batch, dp=c.dp, dp_rank=c.dp_rank, micro_batch_size=self.micro_batch_size,
                                    seq_multiple=seq_multiple, required=required, trim=c.pp == 1)
+
+    def _check_routes(self, routes: torch.Tensor) -> None:
+        s = self.spec
+        want = (s.num_layers, s.moe_topk)
+        if routes.dim() != 4 or tuple(routes.shape[2:]) != want or routes.dtype.is_floating_point:
+            raise ValueError(f"batch['routes'] is {routes.dtype} {tuple(routes.shape)}; this model routes "
+                             f"[B, T, layers, topk] = [B, T, {want[0]}, {want[1]}] (integer expert id + 1)")
+        if routes.numel() and (int(routes.min()) < 0 or int(routes.max()) > s.num_experts):
+            raise ValueError(f"batch['routes'] names experts outside 0..{s.num_experts - 1}")
+
+    def _routing_begin(self, batch: Batch):
+        """The routers' mode for one schedule: None when the batch has no routes (free routing)."""
+        if not self.routing or "routes" not in batch:
+            return None
+        self.routing.begin(self.replay_routes)
+        return self.routing
+
+    def _routing_agreement(self, routing) -> dict[str, float]:
+        """Shares of routed token x layer top-k sets where the trainer's own choice (and the set the
+        forward used) equals the engine's, over every rank (a collective; with SP each token is counted
+        on one TP rank). {} when the batch had no routes."""
+        if routing is None:
+            return {}
+        counts = routing.end(self.ctx.device)
+        dist.all_reduce(counts)
+        if counts[2] == 0:
+            return {}
+        return {"moe/routing_agreement": float(counts[0] / counts[2]),
+                "moe/routing_agreement_used": float(counts[1] / counts[2])}
 
     def _forward_all(self, batch: Batch, role: str) -> torch.Tensor:
         if self.role != role:
@@ -221,7 +265,10 @@ class MegatronEngine:
         self._require("params")
         micro, b, t, cols = self._local(batch)
         self.ddp.eval()
-        outs = fwd.forward_outputs(role, self.chunks, micro, cols, vocab_size=self.spec.vocab_size)
+        routing = self._routing_begin(batch) if role == "actor" else None
+        outs = fwd.forward_outputs(role, self.chunks, micro, cols, vocab_size=self.spec.vocab_size, routing=routing)
+        if routing is not None:
+            self.last_routing_agreement = self._routing_agreement(routing)
         local = torch.cat(outs, dim=0) if self.ctx.is_last_stage else None
         rows = len(micro) * self.micro_batch_size * self.ctx.dp
         full = fwd.gather_to_all(local, (rows, cols), self.ctx)[:b, :t]
@@ -255,12 +302,14 @@ class MegatronEngine:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         t0 = time.perf_counter()
+        routing = self._routing_begin(batch)
         store = fwd.run_schedule(self.chunks, micro, cols,
                                  fwd.make_train_loss_func(self.role, loss_fn, denominator,
                                                           vocab_size=self.spec.vocab_size),
-                                 forward_only=False)
+                                 forward_only=False, routing=routing)
         t1 = time.perf_counter()
         metrics = fwd.reduce_step_metrics(store, self.ctx)
+        metrics.update(self._routing_agreement(routing))
         bad = torch.tensor([0.0 if math.isfinite(metrics["loss"]) else 1.0], device=self.ctx.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank must take the same branch
         outcome = safe_optimizer_step(self.optimizer, clip_grad=self.optim_config.clip_grad,

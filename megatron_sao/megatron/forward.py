@@ -76,18 +76,26 @@ def run_schedule(
     make_loss_func: Callable[[Batch], Callable],
     *,
     forward_only: bool,
+    routing=None,
 ) -> list:
     """One pass of Megatron's forward(-backward) schedule over `micro_batches`.
 
     Micro-batches may be narrower than `seq_length` (padding columns trimmed, see
     batching.prepare_local_batch). Returns the per-micro-batch metric dicts (non-empty on the last pipeline stage only).
+    `routing` (megatron/routing_replay.py, MoE actor): each micro-batch's `routes` become its routers'
+    replay targets before its forward, and recompute in its backward replays the same ones.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator: Iterator[Batch], model):
         mb = next(data_iterator)
         tokens, positions, mask = model_inputs(mb)
-        return model(tokens, positions, mask), make_loss_func(mb)
+        if routing:
+            routing.before_forward(mb)
+        output = model(tokens, positions, mask)
+        if routing:
+            routing.after_forward()
+        return output, make_loss_func(mb)
 
     return get_forward_backward_func()(
         forward_step_func=forward_step,
@@ -102,6 +110,7 @@ def run_schedule(
 
 def forward_outputs(
     role: str, model_chunks: list, micro_batches: list[Batch], seq_length: int, *, vocab_size: int | None,
+    routing=None,
 ) -> list[torch.Tensor]:
     """Per-micro-batch [b, seq_length] outputs (log-probs or values), forward only; [] off the last stage."""
 
@@ -115,7 +124,8 @@ def forward_outputs(
         return loss_func
 
     with torch.no_grad():
-        store = run_schedule(model_chunks, micro_batches, seq_length, make_loss_func, forward_only=True)
+        store = run_schedule(model_chunks, micro_batches, seq_length, make_loss_func, forward_only=True,
+                             routing=routing)
     return [d["out"] for d in store]
 
 

@@ -87,6 +87,9 @@ class AgentLoopConfig:
     max_concurrency: int = 16  # run_many: episodes in flight at once
     observation_role: str = "tool"  # role of the environment's replies in the chat template
     max_abort_retries: int = 16
+    # MoE routing replay: every turn asks the engine for the routes of the tokens not yet covered
+    # (routes_start) and stitches them into the trajectory's routed_experts (TrajectoryBuilder.add_routes)
+    return_routes: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_total_tokens", "max_new_tokens_per_turn", "max_concurrency"):
@@ -173,6 +176,19 @@ async def _generate_turn(engine: RolloutEngine, prefix: list[int], sampling: Sam
     return result
 
 
+def _add_turn_routes(b: TrajectoryBuilder, result: GenerationResult, prefix_len: int) -> None:
+    """Stitch one turn's routes: the re-prefilled history before ``routes_start`` was covered by the
+    earlier turns, so the engine returns the rest of the prefix and every sampled token but the last."""
+    start = b.routes_covered
+    expected = prefix_len - start + len(result.token_ids) - 1
+    routes = result.routed_experts
+    if routes is None or routes.dim() != 3 or routes.shape[0] != expected:
+        got = None if routes is None else tuple(routes.shape)
+        raise RuntimeError(f"engine returned routes {got} for tokens {start}..{start + expected - 1} "
+                           f"({expected} rows expected)")
+    b.add_routes(start, routes)
+
+
 async def run_episode(engine: RolloutEngine, env: Environment, task: Task, formatter: ChatFormatter,
                       cfg: AgentLoopConfig, *, activity: EngineActivity | None = None) -> Trajectory:
     """Play one episode of ``task`` in ``env`` and return its trajectory (never raises for env/engine errors).
@@ -196,8 +212,11 @@ async def run_episode(engine: RolloutEngine, env: Environment, task: Task, forma
         while True:
             budget = min(cfg.max_new_tokens_per_turn, cfg.max_total_tokens - len(b))
             sampling = dataclasses.replace(cfg.sampling, max_new_tokens=budget, stop_token_ids=stop_ids,
-                                           seed=_turn_seed(cfg.sampling.seed, task.prompt_id, info["turns"]))
+                                           seed=_turn_seed(cfg.sampling.seed, task.prompt_id, info["turns"]),
+                                           return_routes=cfg.return_routes, routes_start=b.routes_covered)
             result = await _generate_turn(engine, b.tokens, sampling, cfg, info, b.timings, activity)
+            if cfg.return_routes:
+                _add_turn_routes(b, result, len(b))
             b.add_action(result.token_ids, result.logprobs, result.versions)
             info["turns"] += 1
             info["finish_reasons"].append(result.finish_reason)

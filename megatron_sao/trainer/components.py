@@ -155,11 +155,26 @@ def build_actor(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = No
     from megatron_sao.megatron.engine import MegatronEngine
 
     optim = optim or cfg.actor.optim
-    return MegatronEngine(model_spec(model_dir), parallel_sizes(cfg),
-                          engine_optim(optim, total_steps or cfg.run.total_steps),
-                          role="actor", init=_init_source(init or cfg.actor.init or str(model_dir)),
-                          micro_batch_size=cfg.parallel.micro_batch_size, ctx=ctx,
-                          params_dtype=params_dtype(cfg), config_overrides=engine_overrides(cfg))
+    spec = model_spec(model_dir)
+    check_routing_replay(cfg, spec)
+    actor = MegatronEngine(spec, parallel_sizes(cfg),
+                           engine_optim(optim, total_steps or cfg.run.total_steps),
+                           role="actor", init=_init_source(init or cfg.actor.init or str(model_dir)),
+                           micro_batch_size=cfg.parallel.micro_batch_size, ctx=ctx,
+                           params_dtype=params_dtype(cfg), config_overrides=engine_overrides(cfg))
+    actor.replay_routes = cfg.rollout.routing_replay
+    return actor
+
+
+def check_routing_replay(cfg: SAOConfig, spec) -> None:
+    """rollout.routing_replay / record_routes need a Mixture-of-Experts actor: refuse them for a dense one."""
+    from megatron_sao.config import ConfigError
+
+    r = cfg.rollout
+    for key in ("routing_replay", "record_routes"):
+        if getattr(r, key) and not spec.is_moe:
+            raise ConfigError(f"rollout.{key}: the actor ({spec.arch}, {cfg.model.path}) is a dense model with no "
+                              "router; routing replay needs a Mixture-of-Experts model (e.g. qwen3_moe)")
 
 
 def critic_optimizer_steps(cfg: SAOConfig) -> int:
@@ -203,7 +218,7 @@ def engine_config(cfg: SAOConfig, model_dir: Path):
         tensor_parallel_size=cfg.cluster.rollout_tp if r.backend == "vllm_server" else 1,
         weight_transport=r.weight_transport, server_urls=tuple(r.server_urls), request_timeout_s=r.timeout_s,
         weight_transfer_master_address=r.weight_transfer_master_address,
-        weight_transfer_ports=tuple(r.weight_transfer_ports))
+        weight_transfer_ports=tuple(r.weight_transfer_ports), return_routes=r.returns_routes)
 
 
 def rollout_device() -> str:
@@ -268,7 +283,7 @@ def agent_loop_config(cfg: SAOConfig):
                            max_new_tokens_per_turn=min(r.max_new_tokens_per_turn, max_total),
                            sampling=SamplingParams(max_new_tokens=min(r.max_new_tokens_per_turn, max_total),
                                                    temperature=r.temperature, top_p=r.top_p),
-                           max_concurrency=r.concurrency)
+                           max_concurrency=r.concurrency, return_routes=r.returns_routes)
 
 
 def env_factory(cfg: SAOConfig):

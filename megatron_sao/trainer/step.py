@@ -85,12 +85,15 @@ def sao_step(batch: TrajectoryBatch, actor: MegatronEngine, critic: MegatronEngi
     if not train_actor:
         return StepOutcome(actor_updated=False, metrics=m)
     fields["lag0_mask"] = batch.action_mask & (batch.versions == version)
+    if batch.routes is not None:  # the engines' experts: replayed (rollout.routing_replay) or only compared
+        fields["routes"] = batch.routes
     t0 = time.monotonic()
     result = actor.train_step(fields, policy_loss)
     m["time/actor_train_s"] = time.monotonic() - t0
     check(result, "actor")
     if (mismatch := lag0_mismatch(result.metrics)) is not None:
         m["logprob_mismatch_lag0"] = mismatch
+    m.update({k: v for k, v in result.metrics.items() if k.startswith("moe/")})
     m.update(step_metrics("actor", result))
     return StepOutcome(actor_updated=not result.skipped, metrics=m)
 

@@ -19,8 +19,12 @@ import random
 import threading
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from megatron_sao.rollout.engines.protocol import GenerationResult, SamplingParams, WeightBucket
+
+if TYPE_CHECKING:
+    import torch
 
 Wire = tuple[str, list[int], dict, int]  # request id, prompt ids, SamplingParams fields, seed
 
@@ -86,12 +90,13 @@ class RequestHub:
                     out.setdefault(e, []).append(w.wire)
         return out
 
-    def finish(self, rid: str, token_ids: list[int], logprobs: list[float], reason: str, version: int) -> None:
+    def finish(self, rid: str, token_ids: list[int], logprobs: list[float], reason: str, version: int,
+               routes: torch.Tensor | None = None) -> None:
         with self._cond:
             w = self._sent.pop(rid, None)
         if w is None:
             return
-        result = GenerationResult(token_ids, logprobs, [version] * len(token_ids), reason)
+        result = GenerationResult(token_ids, logprobs, [version] * len(token_ids), reason, routes)
         _resolve(w, result=result)
 
     def fail(self, rid: str, error: str) -> None:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from megatron_sao.rollout.colocate.hub import RequestHub
 from megatron_sao.rollout.colocate.layout import EngineLayout
 from megatron_sao.rollout.engines.protocol import SamplingParams
+from megatron_sao.rollout.engines.routes import unpacked_routes
 
 
 class EngineDiverged(RuntimeError):
@@ -128,8 +129,8 @@ class RoundLeader:
                         f"{[x[0] for x in lead['finished']]} vs {[x[0] for x in other['finished']]}); the engine's "
                         "tensor-parallel ranks are no longer in lockstep")
             self.held[e] = lead["unfinished"]
-            for rid, ids, lps, reason in lead["finished"]:
-                self.hub.finish(rid, ids, lps, reason, self.version)
+            for rid, ids, lps, reason, routes in lead["finished"]:
+                self.hub.finish(rid, ids, lps, reason, self.version, unpacked_routes(routes))
                 self.stats.requests[e] = self.stats.requests.get(e, 0) + 1
                 self.stats.tokens[e] = self.stats.tokens.get(e, 0) + len(ids)
             for rid, err in lead["failed"]:

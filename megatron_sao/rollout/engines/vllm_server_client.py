@@ -42,6 +42,7 @@ from megatron_sao.rollout.engines.protocol import (
     WeightBucket,
     bucket_bytes,
 )
+from megatron_sao.rollout.engines.routes import decode_b64_routes, num_experts_of
 from megatron_sao.rollout.weights.vllm_transport import bucket_update_info, serialize_bucket
 
 
@@ -77,6 +78,7 @@ class VLLMServerClient:
         self.name = f"server:{self.url}"
         self.version = 0
         self.model = cfg.model_path or None
+        self._num_experts: int | None = None  # routes: read from the model's config.json on first use
         self.transport: str | None = None  # resolved by connect(): reload | nccl | gloo
         self.route: str | None = None  # resolved by connect(): generate | completions
         self.kind: str | None = None  # "sao" (rollout/engines/http_server.py) or "vllm"
@@ -175,7 +177,20 @@ class VLLMServerClient:
                 "logprobs": 0}
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        if sampling.return_routes:  # the server runs with --enable-return-routed-experts (launch plan)
+            body["routed_experts_prompt_start"] = sampling.routes_start
         return body
+
+    def _routes(self, choice: dict, sampling: SamplingParams, where: str) -> torch.Tensor | None:
+        """The choice's base64 routed_experts, when the request asked for them."""
+        if not sampling.return_routes:
+            return None
+        if self._num_experts is None:
+            self._num_experts = num_experts_of(self.cfg.model_path) if self.cfg.model_path else 0
+            if not self._num_experts:
+                raise ServerError(f"{where}: routes need EngineConfig.model_path of a Mixture-of-Experts model "
+                                  "(its config.json names the expert count)")
+        return decode_b64_routes(choice.get("routed_experts"), self._num_experts, where)
 
     async def _generate_tokens(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
         where = f"POST {self.url}/inference/v1/generate"
@@ -194,7 +209,8 @@ class VLLMServerClient:
             raise ServerError(f"{where}: malformed response ({e!r}): {str(resp)[:300]}") from e
         if spans is None:
             raise ServerError(f"{where}: the response has no weight_versions (vLLM without token provenance?)")
-        return self._result(where, token_ids, logprobs, reason, expand_spans(spans, len(token_ids), where))
+        return self._result(where, token_ids, logprobs, reason, expand_spans(spans, len(token_ids), where),
+                            self._routes(choice, sampling, where))
 
     async def _generate_completions(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
         where = f"POST {self.url}/v1/completions"
@@ -221,17 +237,17 @@ class VLLMServerClient:
                               "inflight_policy='abort'")
         else:
             versions = [start_version] * len(token_ids)
-        return self._result(where, token_ids, logprobs, reason, versions)
+        return self._result(where, token_ids, logprobs, reason, versions, self._routes(choice, sampling, where))
 
     @staticmethod
     def _result(where: str, token_ids: list[int], logprobs: list[float], reason: str,
-                versions: list[int]) -> GenerationResult:
+                versions: list[int], routes: torch.Tensor | None = None) -> GenerationResult:
         if len(logprobs) != len(token_ids):
             raise ServerError(f"{where}: {len(token_ids)} tokens but {len(logprobs)} log-probs "
                               f"(is logprobs=0 honoured?)")
         if reason not in ("stop", "length", "abort"):
             raise ServerError(f"{where}: unexpected finish_reason {reason!r}")
-        return GenerationResult(token_ids, logprobs, versions, reason)
+        return GenerationResult(token_ids, logprobs, versions, reason, routes)
 
     async def score(self, token_ids: list[int], start: int) -> list[float]:
         """Log-probs (T=1) of ``token_ids[start:]`` via ``prompt_logprobs``, for weight-sync checks."""

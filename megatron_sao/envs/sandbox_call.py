@@ -16,7 +16,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import os
-import shutil
 import signal
 import sys
 import time
@@ -25,13 +24,16 @@ from concurrent.futures import ThreadPoolExecutor
 from megatron_sao.envs.sandbox_cgroup import CallCgroup, CgroupFactory
 from megatron_sao.envs.sandbox_types import SandboxError, SandboxLimits, SandboxResult
 
-_KILL_BIN = shutil.which("kill")
 _READ_CHUNK = 4096
 _EXIT_GRACE_S = 2.0  # after the program's end, how long output pipes may stay open
 WATCH_PERIOD_S = 0.025
+# A walk takes ~2 us per file, with the GIL held between stat calls: the next look comes after at
+# least this many walk durations, so the watch costs a call at most ~1/4 of a core however many
+# files it made (at most max_files + one period's worth).
+_WATCH_DUTY = 4
 # Off the event loop: a walk of thousands of files, and clean-up (rmtree, cgroup rmdir retries),
 # would otherwise stall every rollout of the process (they ran on the loop and stalled it 1.6-3.1 s).
-_WATCHERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sandbox-disk-watch")
+_WATCHERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sandbox-disk-watch")
 
 
 def planned_isolation(mode: str, uid: int | None, limits: SandboxLimits, cg: CallCgroup | None,
@@ -123,9 +125,12 @@ def workdir_usage(root: str, max_entries: int) -> tuple[int, int, str | None]:
 async def watch_disk(workdir: str, limits: SandboxLimits) -> str:
     """Returns why the call must end, once its working directory passes a limit (process mode)."""
     loop = asyncio.get_running_loop()
+    pause = WATCH_PERIOD_S
     while True:
-        await asyncio.sleep(WATCH_PERIOD_S)
+        await asyncio.sleep(pause)
+        t0 = time.monotonic()
         used, n, hidden = await loop.run_in_executor(_WATCHERS, workdir_usage, workdir, limits.max_files + 1)
+        pause = max(WATCH_PERIOD_S, _WATCH_DUTY * (time.monotonic() - t0))
         if hidden is not None:
             return f"disk watch: the call made {hidden} unreadable"
         if used > limits.max_disk_mb << 20:
@@ -217,13 +222,11 @@ async def _kill_call(pid: int, child: int | None, cg: CallCgroup | None) -> None
 
 
 async def kill_all_of_uid(uid: int) -> None:
-    """Kill every process of a private sandbox uid (process mode: catches anything left anywhere)."""
-    if _KILL_BIN is not None:
-        argv = [_KILL_BIN, "-9", "-1"]
-    else:
-        argv = [sys.executable, "-I", "-S", "-c", "import os; os.kill(-1, 9)"]
+    """Kill every process of a private sandbox uid (process mode: catches anything left anywhere).
+    The helper drops to the uid itself: Popen(user=...) would fork the whole trainer (page tables
+    of every mapping, with the GIL held, on the event loop); without it the launch is a vfork."""
+    drop_and_kill = f"import os; os.setgroups([]); os.setgid({uid}); os.setuid({uid}); os.kill(-1, 9)"
     proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL, user=uid, group=uid, extra_groups=[], env={},
-        close_fds=True)
-    await proc.wait()  # exit status 1 just means there was nothing left to kill
+        sys.executable, "-I", "-S", "-c", drop_and_kill, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, env={}, close_fds=True)
+    await proc.wait()  # exit status 1 (ProcessLookupError) just means there was nothing left to kill

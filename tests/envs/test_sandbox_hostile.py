@@ -91,7 +91,8 @@ def _neighbour_cases(outside: str, other: int, quick: dict) -> list[tuple]:
                       f"attempt('mem', lambda: open('/proc/{other}/mem', 'rb'))\n"
                       "a, b = socket.socketpair()\n"
                       "attempt('setown', lambda: fcntl.fcntl(a, fcntl.F_SETOWN, {PARENT}))\n"
-                      "attempt('sysv shm', lambda: raw(libc.shmget(0, 4096, 0o1000 | 0o600)))\n", quick),
+                      "attempt('sysv shm', lambda: raw(libc.shmget(0, 4096, 0o1000 | 0o600)))\n"
+                      f"attempt('chmod outside', lambda: os.chmod({os.path.dirname(tmux_sock)!r}, 0o777))\n", quick),
         ("hide_bytes", UNHOOK + try_ + "import os\nf = open('a', 'wb')\nf.write(b'x' * (1 << 20))\nf.flush()\n"
                        "attempt('unlink open file', lambda: os.remove('a'))\n"
                        "attempt('rename', lambda: os.rename('a', 'b'))\n"
@@ -362,6 +363,7 @@ def test_same_uid_neighbours_are_out_of_reach(mode_run, neighbours):
     assert out["self_before"] == out["self_after"], (out["self_before"], out["self_after"])
     for pid, before in neighbours["state"].items():
         assert _nice_and_nofile(pid) == before, pid
+    assert os.stat(os.path.dirname(neighbours["socket"])).st_mode & 0o777 == 0o700
     tmux, lim, nb, hide = (_lines(r[k]) for k in ("tmux", "limits", "neighbour", "hide_bytes"))
     assert len(lim) == 2 * 9 + 2, lim
     targeted = {k: v for k, v in lim.items() if k.split()[-1] in (str(out["pid"]), str(neighbours["other"]))}
@@ -381,6 +383,7 @@ def test_same_uid_neighbours_are_out_of_reach(mode_run, neighbours):
     assert "self ok (32, 32) 5" in r["limits"]["stdout"], r["limits"]  # the call itself still may
     assert nb["environ"] == "refused 13" and nb["mem"] == "refused 13", nb
     assert nb["setown"] == "refused 1" and nb["sysv shm"] == "refused 1", nb
+    assert nb["chmod outside"] == "refused 1", nb
     assert hide["unlink open file"] == "refused 13" and hide["rename"] == "refused 13", hide
     assert hide["O_TMPFILE"] == "refused 1" and hide["memfd"] == "refused 1", hide
     assert "dir ok" in r["hide_bytes"]["stdout"]

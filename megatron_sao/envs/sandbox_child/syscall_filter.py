@@ -34,7 +34,10 @@ What it denies (EPERM unless noted):
   - SysV IPC and POSIX message queues (other processes of the uid may hold segments), kcmp,
     process_madvise, process_mrelease, memfd_create (unnamed memory outside the disk watch and
     outside RLIMIT_AS until mapped), open/openat with O_TMPFILE (an unnamed file the disk watch
-    cannot see), openat2 (ENOSYS: its flags sit in a struct the filter cannot read; libc falls back).
+    cannot see), openat2 (ENOSYS: its flags sit in a struct the filter cannot read; libc falls back);
+  - chmod, chown and extended-attribute writes of any file (Landlock does not govern them, and as
+    the user's own uid they would reach every file of the user: `chmod 644 ~/.ssh/id_rsa`); so
+    shutil.copy/copy2, which copy the mode, fail in this mode (shutil.copyfile works).
 """
 
 from __future__ import annotations
@@ -65,7 +68,9 @@ _SYSCALLS = {
         shmat=30, shmctl=31, msgget=68, msgsnd=69, msgrcv=70, msgctl=71, semget=64, semop=65, semctl=66,
         semtimedop=220, mq_open=240, mq_unlink=241, mq_timedsend=242, mq_timedreceive=243, mq_notify=244,
         mq_getsetattr=245, kcmp=312, process_madvise=440, process_mrelease=448, memfd_create=319,
-        memfd_secret=447, fcntl=72, ioctl=16, open=2, openat=257, openat2=437),
+        memfd_secret=447, fcntl=72, ioctl=16, open=2, openat=257, openat2=437, chmod=90, fchmod=91,
+        fchmodat=268, fchmodat2=452, chown=92, fchown=93, lchown=94, fchownat=260, setxattr=188, lsetxattr=189,
+        fsetxattr=190, removexattr=197, lremovexattr=198, fremovexattr=199, setxattrat=463, removexattrat=466),
     "aarch64": dict(
         ptrace=117, process_vm_readv=270, process_vm_writev=271, mount=40, umount2=39, pivot_root=41,
         chroot=51, unshare=97, setns=268, bpf=280, perf_event_open=241, userfaultfd=282, keyctl=219,
@@ -83,7 +88,9 @@ _SYSCALLS = {
         msgget=186, msgctl=187, msgrcv=188, msgsnd=189, semget=190, semctl=191, semtimedop=192, semop=193,
         mq_open=180, mq_unlink=181, mq_timedsend=182, mq_timedreceive=183, mq_notify=184, mq_getsetattr=185,
         kcmp=272, process_madvise=440, process_mrelease=448, memfd_create=279, memfd_secret=447, fcntl=25,
-        ioctl=29, openat=56, openat2=437),
+        ioctl=29, openat=56, openat2=437, fchmod=52, fchmodat=53, fchmodat2=452, fchownat=54, fchown=55,
+        setxattr=5, lsetxattr=6, fsetxattr=7, removexattr=14, lremovexattr=15, fremovexattr=16, setxattrat=463,
+        removexattrat=466),
 }
 _ALWAYS = ("ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot",
            "unshare", "setns", "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
@@ -97,7 +104,9 @@ _SAME_UID = ("tkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open", "pid
              "pidfd_getfd", "setsid", "setpgid", "connect", "bind", "execve", "execveat", "shmget", "shmat",
              "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semctl", "semtimedop",
              "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr", "kcmp",
-             "process_madvise", "process_mrelease", "memfd_create", "memfd_secret")
+             "process_madvise", "process_mrelease", "memfd_create", "memfd_secret", "chmod", "fchmod",
+             "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat", "setxattr", "lsetxattr",
+             "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "setxattrat", "removexattrat")
 # process mode: allowed only when the first argument is 0 (the calling process itself)
 _SELF_ONLY = ("prlimit64", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr",
               "migrate_pages", "move_pages")

@@ -265,9 +265,9 @@ async def _clean_up(workdir: Path, uid: int | None, mode: str, cg: CallCgroup | 
         if uid is not None and mode == "process":
             await kill_all_of_uid(uid)
         if _RM is not None:  # another process: no GIL held against the rollouts for thousands of unlinks
-            rm = await asyncio.create_subprocess_exec(_RM, "-rf", "--one-file-system", "--", str(workdir),
-                                                      stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                                                      stderr=asyncio.subprocess.DEVNULL, env={}, close_fds=True)
+            quiet = asyncio.subprocess.DEVNULL
+            rm = await asyncio.create_subprocess_exec(_RM, "-rf", "--one-file-system", "--", str(workdir), stdin=quiet,
+                                                      stdout=quiet, stderr=quiet, env={}, close_fds=True)
             await rm.wait()
         if os.path.lexists(workdir):  # no rm, or directories the code made unreadable
             await asyncio.to_thread(_remove_tree, workdir)

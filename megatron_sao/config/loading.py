@@ -92,7 +92,18 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"{p}: invalid YAML: {e}") from e
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: top level must be a mapping")
-    return config_from_dict(data, overrides)
+    cfg = config_from_dict(data, overrides)
+    _check_env_name(cfg.env.name)
+    return cfg
+
+
+def _check_env_name(name: str) -> None:
+    """Every command loads its config first: an unknown environment is reported before anything is
+    written (the Python API, config_from_dict, may register its own environments later)."""
+    from megatron_sao.envs.registry import available_envs
+
+    if name not in available_envs():
+        raise ConfigError(f"env.name: unknown environment {name!r}; available: {', '.join(available_envs())}")
 
 
 def dump_config(cfg: SAOConfig, path: str | Path) -> None:

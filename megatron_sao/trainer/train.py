@@ -26,15 +26,12 @@ def wire_stages(cfg: SAOConfig) -> SAOConfig:
 
 def preflight(cfg: SAOConfig, resume: bool, overwrite: bool) -> None:
     """The user errors that can be found before anything is written (every rank runs it; it only
-    reads): the run directory against --resume/--overwrite, the environment's name, that --resume has an
-    intact checkpoint, the model and init paths, the replay file."""
-    from megatron_sao.envs.registry import available_envs
+    reads): the run directory against --resume/--overwrite, that --resume has an intact checkpoint,
+    the model and init paths, the replay file."""
     from megatron_sao.trainer.components import is_builtin
     from megatron_sao.trainer.run_dir import check_train_dir
 
     check_train_dir(Path(cfg.run.dir), resume, overwrite)
-    if cfg.env.name not in available_envs():
-        raise UserError(f"env.name: unknown environment {cfg.env.name!r}; available: {', '.join(available_envs())}")
     if resume:
         _check_some_checkpoint_is_intact(Path(cfg.run.dir) / "checkpoints")
     if not is_builtin(cfg.model.path) and not (Path(cfg.model.path) / "config.json").is_file():

@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: venv system-deps demo lint test test-fast clean-venv smollm2 smollm2-curve gpu-check gpu-check-smoke
+.PHONY: venv demo lint test test-fast clean-venv smollm2 smollm2-curve gpu-check gpu-check-smoke
 
 $(STAMP): requirements.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,7 @@ venv: $(STAMP) system-deps
 
 # System tools the tests need besides the venv: tmux (tests/envs/test_sandbox_hostile.py runs a real
 # tmux server beside the non-root sandbox, the same-uid escape route it must close).
+.PHONY: system-deps
 system-deps:
 	@command -v tmux >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { apt-get install -y -q tmux || { apt-get update -q && apt-get install -y -q tmux; }; }; } || \

@@ -18,7 +18,15 @@ $(STAMP): requirements.txt setup.py
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 
-venv: $(STAMP)
+venv: $(STAMP) system-deps
+
+# System tools the tests need besides the venv: tmux (tests/envs/test_sandbox_hostile.py runs a real
+# tmux server beside the non-root sandbox, the same-uid escape route it must close).
+.PHONY: system-deps
+system-deps:
+	@command -v tmux >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -q tmux || { apt-get update -q && apt-get install -y -q tmux; }; }; } || \
+	  { echo "tmux is missing: install it (apt-get install tmux); the sandbox's hostile tests need it" >&2; exit 1; }
 
 demo: venv
 	$(BIN)/sao demo
@@ -27,11 +35,11 @@ demo: venv
 lint: venv
 	$(BIN)/ruff check .
 
-test: lint
+test: lint system-deps
 	$(BIN)/pytest -q -p no:cacheprovider tests
 
 # Single-process tests only (the multi-process and integration ones are marked slow).
-test-fast: lint
+test-fast: lint system-deps
 	$(BIN)/pytest -q -p no:cacheprovider -m "not slow" tests
 
 clean-venv:

@@ -24,11 +24,14 @@ the *older* of the two kept checkpoints covers its step (`release_consumed`, cal
 after a commit), so a fallback to that checkpoint still finds it. Each checkpoint records which
 consumed files it covers (`covered()`); resume (`restore(covered)`) treats those as consumed
 whatever state they are in, and only the other files re-enter, in their original finish order.
-A kill between the commit and the release therefore never trains a trajectory twice.
+A kill between the commit and the release therefore never trains a trajectory twice. A file in the
+directory that is not one of the buffer's (another name, or one that does not load) is moved to
+`<dir>/set_aside/` with a warning naming it, and resume goes on without it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -37,7 +40,9 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_sao.faults import fault_point
-from megatron_sao.trajectory import Trajectory, load_trajectories, save_trajectories
+from megatron_sao.trajectory import Trajectory, TrajectoryFileError, load_trajectories, save_trajectories
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -235,19 +240,55 @@ class TrajectoryBuffer:
                 return list(self._restored)
             restored = []
             for path in sorted(self.dir.glob("*.safetensors")):
-                seq_text, _, rest = path.name.partition("-")
-                seq, traj_id = int(seq_text), rest[: -len(".safetensors")]
+                seq, traj_id = _seq_and_id(path)
+                if seq is None:
+                    continue
                 self._seq = max(self._seq, seq + 1)
                 if traj_id in covered:
                     self._consumed.append((covered[traj_id], _Entry(seq, None, path, traj_id)))
                     continue
-                (traj,) = load_trajectories(path)
-                self._ready[traj.traj_id] = _Entry(seq, traj, path, traj.traj_id)
-                restored.append(traj)
-            for path in self.failed_dir.glob("*.safetensors"):
-                self._seq = max(self._seq, int(path.name.split("-", 1)[0]) + 1)
-                if self.group_size > 1:  # a group waiting for members must know its failed ones
-                    self._count_failed_member(load_trajectories(path)[0])
+                traj = _load_one(path)
+                if traj is not None:
+                    self._ready[traj.traj_id] = _Entry(seq, traj, path, traj.traj_id)
+                    restored.append(traj)
+            for path in sorted(self.failed_dir.glob("*.safetensors")):
+                seq, _ = _seq_and_id(path)
+                if seq is None:
+                    continue
+                self._seq = max(self._seq, seq + 1)
+                if self.group_size > 1 and (traj := _load_one(path)) is not None:
+                    self._count_failed_member(traj)  # a group waiting for members must know its failed ones
             self._restored = restored
             self._cond.notify_all()
         return list(restored)
+
+
+# ---------------------------------------------------------------------- files that are not the buffer's
+SET_ASIDE = "set_aside"  # <dir>/set_aside/: files found in the buffer that resume cannot use
+
+
+def _set_aside(path: Path, why: str) -> None:
+    """Move a file resume cannot use out of the way (never deleted: it may be someone's), naming it."""
+    dest_dir = path.parent / SET_ASIDE
+    dest_dir.mkdir(exist_ok=True)
+    dest = dest_dir / path.name
+    path.replace(dest)
+    logger.warning("buffer: %s %s; set aside as %s", path, why, dest)
+
+
+def _seq_and_id(path: Path) -> tuple[int | None, str]:
+    """`<seq>-<traj_id>.safetensors` -> (seq, traj_id); anything else is set aside: (None, "")."""
+    seq_text, _, rest = path.name.partition("-")
+    if not (seq_text.isdigit() and rest.endswith(".safetensors") and len(rest) > len(".safetensors")):
+        _set_aside(path, "is not a trajectory file of this buffer (expected <seq>-<traj_id>.safetensors)")
+        return None, ""
+    return int(seq_text), rest[: -len(".safetensors")]
+
+
+def _load_one(path: Path) -> Trajectory | None:
+    try:
+        (traj,) = load_trajectories(path)
+    except (TrajectoryFileError, ValueError) as e:
+        _set_aside(path, f"cannot be read ({e})")
+        return None
+    return traj

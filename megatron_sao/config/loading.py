@@ -76,15 +76,34 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     data: dict = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {p} is a directory, not a YAML file")
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not a YAML text file (byte {e.start} is not UTF-8)") from None
+        except OSError as e:
+            raise ConfigError(f"config file {p}: cannot be read: {e.strerror}") from None
+        try:
+            data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: invalid YAML: {e}") from e
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: top level must be a mapping")
-    return config_from_dict(data, overrides)
+    cfg = config_from_dict(data, overrides)
+    _check_env_name(cfg.env.name)
+    return cfg
+
+
+def _check_env_name(name: str) -> None:
+    """Every command loads its config first: an unknown environment is reported before anything is
+    written (the Python API, config_from_dict, may register its own environments later)."""
+    from megatron_sao.envs.registry import available_envs
+
+    if name not in available_envs():
+        raise ConfigError(f"env.name: unknown environment {name!r}; available: {', '.join(available_envs())}")
 
 
 def dump_config(cfg: SAOConfig, path: str | Path) -> None:

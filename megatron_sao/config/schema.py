@@ -185,7 +185,7 @@ class EnvConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)  # environment constructor arguments
     task_kwargs: dict[str, Any] = field(default_factory=dict)  # task loader arguments (n, max_ops, data_dir...)
     # Where user namespaces are unavailable (non-root), model code can only run as the trainer's own
-    # uid with seccomp, rlimits and audit hooks (envs/sandbox.py, process mode); refused unless true.
+    # uid under seccomp, Landlock and rlimits (envs/sandbox.py, process mode); refused unless true.
     sandbox_allow_same_uid: bool = False
 
 

@@ -15,19 +15,28 @@ and the whole tree is in a cgroup (memory and process count of the call as a who
 as non-root it has no capabilities and RLIMIT_NPROC counts only its own user namespace.
 
 **process** (no namespaces: root in a container without CAP_SYS_ADMIN, or a non-root user without
-user namespaces): the call's own process group under a child subreaper, a private uid as root,
-seccomp (no signals outside the group, no leaving it, no IPv4/IPv6 sockets, no ptrace), Landlock
-where the kernel has it (files below the standard library and the working directory only; TCP,
-signals and abstract sockets scoped on newer kernels), rlimits and audit hooks (the same file
-limits, no spawning, no ctypes). Running untrusted code as the trainer's *own* uid this way is refused unless
-``SandboxPool(allow_same_uid=True)`` (config: ``env.sandbox_allow_same_uid``): the trainer then
-makes itself non-dumpable so the code cannot read its /proc entries (environment, memory).
+user namespaces): the call's own process group under a child subreaper, a private uid as root, and
+what the kernel enforces without namespaces: Landlock (files below the standard library and the
+working directory only, no file removal there; TCP, signals and abstract sockets scoped on newer
+kernels) and the process-mode seccomp filter (sandbox_child/syscall_filter.py: no signal outside
+the group and no leaving it, no socket() of any family -- so no unix-socket connect to a same-uid
+tmux/screen/D-Bus/systemd server --, no prlimit, renice, affinity, ioprio or page migration of
+another process, no execve after the interpreter started, no SysV IPC, no ptrace). The call can
+fork (up to its process budget) but not start another program. Disk: the parent watches the
+working directory and kills the call past ``max_disk_mb`` / ``max_files`` (sandbox_call.py; the
+bound is that plus one watch period's writes), each file bounded by RLIMIT_FSIZE. Running
+untrusted code as the trainer's *own* uid this way is refused unless
+``SandboxPool(allow_same_uid=True)`` (config: ``env.sandbox_allow_same_uid``) and needs Landlock;
+the trainer then makes itself non-dumpable so the code cannot read its /proc entries.
 
-Both modes: rlimits per process (CPU time, address space, file size, open files), a seccomp filter
-(sandbox_child/syscall_filter.py), stdin /dev/null, an environment of PATH, LANG, HOME only, the wall
-clock and an output cap enforced here. A call returns when its program ends; processes it left
-behind are killed and counted (``leftover_processes``), not charged the full wall clock.
-``SandboxResult.isolation`` lists the layers that were active for the call.
+Both modes: rlimits per process (CPU time, address space, file size, open files), a seccomp filter,
+stdin /dev/null, an environment of PATH, LANG, HOME only, the wall clock and an output cap enforced
+here. A call returns when its program ends; processes it left behind are killed and counted
+(``leftover_processes``), not charged the full wall clock. ``SandboxResult.isolation`` lists the
+layers that were active for the call, each enforced by the kernel or by this parent; the audit hook
+in the child only makes refusals readable (one line of Python clears it) and is not listed.
+Clean-up (killing what is left, removing the working directory and cgroup) runs off the event loop
+and finishes even when the call is cancelled.
 """
 
 from __future__ import annotations
@@ -91,6 +100,7 @@ class _UidSlots:
 
 
 _UIDS = _UidSlots()
+_RM = shutil.which("rm")
 _NAMESPACES_WORK: dict[bool, bool] = {}  # userns? -> whether namespaced calls work on this host
 _CGROUPS: dict[str, CgroupFactory | None] = {}
 
@@ -182,6 +192,10 @@ class SandboxPool:
                 "the trainer's own uid with seccomp, rlimits and audit hooks only; set "
                 "env.sandbox_allow_same_uid: true (SandboxPool(allow_same_uid=True)) to accept that")
         if not self.privileged:
+            if landlock.abi() < 1:
+                raise SandboxError(
+                    "sandbox: process mode as the trainer's own uid needs Landlock (Linux 5.13+, 'landlock' in the "
+                    "kernel's lsm= list) to keep model code away from the user's files; this kernel has none")
             _make_undumpable()
         else:
             _check_readable_by_others(os.path.dirname(os.path.realpath(os.__file__)))
@@ -204,13 +218,8 @@ class SandboxPool:
                 cg = factory.create(limits.memory_mb << 20, limits.max_processes + 2)  # + bootstrap A, B
             return await self._run_in(workdir, uid, code, limits, mode, cg, factory)
         finally:
-            if cg is not None:
-                cg.close()
-            if uid is not None and mode == "process":
-                await kill_all_of_uid(uid)
-            shutil.rmtree(workdir, ignore_errors=True)
-            if uid is not None:
-                _UIDS.release(uid)
+            # Shielded: a cancelled call (a rollout's own timeout) still cleans up in full.
+            await asyncio.shield(asyncio.ensure_future(_clean_up(workdir, uid, mode, cg)))
 
     async def _run_in(self, workdir: Path, uid: int | None, code: str, limits: SandboxLimits, mode: str,
                       cg: CallCgroup | None, factory: CgroupFactory | None) -> SandboxResult:
@@ -230,7 +239,7 @@ class SandboxPool:
             "interpreter": os.path.realpath(sys.executable),
             "limits": {"cpu_s": limits.cpu_time_s, "memory_mb": limits.memory_mb, "fsize_mb": limits.max_file_mb,
                        "disk_mb": limits.max_disk_mb, "nofile": limits.max_open_files,
-                       "nproc": limits.max_processes},
+                       "files": limits.max_files, "nproc": limits.max_processes},
         }
         flags = ["-I", "-B"] + ([] if limits.allow_site_packages else ["-S"])
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(workdir)}
@@ -244,7 +253,43 @@ class SandboxPool:
         finally:
             os.close(status_w)
         status = StatusReader(status_r)
-        return await collect(proc, status, limits, t0, cg)
+        return await collect(proc, status, limits, t0, cg, watch_dir=str(workdir) if mode == "process" else None)
+
+
+async def _clean_up(workdir: Path, uid: int | None, mode: str, cg: CallCgroup | None) -> None:
+    """After a call, off the event loop: the cgroup (kill, rmdir retries), what a private uid left
+    anywhere, the working directory (thousands of files at worst)."""
+    try:
+        if cg is not None:
+            await asyncio.to_thread(cg.close)
+        if uid is not None and mode == "process":
+            await kill_all_of_uid(uid)
+        if _RM is not None:  # another process: no GIL held against the rollouts for thousands of unlinks
+            quiet = asyncio.subprocess.DEVNULL
+            rm = await asyncio.create_subprocess_exec(_RM, "-rf", "--one-file-system", "--", str(workdir), stdin=quiet,
+                                                      stdout=quiet, stderr=quiet, env={}, close_fds=True)
+            await rm.wait()
+        if os.path.lexists(workdir):  # no rm, or directories the code made unreadable
+            await asyncio.to_thread(_remove_tree, workdir)
+    finally:
+        if uid is not None:
+            _UIDS.release(uid)
+
+
+def _remove_tree(path: Path) -> None:
+    """rmtree that first opens up directories the code made unreadable (its own uid may chmod)."""
+    def reopen(func, p, _exc):
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=reopen)
 
 
 _DEFAULT_POOLS: dict[int, SandboxPool] = {}

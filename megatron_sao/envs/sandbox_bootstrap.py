@@ -22,12 +22,17 @@ Process mode (no namespaces possible: root in a container without CAP_SYS_ADMIN,
 user without user namespaces whose config allowed running as its own uid) -- two processes:
   A  a non-dumpable child subreaper that forks C, and when C ends kills C's process group and
      reaps it.
-  C  its own process group (seccomp then forbids leaving it, signalling anything outside it, and
-     IPv4/IPv6 sockets), a private uid as root, rlimits (as the trainer's own uid RLIMIT_NPROC is
-     "the uid's tasks now + the call's budget"), Landlock where the kernel has it (file access
-     below the standard library and the working directory only; TCP, signals and abstract unix
-     sockets scoped on newer kernels), audit hooks that deny the same reads and writes, process
-     spawning and ctypes. This mode is weaker than namespaces and says so in `isolation`.
+  C  its own process group, a private uid as root, rlimits (as the trainer's own uid RLIMIT_NPROC
+     is "the uid's tasks now + the call's budget"), Landlock (file access below the standard
+     library and the working directory only, no file removal there; TCP, signals and abstract unix
+     sockets scoped on newer kernels; required as the trainer's own uid), and the process-mode
+     seccomp filter (sandbox_child/syscall_filter.py: no leaving the group or signalling outside it,
+     no socket() at all, no prlimit/renice/affinity/ioprio of another process, no exec, no SysV IPC).
+     This mode is weaker than namespaces and says so in `isolation`.
+Every layer listed in `isolation` is enforced by the kernel (uid, process group, rlimits, no_new_privs,
+non-dumpable, Landlock, seccomp, namespaces, cgroup, tmpfs) or by the parent (wall clock, output
+cap, the disk watch of process mode). The audit hook installed in C only turns refusals into clear
+messages: one line of Python can switch it off, so nothing relies on it and `isolation` omits it.
 """
 
 import marshal
@@ -92,7 +97,8 @@ def _init(cfg: dict, code: str, status: _Status) -> str:
 
         process.die_with_parent(0)
         uid = cfg["uid"] if cfg["uid"] is not None else INSIDE_ID
-        rootfs.build(cfg["workdir"], cfg["readonly"], cfg["limits"]["disk_mb"], uid, uid, code)
+        lim = cfg["limits"]
+        rootfs.build(cfg["workdir"], cfg["readonly"], lim["disk_mb"], lim["files"], uid, uid, code)
         process.prctl(process.PR_SET_DUMPABLE, 0)
         if cfg["userns"]:
             process.drop_capabilities()
@@ -160,25 +166,28 @@ def _user_process(cfg: dict, status: _Status, workdir: str, pgid: int | None, pa
         os.umask(0o077)
         os.chdir(workdir)
         os.environ.update(HOME=workdir, TMPDIR=workdir if process_mode else "/tmp")
-        if process_mode:  # no private root filesystem: let the kernel limit file access where it can
+        if process_mode:  # no private root filesystem: the kernel limits file access (Landlock)
             import landlock
 
             process.prctl(process.PR_SET_NO_NEW_PRIVS, 1)
             try:
                 active.append(landlock.restrict(workdir, cfg["read_roots"]))
             except OSError as e:
+                if same_uid:  # the only barrier between the code and the user's files: none, no run
+                    raise
                 active.append(f"no-landlock({e})")
         try:
             import syscall_filter
 
             syscall_filter.install(syscall_filter.build(same_uid=process_mode, pgid=pgid or 0))
-            active.append("seccomp")
+            active.append("seccomp" + ("=process" if process_mode else ""))
         except OSError as e:
             if same_uid:  # the only barrier against signalling the trainer: no seccomp, no run
                 raise
             active.append(f"no-seccomp({e.strerror})")
+        # Not a layer (one line of Python removes it, so `isolation` does not list it): it turns what
+        # the kernel layers refuse into clear messages ("network access is disabled").
         _install_audit_hook(workdir, process_mode, cfg["read_roots"])
-        active.append("audit=" + ("fs+net+nospawn" if process_mode else "net"))
         if cfg.get("interpreter") and os.path.exists(cfg["interpreter"]):
             sys.executable = cfg["interpreter"]
         status.send(ready=active)
@@ -205,9 +214,9 @@ def _exit_of(st: int) -> dict:
 
 
 def _install_audit_hook(workdir: str, restrict_fs: bool, read_roots: list) -> None:
-    """Network: deny IPv4/IPv6 with a clear message (in a network namespace they would fail anyway,
-    less clearly). Same-uid mode also denies reads and writes outside the working directory
-    (reads: also outside `read_roots`, the standard library), spawning and ctypes."""
+    """Clear messages for what the kernel layers refuse anyway (a hook is not a barrier: the code can
+    clear it). Network: IPv4/IPv6. Process mode also: reads and writes outside the working directory
+    (reads: also outside `read_roots`, the standard library), spawning, ctypes."""
     root = os.path.realpath(workdir)
     readable = tuple(os.path.realpath(p) for p in read_roots) + (root,)
     inet = {AF_INET, AF_INET6}

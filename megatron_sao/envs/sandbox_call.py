@@ -3,6 +3,12 @@
 The bootstrap (sandbox_bootstrap.py) reports on a status pipe; the call is over when every writer
 of that pipe is gone (the bootstrap's processes have exited), not when the output pipes close: a
 detached child that keeps stdout open cannot hold the call, it is killed and counted.
+
+Process mode has no private tmpfs to bound what the call writes, so the parent watches the working
+directory (the only place Landlock lets it create files, and where it may not remove any, so no
+byte hides in an unlinked open file) every `WATCH_PERIOD_S` and kills the call past `max_disk_mb`
+or `max_files`. The bound is not exact: between two looks the call may add what the disk takes in
+one period, each file at most `max_file_mb` (RLIMIT_FSIZE, a kernel bound).
 """
 
 from __future__ import annotations
@@ -10,17 +16,24 @@ from __future__ import annotations
 import ast
 import asyncio
 import os
-import shutil
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from megatron_sao.envs.sandbox_cgroup import CallCgroup, CgroupFactory
 from megatron_sao.envs.sandbox_types import SandboxError, SandboxLimits, SandboxResult
 
-_KILL_BIN = shutil.which("kill")
 _READ_CHUNK = 4096
 _EXIT_GRACE_S = 2.0  # after the program's end, how long output pipes may stay open
+WATCH_PERIOD_S = 0.025
+# A walk takes ~2 us per file, with the GIL held between stat calls: the next look comes after at
+# least this many walk durations, so the watch costs a call at most ~1/4 of a core however many
+# files it made (at most max_files + one period's worth).
+_WATCH_DUTY = 4
+# Off the event loop: a walk of thousands of files, and clean-up (rmtree, cgroup rmdir retries),
+# would otherwise stall every rollout of the process (they ran on the loop and stalled it 1.6-3.1 s).
+_WATCHERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sandbox-disk-watch")
 
 
 def planned_isolation(mode: str, uid: int | None, limits: SandboxLimits, cg: CallCgroup | None,
@@ -28,15 +41,17 @@ def planned_isolation(mode: str, uid: int | None, limits: SandboxLimits, cg: Cal
     """The layers the parent sets up or asks for; the child appends what it installed itself."""
     out = [f"uid={uid}" if uid is not None else ("userns" if mode == "namespaces" else "uid=same")]
     if mode == "namespaces":
-        out += ["pidns", "netns", "mountns", "ipcns", "utsns", "rootfs=private", f"disk=tmpfs:{limits.max_disk_mb}m"]
+        out += ["pidns", "netns", "mountns", "ipcns", "utsns", "rootfs=private", f"disk=tmpfs:{limits.max_disk_mb}m",
+                f"files=tmpfs:{limits.max_files}"]
     else:
-        out += ["pgroup", "subreaper", f"disk=per-file:{limits.max_file_mb}m"]
+        out += ["pgroup", "subreaper", f"disk=watched:{limits.max_disk_mb}m", f"files=watched:{limits.max_files}"]
         if uid is None:
             out.append("parent=nondumpable")
     if cg is not None:
         out += [f"memory={factory.kind}:{limits.memory_mb}m", f"pids={factory.kind}:{limits.max_processes}"]
     else:
         out.append(f"memory=per-process:{limits.memory_mb}m")
+    out.append(f"file-size=rlimit:{limits.max_file_mb}m")
     nproc_scope = "uid" if uid is not None else ("userns" if mode == "namespaces" else "uid+running")
     out.append(f"nproc={nproc_scope}:{limits.max_processes}")
     return out
@@ -70,10 +85,65 @@ class StatusReader:
         return next((m for m in self.msgs if "leftovers" in m), {})
 
 
+def workdir_usage(root: str, max_entries: int) -> tuple[int, int, str | None]:
+    """(bytes allocated, entries, a directory that could not be read) below `root`; stops counting
+    past `max_entries`. A directory the code made unreadable (chmod 000: Landlock does not govern
+    modes) is opened up again; one that stays unreadable is reported, and the call is killed."""
+    total, n, seen = 0, 0, set()
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        try:
+            it = os.scandir(d)
+        except PermissionError:
+            try:
+                os.chmod(d, 0o700)
+                it = os.scandir(d)
+            except OSError:
+                return total, n, d
+        except OSError:  # removed meanwhile (the call removes directories, never files)
+            continue
+        with it:
+            for e in it:
+                n += 1
+                if n > max_entries:
+                    return total, n, None
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+                elif st.st_nlink > 1:  # a hard link holds its blocks once
+                    if st.st_ino in seen:
+                        continue
+                    seen.add(st.st_ino)
+                total += st.st_blocks * 512
+    return total, n, None
+
+
+async def watch_disk(workdir: str, limits: SandboxLimits) -> str:
+    """Returns why the call must end, once its working directory passes a limit (process mode)."""
+    loop = asyncio.get_running_loop()
+    pause = WATCH_PERIOD_S
+    while True:
+        await asyncio.sleep(pause)
+        t0 = time.monotonic()
+        used, n, hidden = await loop.run_in_executor(_WATCHERS, workdir_usage, workdir, limits.max_files + 1)
+        pause = max(WATCH_PERIOD_S, _WATCH_DUTY * (time.monotonic() - t0))
+        if hidden is not None:
+            return f"disk watch: the call made {hidden} unreadable"
+        if used > limits.max_disk_mb << 20:
+            return f"disk limit of {limits.max_disk_mb} MiB exceeded"
+        if n > limits.max_files + 1:  # + main.py
+            return f"file count limit of {limits.max_files} exceeded"
+
+
 async def collect(proc: asyncio.subprocess.Process, status: StatusReader, limits: SandboxLimits, t0: float,
-                   cg: CallCgroup | None) -> SandboxResult:
+                   cg: CallCgroup | None, watch_dir: str | None = None) -> SandboxResult:
     """Read both streams under the output cap and the wall clock until the program ends (the
-    status pipe closes when the bootstrap is done); kill the call's processes on either limit."""
+    status pipe closes when the bootstrap is done); kill the call's processes on either limit, or
+    when `watch_dir` (process mode) passes the disk limits."""
     cap = limits.max_output_bytes
     over = asyncio.Event()
     bufs = {"out": bytearray(), "err": bytearray()}
@@ -92,20 +162,21 @@ async def collect(proc: asyncio.subprocess.Process, status: StatusReader, limits
 
     pumps = asyncio.ensure_future(asyncio.gather(pump(proc.stdout, "out"), pump(proc.stderr, "err")))
     overflow = asyncio.ensure_future(over.wait())
-    done, _ = await asyncio.wait({status.done, overflow}, timeout=limits.wall_time_s,
+    disk = asyncio.ensure_future(watch_disk(watch_dir, limits) if watch_dir else asyncio.Event().wait())
+    done, _ = await asyncio.wait({status.done, overflow, disk}, timeout=limits.wall_time_s,
                                  return_when=asyncio.FIRST_COMPLETED)
     reason = None
     if status.done not in done:
-        reason = "output_limit" if overflow in done else "wall_timeout"
+        reason = "output_limit" if overflow in done else disk.result() if disk in done else "wall_timeout"
     else:  # the program ended: its output is complete once the pipes close
         await asyncio.wait({pumps}, timeout=_EXIT_GRACE_S)
     if reason is not None or not pumps.done():
-        _kill_call(proc.pid, status.get("child"), cg)
+        await _kill_call(proc.pid, status.get("child"), cg)
     await proc.wait()
     await asyncio.wait({pumps, status.done}, timeout=_EXIT_GRACE_S)
-    for f in (pumps, status.done, overflow):
+    for f in (pumps, status.done, overflow, disk):
         f.cancel()
-    await asyncio.gather(pumps, status.done, overflow, return_exceptions=True)
+    await asyncio.gather(pumps, status.done, overflow, disk, return_exceptions=True)
     wall = time.monotonic() - t0
 
     err = bytes(bufs["err"]).decode("utf-8", errors="replace")
@@ -120,6 +191,8 @@ async def collect(proc: asyncio.subprocess.Process, status: StatusReader, limits
         reason = f"wall-clock limit of {limits.wall_time_s:g} s exceeded"
     elif reason == "output_limit":
         reason = f"output limit of {cap} bytes exceeded"
+    elif reason is not None:  # the disk watch said why
+        pass
     elif cg is not None and cg.oom_killed():
         reason = f"memory limit of {limits.memory_mb} MiB for the whole call exceeded (OOM kill)"
     elif rc == -signal.SIGXCPU:
@@ -135,7 +208,7 @@ async def collect(proc: asyncio.subprocess.Process, status: StatusReader, limits
         isolation=tuple(ready or ()), leftover_processes=int(final.get("leftovers") or 0))
 
 
-def _kill_call(pid: int, child: int | None, cg: CallCgroup | None) -> None:
+async def _kill_call(pid: int, child: int | None, cg: CallCgroup | None) -> None:
     """Kill the bootstrap's group (A and the PID namespace's init B: the kernel then kills the rest of
     the namespace), the user process's own group (process mode), and the cgroup."""
     for group in (pid, child):
@@ -144,18 +217,16 @@ def _kill_call(pid: int, child: int | None, cg: CallCgroup | None) -> None:
                 os.killpg(group, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-    if cg is not None:
-        cg.kill_all()
+    if cg is not None:  # cgroup v1 kills in rounds until the group is empty
+        await asyncio.to_thread(cg.kill_all)
 
 
 async def kill_all_of_uid(uid: int) -> None:
-    """Kill every process of a private sandbox uid (process mode: catches anything left anywhere)."""
-    if _KILL_BIN is not None:
-        argv = [_KILL_BIN, "-9", "-1"]
-    else:
-        argv = [sys.executable, "-I", "-S", "-c", "import os; os.kill(-1, 9)"]
+    """Kill every process of a private sandbox uid (process mode: catches anything left anywhere).
+    The helper drops to the uid itself: Popen(user=...) would fork the whole trainer (page tables
+    of every mapping, with the GIL held, on the event loop); without it the launch is a vfork."""
+    drop_and_kill = f"import os; os.setgroups([]); os.setgid({uid}); os.setuid({uid}); os.kill(-1, 9)"
     proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL, user=uid, group=uid, extra_groups=[], env={},
-        close_fds=True)
-    await proc.wait()  # exit status 1 just means there was nothing left to kill
+        sys.executable, "-I", "-S", "-c", drop_and_kill, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, env={}, close_fds=True)
+    await proc.wait()  # exit status 1 (ProcessLookupError) just means there was nothing left to kill

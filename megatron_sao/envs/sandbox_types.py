@@ -12,8 +12,9 @@ class SandboxError(RuntimeError):
 @dataclass(frozen=True)
 class SandboxLimits:
     """Resource limits of one sandbox call. ``memory_mb`` and ``max_processes`` bound each process
-    and, where a cgroup is available (root), the call's whole process tree; ``max_disk_mb`` bounds
-    everything the call writes (its private tmpfs) in namespaces mode."""
+    and, where a cgroup is available (root), the call's whole process tree. ``max_disk_mb`` and
+    ``max_files`` bound everything the call writes: its private tmpfs's size and inode count in
+    namespaces mode, the parent's watch of the working directory in process mode (see sandbox.py)."""
 
     wall_time_s: float = 10.0
     cpu_time_s: int = 10
@@ -22,12 +23,13 @@ class SandboxLimits:
     max_output_bytes: int = 16_384
     max_file_mb: int = 16
     max_disk_mb: int = 64
+    max_files: int = 4096  # files, directories and links the call may create (tmpfs inodes)
     max_open_files: int = 64
     allow_site_packages: bool = False  # False: stdlib only (python -S)
 
     def __post_init__(self) -> None:
         for name in ("wall_time_s", "cpu_time_s", "memory_mb", "max_processes",
-                     "max_output_bytes", "max_file_mb", "max_disk_mb", "max_open_files"):
+                     "max_output_bytes", "max_file_mb", "max_disk_mb", "max_files", "max_open_files"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"SandboxLimits.{name} must be a positive number, got {v!r}")

@@ -66,7 +66,7 @@ class SAOTrainer:
         self.collectives = GatedCollectives(self.ctx)
         if self.rank0:
             self.run_dir.start_train(overwrite=overwrite)
-        if self.rank0:
+        if self.rank0 and not resume:  # a resume writes its config once it has resumed (below)
             dump_config(cfg, self.run_dir.path / "config.yaml")
         self.collectives.barrier()
         self.model_dir = C.resolve_model_dir(cfg, self.run_dir.path) if self.rank0 else None
@@ -94,6 +94,8 @@ class SAOTrainer:
                                            directory=self.run_dir.buffer_dir, group_size=self.group,
                                            max_stale_drops=cfg.buffer.max_stale_drops)
         state = self._resume() if resume else None
+        if self.rank0 and resume:  # a failed resume leaves the run's config.yaml as the run wrote it
+            dump_config(cfg, self.run_dir.path / "config.yaml")
         self._start_rollouts(state)
         if state is not None and not cfg.trainer.replay:  # the engine starts from the base model
             # rank 0 started the rollout engines alone: meet it outside the export's collectives

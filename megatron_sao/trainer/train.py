@@ -26,11 +26,14 @@ def wire_stages(cfg: SAOConfig) -> SAOConfig:
 
 def preflight(cfg: SAOConfig, resume: bool, overwrite: bool) -> None:
     """The user errors that can be found before anything is written (every rank runs it; it only
-    reads): the run directory against --resume/--overwrite, the model and init paths, the replay file."""
+    reads): the run directory against --resume/--overwrite, that --resume has an intact checkpoint,
+    the model and init paths, the replay file."""
     from megatron_sao.trainer.components import is_builtin
     from megatron_sao.trainer.run_dir import check_train_dir
 
     check_train_dir(Path(cfg.run.dir), resume, overwrite)
+    if resume:
+        _check_some_checkpoint_is_intact(Path(cfg.run.dir) / "checkpoints")
     if not is_builtin(cfg.model.path) and not (Path(cfg.model.path) / "config.json").is_file():
         raise UserError(f"model.path: {cfg.model.path} is neither a built-in model nor an HF directory "
                         "with config.json")
@@ -53,6 +56,19 @@ def preflight(cfg: SAOConfig, resume: bool, overwrite: bool) -> None:
         if trainable < needed:
             raise UserError(f"trainer.replay: {cfg.trainer.replay} holds {trainable} trainable trajectories; "
                             f"the run needs {needed} (steps incl. critic warm-up x buffer.batch_size)")
+
+
+def _check_some_checkpoint_is_intact(root: Path) -> None:
+    """--resume with checkpoints that are all damaged: say so now, before the trainer starts (its
+    own check, per rank and with every shard, runs again when it resumes). No checkpoint at all is
+    not an error: the resume then starts fresh."""
+    from megatron_sao.trainer import checkpoints as ckpts
+
+    found = ckpts.candidates(root) if root.is_dir() else []
+    problems = [(c, ckpts.damage(c)) for c in found]
+    if found and all(p is not None for _, p in problems):
+        raise UserError(f"--resume: no intact checkpoint in {root}: "
+                        + "; ".join(f"{c.name}: {p}" for c, p in problems))
 
 
 def main(args) -> int:

@@ -10,16 +10,23 @@ import asyncio
 import dataclasses
 import json
 import os
+import resource
 import sys
 import time
 
 from megatron_sao.envs.sandbox import SandboxError, SandboxLimits, SandboxPool
 
 
+def _own_state() -> dict:
+    """What a call could change in the trainer from outside: its limits, priority, CPU affinity."""
+    return {"nofile": list(resource.getrlimit(resource.RLIMIT_NOFILE)), "nice": os.getpriority(os.PRIO_PROCESS, 0),
+            "affinity": sorted(os.sched_getaffinity(0)), "cpu": list(resource.getrlimit(resource.RLIMIT_CPU))}
+
+
 async def main() -> None:
     spec = json.load(sys.stdin)
     pool = SandboxPool(**spec["pool"])
-    out = {"pid": os.getpid(), "uid": os.getuid(), "results": {}}
+    out = {"pid": os.getpid(), "uid": os.getuid(), "results": {}, "self_before": _own_state()}
     for case in spec["cases"]:
         code = case["code"].replace("{PARENT}", str(os.getpid()))
         t0 = time.monotonic()
@@ -29,6 +36,7 @@ async def main() -> None:
         except SandboxError as e:
             out["results"][case["name"]] = {"sandbox_error": str(e)}
     out["alive"] = True  # the code did not kill its parent
+    out["self_after"] = _own_state()
     print(json.dumps(out))
 
 

@@ -242,3 +242,64 @@ def test_landlock_confines_file_access_and_signals_without_audit_hooks(tmp_path)
     assert "read outside: PermissionError" in lines and "write inside: allowed" in lines
     if version >= 6:
         assert "signal parent: PermissionError" in lines
+
+
+def test_process_mode_seccomp_filter_on_its_own(tmp_path):
+    """The process-mode filter in a forked child, no audit hook, no Landlock: each refusal is the
+    kernel's, and what the call needs for itself (pid 0, stream socketpair, plain files) still works."""
+    import resource
+    import socket as sk
+
+    from megatron_sao.envs.sandbox_child import syscall_filter
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.setpgid(0, 0)
+        seen = []
+
+        def attempt(what, fn):
+            try:
+                fn()
+                seen.append(f"{what}: ok")
+            except OSError as e:
+                seen.append(f"{what}: {e.errno}")
+
+        def fork_and_wait():
+            child = os.fork()
+            if child == 0:
+                os._exit(0)
+            os.waitpid(child, 0)
+
+        try:
+            syscall_filter.install(syscall_filter.build(same_uid=True, pgid=os.getpid()))
+            parent = os.getppid()
+            attempt("unix socket", lambda: sk.socket(sk.AF_UNIX))
+            attempt("inet socket", lambda: sk.socket(sk.AF_INET))
+            attempt("stream pair", lambda: sk.socketpair())
+            attempt("dgram pair", lambda: sk.socketpair(sk.AF_UNIX, sk.SOCK_DGRAM))
+            attempt("prlimit parent", lambda: resource.prlimit(parent, resource.RLIMIT_NOFILE))
+            attempt("prlimit self", lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+            attempt("renice parent", lambda: os.setpriority(os.PRIO_PROCESS, parent, 1))
+            attempt("renice uid", lambda: os.setpriority(os.PRIO_USER, 0, 1))
+            attempt("renice self", lambda: os.setpriority(os.PRIO_PROCESS, 0, 1))
+            attempt("affinity parent", lambda: os.sched_setaffinity(parent, os.sched_getaffinity(0)))
+            attempt("affinity self", lambda: os.sched_setaffinity(0, os.sched_getaffinity(0)))
+            attempt("exec", lambda: os.execv("/bin/true", ["true"]))
+            attempt("tmpfile", lambda: os.open(str(tmp_path), os.O_TMPFILE | os.O_WRONLY, 0o600))
+            attempt("memfd", lambda: os.memfd_create("x"))
+            attempt("plain file", lambda: open(tmp_path / "f", "w").close())
+            attempt("chmod", lambda: os.chmod(tmp_path / "f", 0o777))
+            attempt("fork", fork_and_wait)
+        except BaseException as e:  # noqa: BLE001 (reported to the parent)
+            seen.append(f"error: {e!r}")
+        os.write(w, "\n".join(seen).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    seen = dict(line.split(": ", 1) for line in os.read(r, 8192).decode().splitlines())
+    assert seen == {"unix socket": "13", "inet socket": "13", "stream pair": "ok", "dgram pair": "13",
+                    "prlimit parent": "1", "prlimit self": "ok", "renice parent": "1", "renice uid": "1",
+                    "renice self": "ok", "affinity parent": "1", "affinity self": "ok", "exec": "1",
+                    "tmpfile": "1", "memfd": "1", "plain file": "ok", "chmod": "1", "fork": "ok"}, seen

@@ -3,6 +3,10 @@ with namespaces and without (process mode). The "trainer" is a runner process (s
 started as root or, through setpriv, as an unprivileged user; each program attacks that runner.
 
 CI runs as root: the non-root modes drop privileges here (setpriv to nobody), so they run in CI too.
+Beside them run the non-root user's own processes an attacker in same-uid process mode goes for: a
+real tmux server (Debian's tmux; `make venv` installs it) at the standard socket path and a process
+holding a secret in its environment. The process-mode attacks first switch the child's audit hook
+off (one line of Python through gc), so what holds is what the kernel enforces.
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
 SECRET = f"hunter2-{uuid.uuid4().hex}"
+OTHER_SECRET = f"neighbour-{uuid.uuid4().hex}"
+TMUX_SESSION = "sao-hostile"
+# The attack's first line: clear the audit hook's `restrict_fs` closure cell (found through gc).
+UNHOOK = ("import gc; [c.__setattr__('cell_contents', False) for f in gc.get_objects() if getattr(f, '__name__', '') "
+          "== 'hook' and getattr(f, '__closure__', None) for n, c in zip(f.__code__.co_freevars, f.__closure__) "
+          "if n == 'restrict_fs']\nimport ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint('unhooked')\n")
 
 # mode -> (run as root?, SandboxPool arguments)
 MODES = {
@@ -33,7 +43,66 @@ MODES = {
 }
 
 
-def _cases(secret_file: str, outside: str, port: int, mode: str) -> list[dict]:
+def _neighbour_cases(outside: str, other: int, quick: dict) -> list[tuple]:
+    """The same-uid attacks (issue 24), each after UNHOOK; `other` is the neighbour's pid. Every mode
+    runs them: in user-namespaces mode, too, the code is the neighbours' uid on the host."""
+    tmux_sock = f"/tmp/tmux-{NOBODY}/default"
+    try_ = ("def attempt(what, fn):\n    try:\n        r = fn()\n        print('DONE', what, r)\n"
+            "    except OSError as e:\n        print('refused', what, e.errno)\n"
+            "def raw(rc):\n    if rc < 0:\n        raise OSError(ctypes.get_errno(), 'raw syscall')\n    return rc\n")
+    return [
+        ("tmux", UNHOOK + try_ + "import socket, subprocess\n"
+                 f"attempt('unix connect', lambda: socket.socket(socket.AF_UNIX).connect({tmux_sock!r}))\n"
+                 "attempt('raw socket', lambda: raw(libc.socket(1, 1, 0)))\n"
+                 "attempt('dgram pair', lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM))\n"
+                 "a, b = socket.socketpair()\na.send(b'x')\nprint('stream pair', b.recv(1))\n"
+                 f"attempt('pair reconnect', lambda: a.connect({tmux_sock!r}))\n"
+                 "attempt('tmux window', lambda: subprocess.run(['tmux', 'new-window', "
+                 f"'touch {outside}']).returncode)\n",
+         quick),
+        ("exec", UNHOOK + "import os, subprocess\npid = os.fork()\nif pid == 0:\n    try:\n"
+                 "        os.execv('/bin/true', ['true'])\n    except OSError as e:\n        os._exit(e.errno)\n"
+                 "print('child exit', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+                 "try:\n    subprocess.run(['/bin/true'])\n    print('DONE spawn')\n"
+                 "except OSError as e:\n    print('refused spawn', e.errno)\n", quick),
+        ("limits", UNHOOK + try_ + "import os, resource, struct\n"
+                   "idle = ctypes.create_string_buffer(struct.pack('=IIQiIQQQ', 48, 5, 0, 0, 0, 0, 0, 0))\n"
+                   f"for pid in ({{PARENT}}, {other}):\n"
+                   "    attempt(f'prlimit nofile {pid}', lambda: resource.prlimit(pid, resource.RLIMIT_NOFILE, (3, 3)))"
+                   "\n"
+                   "    attempt(f'prlimit read {pid}', lambda: resource.prlimit(pid, resource.RLIMIT_NOFILE))\n"
+                   "    attempt(f'renice {pid}', lambda: os.setpriority(os.PRIO_PROCESS, pid, 19))\n"
+                   "    attempt(f'affinity {pid}', lambda: os.sched_setaffinity(pid, {0}))\n"
+                   "    attempt(f'scheduler {pid}', lambda: os.sched_setscheduler(pid, os.SCHED_IDLE, "
+                   "os.sched_param(0)))\n"
+                   "    for name, nr, args in (('ioprio', 251, (1, pid, 3 << 13)),"
+                   " ('sched_setattr', 314, (pid, idle, 0)), ('migrate_pages', 256, (pid, 8, 0, 0)),"
+                   " ('move_pages', 279, (pid, 0, 0, 0, 0, 0))):\n"
+                   "        rc = libc.syscall(nr, *args)\n"
+                   "        print('DONE' if rc == 0 else 'refused', name, pid, ctypes.get_errno())\n"
+                   "attempt('renice uid', lambda: os.setpriority(os.PRIO_USER, 0, 19))\n"
+                   "attempt('renice group', lambda: os.setpriority(os.PRIO_PGRP, 0, 19))\n"
+                   "resource.setrlimit(resource.RLIMIT_NOFILE, (32, 32))\nos.setpriority(os.PRIO_PROCESS, 0, 5)\n"
+                   "os.sched_setaffinity(0, os.sched_getaffinity(0))\n"
+                   "print('self ok', resource.getrlimit(resource.RLIMIT_NOFILE), os.getpriority(os.PRIO_PROCESS, 0))\n",
+         quick),
+        ("neighbour", UNHOOK + try_ + "import fcntl, os, socket\n"
+                      f"attempt('environ', lambda: open('/proc/{other}/environ', 'rb').read())\n"
+                      f"attempt('mem', lambda: open('/proc/{other}/mem', 'rb'))\n"
+                      "a, b = socket.socketpair()\n"
+                      "attempt('setown', lambda: fcntl.fcntl(a, fcntl.F_SETOWN, {PARENT}))\n"
+                      "attempt('sysv shm', lambda: raw(libc.shmget(0, 4096, 0o1000 | 0o600)))\n"
+                      f"attempt('chmod outside', lambda: os.chmod({os.path.dirname(tmux_sock)!r}, 0o777))\n", quick),
+        ("hide_bytes", UNHOOK + try_ + "import os\nf = open('a', 'wb')\nf.write(b'x' * (1 << 20))\nf.flush()\n"
+                       "attempt('unlink open file', lambda: os.remove('a'))\n"
+                       "attempt('rename', lambda: os.rename('a', 'b'))\n"
+                       "attempt('O_TMPFILE', lambda: os.open('.', os.O_TMPFILE | os.O_WRONLY, 0o600))\n"
+                       "attempt('memfd', lambda: os.memfd_create('x'))\n"
+                       "os.mkdir('d')\nos.rmdir('d')\nprint('dir ok')\n", quick),
+    ]
+
+
+def _cases(secret_file: str, outside: str, port: int, mode: str, other: int = 0) -> list[dict]:
     quick = {"wall_time_s": 20.0, "cpu_time_s": 5, "memory_mb": 256}
     cases = [
         ("environ", "import os\nfor p in ('/proc/{PARENT}/environ', '/proc/self/environ'):\n"
@@ -53,11 +122,21 @@ def _cases(secret_file: str, outside: str, port: int, mode: str) -> list[dict]:
                     "print('connected')\n", quick),
         ("passing", "import math\nprint(math.factorial(5))\n", quick),
     ]
-    if mode.endswith("namespaces"):  # process mode bounds files one by one only (isolation says so)
-        cases.append(("disk", "import os\nn = 0\ntry:\n    for i in range(40):\n"
-                              "        open(f'f{i}', 'wb').write(b'x' * (8 << 20))\n        n += 8\n"
-                              "except OSError as e:\n    print('stopped at', n, 'MiB, errno', e.errno)\n",
-                      {"max_disk_mb": 32, "max_file_mb": 16, "memory_mb": 256, "wall_time_s": 30.0}))
+    # Disk: 2 GiB asked for under a 32 MiB bound (namespaces: the tmpfs says ENOSPC; process mode:
+    # the parent's watch kills the call). The program prints what it has written so far.
+    cases.append(("disk", (UNHOOK if mode.endswith("process") else "") + "import os\nn = 0\ntry:\n"
+                          "    for i in range(256):\n        open(f'f{i}', 'wb').write(b'x' * (8 << 20))\n"
+                          "        n += 8\n        print('wrote', n, flush=True)\n"
+                          "except OSError as e:\n    print('stopped at', n, 'MiB, errno', e.errno)\n",
+                  {"max_disk_mb": 32, "max_file_mb": 16, "memory_mb": 256, "wall_time_s": 60.0, "cpu_time_s": 30,
+                   "max_output_bytes": 1 << 16}))
+    cases.append(("inodes", (UNHOOK if mode.endswith("process") else "") + "import os\ni = 0\ntry:\n"
+                            "    for i in range(2_000_000):\n        open(f'e{i}', 'w').close()\n"
+                            "        if i % 100 == 0:\n            print('made', i, flush=True)\n"
+                            "except OSError as e:\n    print('stopped at', i, 'errno', e.errno)\n",
+                  {"max_files": 500, "memory_mb": 256, "wall_time_s": 60.0, "cpu_time_s": 30,
+                   "max_output_bytes": 1 << 16}))
+    cases += _neighbour_cases(outside, other, quick)
     if mode.startswith("root"):  # the cgroup bounds the tree as a whole (root only)
         cases.append(("memory_tree", "import os, time\nkids = []\nfor i in range(4):\n    pid = os.fork()\n"
                                      "    if pid == 0:\n        b = bytearray(100 << 20)\n"
@@ -114,6 +193,45 @@ def world(tmp_path_factory):
     shutil.rmtree(base, ignore_errors=True)
 
 
+def _as_nobody(*argv: str) -> list[str]:
+    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv]
+
+
+def _nice_and_nofile(pid: int) -> tuple[int, str]:
+    nice = int((Path(f"/proc/{pid}") / "stat").read_text().rsplit(")", 1)[1].split()[16])
+    nofile = next(line for line in Path(f"/proc/{pid}/limits").read_text().splitlines() if "open files" in line)
+    return nice, " ".join(nofile.split())
+
+
+@pytest.fixture(scope="module")
+def neighbours():
+    """The non-root user's own processes beside the trainer: a tmux server at /tmp/tmux-<uid>/default
+    and a process with a secret in its environment. Their nice value and limits are read before and
+    after every mode's run."""
+    if os.geteuid() != 0:
+        pytest.skip("the neighbours run as nobody: needs root to start them (CI runs as root)")
+    tmux = shutil.which("tmux")
+    assert tmux, "tmux is not installed: `make venv` installs it (apt-get install tmux)"
+    env = {"PATH": "/usr/bin:/bin", "TERM": "xterm", "HOME": "/tmp", "LANG": "C.UTF-8", "SHELL": "/bin/sh"}
+    subprocess.run(_as_nobody(tmux, "kill-server"), env=env, capture_output=True)
+    subprocess.run(_as_nobody(tmux, "new-session", "-d", "-s", TMUX_SESSION, "sleep 3600"), env=env, check=True,
+                   timeout=30)
+    server = int(subprocess.run(_as_nobody(tmux, "display-message", "-p", "-t", TMUX_SESSION, "#{pid}"), env=env,
+                                capture_output=True, text=True, check=True).stdout)
+    other = subprocess.Popen(_as_nobody("sleep", "3600"), env={**env, "SAO_OTHER_SECRET": OTHER_SECRET})
+    state = {p: _nice_and_nofile(p) for p in (server, other.pid)}
+
+    def windows() -> int:
+        out = subprocess.run(_as_nobody(tmux, "list-windows", "-a"), env=env, capture_output=True, text=True)
+        return len(out.stdout.splitlines())
+
+    yield {"server": server, "other": other.pid, "state": state, "windows": windows,
+           "socket": f"/tmp/tmux-{NOBODY}/default"}
+    other.kill()
+    other.wait()
+    subprocess.run(_as_nobody(tmux, "kill-server"), env=env, capture_output=True)
+
+
 def run_mode(world, mode: str, cases: list[dict], pool: dict) -> dict:
     as_root, _ = MODES[mode]
     tmp = world["base"] / f"tmp-{mode}-{uuid.uuid4().hex[:6]}"
@@ -143,10 +261,10 @@ def run_mode(world, mode: str, cases: list[dict], pool: dict) -> dict:
 
 
 @pytest.fixture(scope="module", params=list(MODES))
-def mode_run(request, world):
+def mode_run(request, world, neighbours):
     mode = request.param
     outside = f"/tmp/evil-{uuid.uuid4().hex}"
-    cases = _cases(str(world["secret"]), outside, world["server"].getsockname()[1], mode)
+    cases = _cases(str(world["secret"]), outside, world["server"].getsockname()[1], mode, neighbours["other"])
     out = run_mode(world, mode, cases, MODES[mode][1])
     return mode, out, outside
 
@@ -164,10 +282,11 @@ def test_nothing_escapes_and_the_trainer_survives(mode_run, world):
         assert {"pidns", "netns", "mountns", "rootfs=private", "seccomp"} <= set(iso), iso
         assert ("userns" in iso) == mode.startswith("user"), iso
     else:
-        assert {"pgroup", "subreaper", "seccomp", "audit=fs+net+nospawn"} <= set(iso), iso
+        assert {"pgroup", "subreaper", "seccomp=process", "disk=watched:64m", "files=watched:4096"} <= set(iso), iso
         from megatron_sao.envs.sandbox_child import landlock
-        assert any(x.startswith("landlock=abi") for x in iso) == (landlock.abi() >= 1), iso
+        assert any(x.startswith("landlock=abi") and "keep-files" in x for x in iso) == (landlock.abi() >= 1), iso
         assert ("uid=same" in iso and "parent=nondumpable" in iso) == mode.startswith("user"), iso
+    assert not any(x.startswith("audit") for x in iso), iso  # a hook the code can clear is not a layer
     # 5: no same-uid access to the parent, no signals outside the call.
     assert SECRET not in r["environ"]["stdout"], r["environ"]
     assert "sent" not in r["kill_parent"]["stdout"].replace("sent -1", ""), r["kill_parent"]
@@ -187,12 +306,22 @@ def test_nothing_escapes_and_the_trainer_survives(mode_run, world):
 def test_disk_and_memory_are_bounded_for_the_call_as_a_whole(mode_run):
     mode, out, _ = mode_run
     r = out["results"]
-    if mode.endswith("namespaces"):  # 6: a private tmpfs of max_disk_mb for everything it writes
-        assert "disk=tmpfs:32m" in r["disk"]["isolation"]
-        assert r["disk"]["stdout"].startswith("stopped at") and "errno 28" in r["disk"]["stdout"], r["disk"]
-        assert int(r["disk"]["stdout"].split()[2]) <= 32
-    else:
-        assert any(x.startswith("disk=per-file") for x in r["passing"]["isolation"])
+    disk, inodes = r["disk"], r["inodes"]
+    written = [int(line.split()[1]) for line in disk["stdout"].splitlines() if line.startswith("wrote")]
+    made = [int(line.split()[1]) for line in inodes["stdout"].splitlines() if line.startswith("made")]
+    if mode.endswith("namespaces"):  # 6: a private tmpfs of max_disk_mb and max_files inodes
+        assert {"disk=tmpfs:32m", "files=tmpfs:500"} <= set(disk["isolation"]) | set(inodes["isolation"])
+        assert "stopped at" in disk["stdout"] and "errno 28" in disk["stdout"], disk
+        assert max(written, default=0) <= 32
+        assert "stopped at" in inodes["stdout"] and "errno 28" in inodes["stdout"], inodes
+        assert int(inodes["stdout"].split()[-3]) <= 500, inodes["stdout"][-200:]
+    else:  # the parent's watch: killed past the bound, within one watch period's writes of it
+        assert disk["killed_reason"] == "disk limit of 32 MiB exceeded", disk
+        assert "unhooked" in disk["stdout"] and 32 - 8 <= max(written) <= 32 + 64, disk["stdout"][-300:]
+        assert inodes["killed_reason"] == "file count limit of 500 exceeded", inodes
+        assert max(made) <= 500 + 2000, inodes["stdout"][-300:]
+    print(f"{mode}: disk stopped at {max(written, default=0)} MiB (bound 32), "
+          f"files at {max(made, default=0)} (bound 500)")
     if mode.startswith("root"):  # 6: 4 x 100 MiB under a 160 MiB cgroup: the OOM kill is reported
         mem = r["memory_tree"]
         assert any(x.startswith("memory=cgroup") for x in mem["isolation"]), mem["isolation"]
@@ -205,3 +334,56 @@ def test_same_uid_without_isolation_is_refused_unless_allowed(world):
     out = run_mode(world, "user-process", [{"name": "x", "code": "print(1)", "limits": {}}], {"isolation": "process"})
     msg = out["results"]["x"].get("sandbox_error", "")
     assert "env.sandbox_allow_same_uid" in msg and "own uid" in msg, out
+
+
+def _lines(res: dict) -> dict[str, str]:
+    """'refused what errno' / 'DONE what result' lines of an attack: what -> outcome."""
+    out = {}
+    for line in res["stdout"].splitlines():
+        verdict, _, rest = line.partition(" ")
+        if verdict in ("refused", "DONE"):
+            what, _, detail = rest.rpartition(" ")
+            out[what] = f"{verdict} {detail}"
+    return out
+
+
+def test_same_uid_neighbours_are_out_of_reach(mode_run, neighbours):
+    """Issue 24, each after the audit hook is off: no unix-socket connect (the tmux server), no exec,
+    no prlimit/renice/affinity/ioprio of the trainer or a neighbour, no neighbour's /proc, no hidden bytes.
+    Process mode refuses each in seccomp or Landlock (the errno says which); namespaces modes do not
+    even see the neighbours (no such path, no such process)."""
+    mode, out, outside = mode_run
+    process_mode = mode.endswith("process")
+    r = out["results"]
+    for name in ("tmux", "exec", "limits", "neighbour", "hide_bytes"):
+        assert "sandbox_error" not in r[name] and "unhooked" in r[name]["stdout"], (name, r[name])
+    # What nobody may do in any mode: the state of the trainer and of the neighbours is untouched.
+    assert neighbours["windows"]() == 1 and not Path(outside).exists()
+    assert OTHER_SECRET not in json.dumps(r) and SECRET not in json.dumps(r)
+    assert out["self_before"] == out["self_after"], (out["self_before"], out["self_after"])
+    for pid, before in neighbours["state"].items():
+        assert _nice_and_nofile(pid) == before, pid
+    assert os.stat(os.path.dirname(neighbours["socket"])).st_mode & 0o777 == 0o700
+    tmux, lim, nb, hide = (_lines(r[k]) for k in ("tmux", "limits", "neighbour", "hide_bytes"))
+    assert len(lim) == 2 * 9 + 2, lim
+    targeted = {k: v for k, v in lim.items() if k.split()[-1] in (str(out["pid"]), str(neighbours["other"]))}
+    assert len(targeted) == 18 and all(v.startswith("refused") for v in targeted.values()), targeted
+    assert tmux["unix connect"].startswith("refused") and tmux["tmux window"] != "DONE 0", tmux
+    assert nb["environ"].startswith("refused"), nb
+    if not process_mode:  # another PID namespace and root filesystem: nothing to reach
+        assert tmux["unix connect"] == "refused 2" and set(targeted.values()) == {"refused 3"}, (tmux, targeted)
+        assert tmux["tmux window"] == "DONE 1", tmux  # tmux runs there, and finds no server
+        return
+    # Process mode: seccomp (EPERM/EACCES) and Landlock (EACCES) refuse, whatever the interpreter says.
+    assert tmux["unix connect"] == "refused 13" and tmux["raw socket"] == "refused 13", tmux
+    assert tmux["dgram pair"] == "refused 13" and "stream pair b'x'" in r["tmux"]["stdout"], tmux
+    assert tmux["pair reconnect"] == "refused 1" and tmux["tmux window"] == "refused 1", tmux
+    assert "child exit 1" in r["exec"]["stdout"] and "refused spawn 1" in r["exec"]["stdout"], r["exec"]
+    assert all(v == "refused 1" for v in lim.values()), lim  # own uid and group included
+    assert "self ok (32, 32) 5" in r["limits"]["stdout"], r["limits"]  # the call itself still may
+    assert nb["environ"] == "refused 13" and nb["mem"] == "refused 13", nb
+    assert nb["setown"] == "refused 1" and nb["sysv shm"] == "refused 1", nb
+    assert nb["chmod outside"] == "refused 1", nb
+    assert hide["unlink open file"] == "refused 13" and hide["rename"] == "refused 13", hide
+    assert hide["O_TMPFILE"] == "refused 1" and hide["memfd"] == "refused 1", hide
+    assert "dir ok" in r["hide_bytes"]["stdout"]

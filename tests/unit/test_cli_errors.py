@@ -54,12 +54,39 @@ def hf_dir(tmp_path_factory):
     return d
 
 
+def _run_with_damaged_checkpoint(tmp: Path) -> Path:
+    """A run directory as a crashed run leaves it: its config, logs, base model, buffer (with a
+    stray file in it) and a committed checkpoint that is damaged (no manifest), the only one."""
+    from megatron_sao.trainer.components import materialize_builtin_model
+
+    run = tmp / "damaged"
+    materialize_builtin_model("tiny_qwen3_moe_ci", run / "base_model", seed=3)
+    (run / "config.yaml").write_text("# the run's own record, written when it started\nrun: {total_steps: 2}\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    (run / "buffer" / "failed").mkdir(parents=True)
+    (run / "buffer" / "notes.safetensors").write_text("my notes")
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step_000001")
+    return run
+
+
 def _cases(tmp: Path, hf: Path):
     run = tmp / "run"
     occupied = tmp / "occupied"
     occupied.mkdir()
     (occupied / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    (tmp / "config.bin").write_bytes(bytes(range(256)) * 8)
+    (tmp / "a_directory").mkdir()
+    damaged = _run_with_damaged_checkpoint(tmp)
     return {
+        "unknown environment": (["train", CONFIG, f"run.dir={run}", "env.name=nope_env"],
+                                "env.name: unknown environment 'nope_env'; available: ", run),
+        "binary config": (["train", str(tmp / "config.bin"), f"run.dir={run}"],
+                          "config.bin: not a YAML text file (byte 128 is not UTF-8)", run),
+        "directory as config": (["train", str(tmp / "a_directory"), f"run.dir={run}"],
+                                "a_directory is a directory, not a YAML file", run),
+        "failed resume": (["train", CONFIG, f"run.dir={damaged}", "run.total_steps=5", "--resume"],
+                          "--resume: no intact checkpoint in", damaged),
         "misspelled key": (["train", CONFIG, f"run.dir={run}", "run.totl_steps=3"], "run.totl_steps", run),
         "wrong type": (["train", CONFIG, f"run.dir={run}", "run.total_steps=abc"], "run.total_steps", run),
         "negative batch size": (["train", CONFIG, f"run.dir={run}", "buffer.batch_size=-1"], "buffer.batch_size", run),
@@ -87,13 +114,47 @@ def _cases(tmp: Path, hf: Path):
     }
 
 
+def _snapshot(d: Path) -> dict[str, bytes] | None:
+    """Every file and directory below `d` with its content: what "nothing written" compares."""
+    if not d.exists():
+        return None
+    return {str(p.relative_to(d)): p.read_bytes() if p.is_file() else b"<dir>" for p in sorted(d.rglob("*"))}
+
+
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, hf_dir):
     for name, (args, needle, written) in _cases(tmp_path, hf_dir).items():
-        before = sorted(p.name for p in written.iterdir()) if written.exists() else None
+        before = _snapshot(written)
         p = sao(*args)
         lines = [line for line in p.stderr.splitlines() if line.strip()]
         assert p.returncode == 2, f"{name}: exit {p.returncode}\n{p.stderr[-3000:]}"
         assert "Traceback" not in p.stderr and len(lines) == 1, f"{name}:\n{p.stderr[-3000:]}"
         assert needle in lines[0], f"{name}: {lines[0]!r}"
-        after = sorted(p.name for p in written.iterdir()) if written.exists() else None
-        assert after == before, f"{name}: {written} changed: {before} -> {after}"
+        after = _snapshot(written)
+        before_, after_ = before or {}, after or {}
+        changed = sorted(k for k in set(before_) | set(after_) if before_.get(k) != after_.get(k))
+        assert after == before, f"{name}: {written} changed: {changed}"
+
+
+def test_files_in_buffer_that_do_not_parse_are_set_aside_on_resume(tmp_path, caplog):
+    """A stray file (not <seq>-<id>.safetensors) and a damaged trajectory file: resume names each,
+    moves it to buffer/set_aside/ and restores the rest (before: every --resume failed on int())."""
+    from megatron_sao.buffer import TrajectoryBuffer
+
+    buf = TrajectoryBuffer(batch_size=2, max_staleness=4, directory=tmp_path / "buffer")
+    for _ in range(3):
+        buf.put(_traj())
+    buf.close()
+    good = sorted((tmp_path / "buffer").glob("*.safetensors"))
+    (tmp_path / "buffer" / "notes.safetensors").write_text("my notes")
+    _truncated(good[1])
+    (tmp_path / "buffer" / "failed" / "x.safetensors").write_text("")
+    with caplog.at_level("WARNING", logger="megatron_sao.buffer"):
+        restored = TrajectoryBuffer(batch_size=2, max_staleness=4, directory=tmp_path / "buffer").restore()
+    assert len(restored) == 2  # the two intact files
+    aside = tmp_path / "buffer" / "set_aside"
+    assert sorted(p.name for p in aside.iterdir()) == sorted(["notes.safetensors", good[1].name])
+    assert (aside / "notes.safetensors").read_text() == "my notes"  # moved, never deleted
+    assert (tmp_path / "buffer" / "failed" / "set_aside" / "x.safetensors").exists()
+    text = caplog.text
+    assert "notes.safetensors is not a trajectory file of this buffer" in text
+    assert f"{good[1].name} cannot be read" in text

@@ -1,10 +1,12 @@
 """Landlock (Linux 5.13+): kernel-enforced file access limits any unprivileged process can set on itself.
 
-Process mode (no namespaces) uses it where the kernel has it: the call may read and execute only
-below `read_roots` and the system library directories, read and write only below its working
-directory, and -- with ABI 4+ -- make no TCP connection, with ABI 6+ send no signal and reach no
-abstract unix socket outside its own processes. Without Landlock the audit hooks and seccomp are
-the only barriers, and `isolation` says so.
+Process mode (no namespaces) uses it: the call may read and execute only below `read_roots` and
+the system library directories, create and write only below its working directory, where it may not
+remove or rename a regular file (`keep_files`: an unlinked file still open would hold disk that the
+parent's disk watch cannot see), and -- with ABI 4+ -- make no TCP connection, with ABI 6+ send no
+signal and reach no abstract unix socket outside its own processes. Process mode as the trainer's
+own uid refuses to run without Landlock (file access would then rest on an audit hook, which one
+line of Python switches off); as root (a private uid) it runs and `isolation` says no-landlock.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ _VERSION_FLAG = 1
 _PATH_BENEATH = 1
 EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 _WRITES = sum(1 << i for i in range(4, 13))  # remove/make dir, file, sock, fifo, dev, symlink
+REMOVE_FILE = 1 << 5
 REFER, TRUNCATE, IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
 NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1
 SCOPE_ABSTRACT_UNIX, SCOPE_SIGNAL = 1 << 0, 1 << 1
@@ -45,7 +48,7 @@ def _fs_mask(version: int) -> int:
     return mask
 
 
-def restrict(workdir: str, read_roots: list[str]) -> str:
+def restrict(workdir: str, read_roots: list[str], keep_files: bool = True) -> str:
     """Restrict this process (and its future children) for good; returns what is enforced."""
     version = abi()
     if version < 1:
@@ -64,12 +67,13 @@ def restrict(workdir: str, read_roots: list[str]) -> str:
             _allow(ruleset, path, read)
         for path in DEVICES:
             _allow(ruleset, path, READ_FILE | WRITE_FILE)
-        _allow(ruleset, workdir, fs)
+        _allow(ruleset, workdir, fs & ~REMOVE_FILE if keep_files else fs)
         if _libc.syscall(_RESTRICT, ctypes.c_int(ruleset), ctypes.c_uint32(0)) != 0:
             raise OSError(ctypes.get_errno(), "landlock_restrict_self (is no_new_privs set?)")
     finally:
         os.close(ruleset)
-    return f"landlock=abi{version}:fs" + (",tcp" if net else "") + (",signals,abstract-unix" if scoped else "")
+    return (f"landlock=abi{version}:fs" + (",keep-files" if keep_files else "") + (",tcp" if net else "")
+            + (",signals,abstract-unix" if scoped else ""))
 
 
 def _allow(ruleset: int, path: str, access: int) -> None:

@@ -7,8 +7,9 @@
     /etc              a generated passwd/group plus the loader cache and timezone, read-only
     /dev              null zero full random urandom (bind-mounted), fd/std* links; shm -> /tmp
     /proc             a new procfs: only the call's own processes (new PID namespace)
-    /tmp              a tmpfs of `disk_mb`: the only writable place, shared by the working directory
-                      /tmp/work, so everything the call writes is bounded as a whole
+    /tmp              a tmpfs of `disk_mb` and `max_files` inodes: the only writable place, shared by
+                      the working directory /tmp/work, so everything the call writes is bounded as a
+                      whole, bytes and files (an inode costs kernel memory even when the file is empty)
 
 Nothing else of the host is reachable: home directories, the run directory, datasets and answers,
 other processes' /proc entries, the trainer's environment. Works as root and, inside a user
@@ -78,11 +79,12 @@ def _expose(root: str, path: str) -> None:
         _bind_readonly(real, _place(root, path, os.path.isdir(real)))
 
 
-def build(root: str, readonly: list[str], disk_mb: int, uid: int, gid: int, code: str) -> None:
+def build(root: str, readonly: list[str], disk_mb: int, max_files: int, uid: int, gid: int,
+          code: str) -> None:
     """Make `root` (an empty directory) the call's root filesystem and switch into it (pivot_root).
     Needs CAP_SYS_ADMIN in the mount namespace's owner (root, or the creator of a user namespace)."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates to the host
-    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=8m,mode=0755")
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=8m,nr_inodes=1024,mode=0755")
     os.umask(0o022)
     for path in list(SYSTEM_DIRS) + sorted(set(readonly)) + list(ETC_FILES):
         _expose(root, path)
@@ -101,7 +103,8 @@ def build(root: str, readonly: list[str], disk_mb: int, uid: int, gid: int, code
     os.makedirs(root + "/proc")
     mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     os.makedirs(root + "/tmp")
-    mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_mb}m,mode=1777")
+    inodes = max_files + 3  # + the tmpfs's root, the working directory, main.py
+    mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_mb}m,nr_inodes={inodes},mode=1777")
     os.makedirs(root + "/var", exist_ok=True)
     os.symlink("/tmp", root + "/var/tmp")
     os.mkdir(root + WORKDIR, 0o700)

@@ -13,10 +13,31 @@ What it denies (EPERM unless noted):
   filter can read), ptrace and process_vm_readv/writev, bpf, perf_event_open, userfaultfd,
   io_uring, keyrings, kernel modules, kexec, open_by_handle_at, swap, reboot, clock setting, syslog;
   any other architecture's syscalls (x32 on x86_64) are refused, a foreign arch kills the process.
-- same-uid mode only (no user/pid namespace around the call): signals to anything but the call's
-  own process group (kill with pid 0 or -pgid, tgkill on the call's first process), every other
-  signal-sending syscall and pidfd, leaving the process group (setsid, setpgid), and sockets other
-  than AF_UNIX.
+- process mode only (no user/PID/IPC/network namespace around the call; the code may share the
+  trainer's uid, so everything the kernel allows between processes of one uid must be cut here):
+  - signals to anything but the call's own process group (kill with pid 0 or -pgid, tgkill on the
+    call's first process), every other signal-sending syscall and pidfd, leaving the process group
+    (setsid, setpgid), asking for SIGIO/SIGURG to another process (fcntl F_SETOWN/F_SETOWN_EX,
+    ioctl FIOSETOWN/SIOCSPGRP/TIOCSPGRP/TIOCSTI);
+  - every socket(): no TCP/UDP, and no unix socket, so no connect to a same-uid server at a known
+    path (a tmux or screen server, the systemd user manager, the D-Bus session bus); Landlock does
+    not govern connecting to path-named sockets. socketpair stays, AF_UNIX + SOCK_STREAM only (a
+    connected pair cannot be pointed anywhere else); connect and bind are refused outright;
+  - resource and scheduling syscalls on another process: prlimit64, sched_setaffinity,
+    sched_setscheduler, sched_setparam, sched_setattr, migrate_pages and move_pages only with pid 0
+    (the caller itself), setpriority only as (PRIO_PROCESS, 0), ioprio_set only as
+    (IOPRIO_WHO_PROCESS, 0). A BPF filter compares argument values with constants and cannot know
+    the caller's pid, so "self" is the value 0, which is how glibc's setrlimit, nice and Python's
+    os.sched_setaffinity(0, ...) call them; naming even one's own pid explicitly is refused;
+  - execve and execveat: the filter is installed in the already running interpreter, so the call
+    can fork but never start another program (a shell, tmux, a setuid binary);
+  - SysV IPC and POSIX message queues (other processes of the uid may hold segments), kcmp,
+    process_madvise, process_mrelease, memfd_create (unnamed memory outside the disk watch and
+    outside RLIMIT_AS until mapped), open/openat with O_TMPFILE (an unnamed file the disk watch
+    cannot see), openat2 (ENOSYS: its flags sit in a struct the filter cannot read; libc falls back);
+  - chmod, chown and extended-attribute writes of any file (Landlock does not govern them, and as
+    the user's own uid they would reach every file of the user: `chmod 644 ~/.ssh/id_rsa`); so
+    shutil.copy/copy2, which copy the mode, fail in this mode (shutil.copyfile works).
 """
 
 from __future__ import annotations
@@ -41,7 +62,15 @@ _SYSCALLS = {
         fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442, vhangup=153,
         sethostname=170, setdomainname=171, clone=56, clone3=435, kill=62, tkill=200, tgkill=234,
         rt_sigqueueinfo=129, rt_tgsigqueueinfo=297, pidfd_open=434, pidfd_send_signal=424,
-        pidfd_getfd=438, setsid=112, setpgid=109, socket=41),
+        pidfd_getfd=438, setsid=112, setpgid=109, socket=41, socketpair=53, connect=42, bind=49,
+        execve=59, execveat=322, prlimit64=302, setpriority=141, sched_setaffinity=203, sched_setscheduler=144,
+        sched_setparam=142, sched_setattr=314, ioprio_set=251, migrate_pages=256, move_pages=279, shmget=29,
+        shmat=30, shmctl=31, msgget=68, msgsnd=69, msgrcv=70, msgctl=71, semget=64, semop=65, semctl=66,
+        semtimedop=220, mq_open=240, mq_unlink=241, mq_timedsend=242, mq_timedreceive=243, mq_notify=244,
+        mq_getsetattr=245, kcmp=312, process_madvise=440, process_mrelease=448, memfd_create=319,
+        memfd_secret=447, fcntl=72, ioctl=16, open=2, openat=257, openat2=437, chmod=90, fchmod=91,
+        fchmodat=268, fchmodat2=452, chown=92, fchown=93, lchown=94, fchownat=260, setxattr=188, lsetxattr=189,
+        fsetxattr=190, removexattr=197, lremovexattr=198, fremovexattr=199, setxattrat=463, removexattrat=466),
     "aarch64": dict(
         ptrace=117, process_vm_readv=270, process_vm_writev=271, mount=40, umount2=39, pivot_root=41,
         chroot=51, unshare=97, setns=268, bpf=280, perf_event_open=241, userfaultfd=282, keyctl=219,
@@ -53,7 +82,15 @@ _SYSCALLS = {
         fsconfig=431, fsmount=432, fspick=433, mount_setattr=442, vhangup=58, sethostname=161,
         setdomainname=162, clone=220, clone3=435, kill=129, tkill=130, tgkill=131, rt_sigqueueinfo=138,
         rt_tgsigqueueinfo=240, pidfd_open=434, pidfd_send_signal=424, pidfd_getfd=438, setsid=157,
-        setpgid=154, socket=198),
+        setpgid=154, socket=198, socketpair=199, connect=203, bind=200, execve=221, execveat=281,
+        prlimit64=261, setpriority=140, sched_setaffinity=122, sched_setscheduler=119, sched_setparam=118,
+        sched_setattr=274, ioprio_set=30, migrate_pages=238, move_pages=239, shmget=194, shmctl=195, shmat=196,
+        msgget=186, msgctl=187, msgrcv=188, msgsnd=189, semget=190, semctl=191, semtimedop=192, semop=193,
+        mq_open=180, mq_unlink=181, mq_timedsend=182, mq_timedreceive=183, mq_notify=184, mq_getsetattr=185,
+        kcmp=272, process_madvise=440, process_mrelease=448, memfd_create=279, memfd_secret=447, fcntl=25,
+        ioctl=29, openat=56, openat2=437, fchmod=52, fchmodat=53, fchmodat2=452, fchownat=54, fchown=55,
+        setxattr=5, lsetxattr=6, fsetxattr=7, removexattr=14, lremovexattr=15, fremovexattr=16, setxattrat=463,
+        removexattrat=466),
 }
 _ALWAYS = ("ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot",
            "unshare", "setns", "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
@@ -64,12 +101,25 @@ _ALWAYS = ("ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2"
            "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "vhangup",
            "sethostname", "setdomainname")
 _SAME_UID = ("tkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open", "pidfd_send_signal",
-             "pidfd_getfd", "setsid", "setpgid")
+             "pidfd_getfd", "setsid", "setpgid", "connect", "bind", "execve", "execveat", "shmget", "shmat",
+             "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semctl", "semtimedop",
+             "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr", "kcmp",
+             "process_madvise", "process_mrelease", "memfd_create", "memfd_secret", "chmod", "fchmod",
+             "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat", "setxattr", "lsetxattr",
+             "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "setxattrat", "removexattrat")
+# process mode: allowed only when the first argument is 0 (the calling process itself)
+_SELF_ONLY = ("prlimit64", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr",
+              "migrate_pages", "move_pages")
+_PRIO_PROCESS, _IOPRIO_WHO_PROCESS = 0, 1
+_F_SETOWN, _F_SETOWN_EX = 8, 15
+_OWNER_IOCTLS = (0x8901, 0x8902, 0x5410, 0x5412)  # FIOSETOWN, SIOCSPGRP, TIOCSPGRP, TIOCSTI
+_O_TMPFILE = 0x400000  # __O_TMPFILE, the same bit on x86_64 and aarch64
+_SOCK_TYPE_MASK, _SOCK_STREAM = 0xF, 1
 _CLONE_NS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 _AF_UNIX = 1
 
 # classic BPF opcodes
-_LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
+_LD_ABS, _JEQ, _JGE, _JSET, _RET, _AND = 0x20, 0x15, 0x35, 0x45, 0x06, 0x54
 _ALLOW, _KILL_PROCESS, _ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
 _NR, _ARCH_OFF = 0, 4
 
@@ -125,9 +175,20 @@ def build(same_uid: bool = False, pgid: int = 0, machine: str | None = None) -> 
     p.emit(_JEQ, nr["clone3"], "nosys", 0)
     p.emit(_JEQ, nr["clone"], "clone", 0)
     if same_uid:
+        p.emit(_JEQ, nr["openat2"], "nosys", 0)
         p.emit(_JEQ, nr["kill"], "kill", 0)
         p.emit(_JEQ, nr["tgkill"], "tgkill", 0)
-        p.emit(_JEQ, nr["socket"], "socket", 0)
+        p.emit(_JEQ, nr["socket"], "eacces", 0)
+        p.emit(_JEQ, nr["socketpair"], "socketpair", 0)
+        for name in _SELF_ONLY:
+            p.emit(_JEQ, nr[name], "arg0_is_0", 0)
+        p.emit(_JEQ, nr["setpriority"], "setpriority", 0)
+        p.emit(_JEQ, nr["ioprio_set"], "ioprio_set", 0)
+        p.emit(_JEQ, nr["fcntl"], "fcntl", 0)
+        p.emit(_JEQ, nr["ioctl"], "ioctl", 0)
+        p.emit(_JEQ, nr["openat"], "openat", 0)
+        if "open" in nr:
+            p.emit(_JEQ, nr["open"], "open", 0)
     p.ret(_ALLOW)
     # Argument checks, then the shared verdicts (classic BPF jumps only forward).
     p.label("clone")
@@ -142,9 +203,40 @@ def build(same_uid: bool = False, pgid: int = 0, machine: str | None = None) -> 
         p.label("tgkill")  # tgkill(tgid, tid, sig): abort() and raise() of the call's first process
         p.emit(_LD_ABS, _arg(0))
         p.emit(_JEQ, pgid, "allow", "deny")
-        p.label("socket")
+        p.label("socketpair")  # (AF_UNIX, SOCK_STREAM [| SOCK_CLOEXEC | SOCK_NONBLOCK], ...)
         p.emit(_LD_ABS, _arg(0))
-        p.emit(_JEQ, _AF_UNIX, "allow", 0)
+        p.emit(_JEQ, _AF_UNIX, 0, "eacces")
+        p.emit(_LD_ABS, _arg(1))
+        p.emit(_AND, _SOCK_TYPE_MASK)
+        p.emit(_JEQ, _SOCK_STREAM, "allow", "eacces")
+        p.label("arg0_is_0")
+        p.emit(_LD_ABS, _arg(0))
+        p.emit(_JEQ, 0, "allow", "deny")
+        p.label("setpriority")  # (which, who, prio)
+        p.emit(_LD_ABS, _arg(0))
+        p.emit(_JEQ, _PRIO_PROCESS, "arg1_is_0", "deny")
+        p.label("ioprio_set")  # (which, who, ioprio)
+        p.emit(_LD_ABS, _arg(0))
+        p.emit(_JEQ, _IOPRIO_WHO_PROCESS, "arg1_is_0", "deny")
+        p.label("arg1_is_0")
+        p.emit(_LD_ABS, _arg(1))
+        p.emit(_JEQ, 0, "allow", "deny")
+        p.label("fcntl")  # (fd, cmd, arg)
+        p.emit(_LD_ABS, _arg(1))
+        p.emit(_JEQ, _F_SETOWN, "deny", 0)
+        p.emit(_JEQ, _F_SETOWN_EX, "deny", "allow")
+        p.label("ioctl")  # (fd, cmd, arg)
+        p.emit(_LD_ABS, _arg(1))
+        for cmd in _OWNER_IOCTLS:
+            p.emit(_JEQ, cmd, "deny", 0)
+        p.ret(_ALLOW)
+        p.label("open")  # (path, flags, mode)
+        p.emit(_LD_ABS, _arg(1))
+        p.emit(_JSET, _O_TMPFILE, "deny", "allow")
+        p.label("openat")  # (dirfd, path, flags, mode)
+        p.emit(_LD_ABS, _arg(2))
+        p.emit(_JSET, _O_TMPFILE, "deny", "allow")
+        p.label("eacces")
         p.ret(_ERRNO | errno.EACCES)
     p.label("deny")
     p.ret(eperm)

@@ -79,7 +79,7 @@ REMOVED_KEYS: dict[str, str] = {
     "critic.value_head_init": "a critic without a saved value head starts from N(0, init_std); for a zero "
                               "head convert with `sao convert hf-to-megatron --role critic --value-head-init zero`",
     "buffer.max_pending": "admission control (buffer.max_staleness) bounds the finished trajectories held",
-    "trainer.global_batch_tokens": "micro-batches are parallel.micro_batch_size rows",
+    "trainer.global_batch_tokens": "the token budget of a micro-batch is parallel.max_tokens_per_micro_batch",
 }
 
 

@@ -220,12 +220,21 @@ def _cut_jointly(parts: list[list[int]], lengths: Sequence[int], micro_batch_siz
                  seq_multiple: int) -> list[list[MicroBatchSlot]]:
     """Micro-batch i has one [height, width] on every rank (the allgather dispatcher gathers equal
     token counts): its width is the longest next row of any rank, its height what the budget allows at
-    that width, and every rank takes up to that many of its own next rows (longest first)."""
+    that width and what keeps every rank's own rows within MAX_PACKED_PADDING of it, and every rank
+    takes up to that many of its own next rows (longest first)."""
     queues = [sorted(p, key=lambda r: (-lengths[r], r)) for p in parts]
     per_rank: list[list[MicroBatchSlot]] = [[] for _ in parts]
     while any(queues):
         width = max(_width(lengths[q[0]], seq_multiple) for q in queues if q)
         height = micro_batch_size if max_tokens is None else max(1, min(micro_batch_size, max_tokens // width))
+        if max_tokens is not None:
+            for q in queues:
+                real = 0
+                for n, r in enumerate(q[:height]):
+                    real += lengths[r]
+                    if n and (n + 1) * width - real > MAX_PACKED_PADDING * (n + 1) * width:
+                        height = n
+                        break
         for r, q in enumerate(queues):
             take, queues[r] = q[:height], q[height:]
             per_rank[r].append(MicroBatchSlot(tuple(take), height, width))

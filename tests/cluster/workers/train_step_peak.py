@@ -36,7 +36,7 @@ from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
 from megatron_sao.models.presets import tiny_hf_config  # noqa: E402
 from megatron_sao.trainer.components import engine_overrides  # noqa: E402
 
-SEQ, ROWS, MICRO = 512, 4, 2
+SEQ, ROWS, MICRO = 1024, 4, 2
 
 
 def rss() -> int:

@@ -72,6 +72,8 @@ def test_a_row_longer_than_the_budget_is_refused_naming_the_key():
         plan_balanced([100, 5000], dp=2, micro_batch_size=8, max_tokens=4096, seq_multiple=1, cost=COST)
     with pytest.raises(ConfigError, match="parallel.max_tokens_per_micro_batch"):
         config_from_dict({}, ["model.max_seq_len=8192", "parallel.max_tokens_per_micro_batch=4096"])
+    with pytest.raises(ConfigError, match="parallel.cp: context parallelism is not supported"):
+        config_from_dict({"parallel": {"cp": 2}})
 
 
 def test_equal_count_splits_before_it_adds_dummies():

@@ -5,8 +5,9 @@
 
 prints the parameter counts, the trainer world (TP/PP/EP/ETP/DP/EDP), per-GPU memory of the actor
 and the critic (weights, gradients, optimizer shards, activations with and without full
-recompute, logits) and of one vLLM server (weights, KV cache), then a verdict. Exit codes: 0 the
-layout fits, 2 it is impossible (the message names the config field), 1 unexpected errors.
+recompute, logits; the batch, its outputs and the RoPE cache) and of one vLLM server (weights, KV
+cache), then a verdict. Exit codes: 0 the layout fits, 2 it is impossible (the message names the
+config field), 1 unexpected errors.
 
 The planner reads the same settings the trainer builds from, through the same functions, so the
 two cannot disagree: the layout and expert-TP size (`ParallelSizes.from_config`, the one default

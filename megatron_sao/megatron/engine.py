@@ -344,6 +344,11 @@ class MegatronEngine:
         for g, v in outcome.group_norms.items():
             metrics[f"grad_norm/{g}"] = v
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        # How well the plan spread the batch (megatron/batching.py::plan_stats), as verl logs its balance.
+        stats = batching.plan_stats(plan, batching.row_lengths(batch), self.cost)
+        metrics["plan/compute_ratio"] = stats.compute_ratio
+        metrics["plan/padding_fraction"] = stats.padding_fraction
+        metrics["plan/forward_calls"] = float(max(stats.forward_calls))
         return StepResult(loss=metrics["loss"], grad_norm=outcome.grad_norm, metrics=metrics, skipped=outcome.skipped)
 
     def export_hf_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -46,6 +46,10 @@ def test_balanced_budgeted_split_has_the_gradients_of_the_contiguous_split(resul
     # and the split really was different: the old one padded micro-batch i to the same width on both ranks
     assert r["contiguous_widths"][0] == r["contiguous_widths"][1]
     assert r["balanced_widths"] != r["contiguous_widths"]
+    # the step reports how well each plan spread the batch: the balanced one pads less
+    old, new = r["plan_metrics"]["contiguous"], r["plan_metrics"]["balanced"]
+    assert new["plan/padding_fraction"] < old["plan/padding_fraction"]
+    assert new["plan/forward_calls"] == max(r["balanced_calls"])
 
 
 def test_ep_ranks_with_unequal_rows_run_the_same_number_of_forwards(results):

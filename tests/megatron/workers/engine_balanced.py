@@ -81,6 +81,7 @@ def run(dispatcher: str, hf_dir: str, spec) -> dict:
         plan = actor.plan(batch)
         results[assignment] = dict(lp=lp, a_loss=a_step.loss, a_grads=a_grads, v=v, c_loss=c_step.loss,
                                    c_grads=c_grads, a_norm=a_step.grad_norm, c_norm=c_step.grad_norm,
+                                   plan_metrics={k: v for k, v in a_step.metrics.items() if k.startswith("plan/")},
                                    calls=[len(s) for s in plan.per_rank],
                                    widths=[[s.width for s in slots] for slots in plan.per_rank])
         del actor, critic
@@ -98,6 +99,7 @@ def run(dispatcher: str, hf_dir: str, spec) -> dict:
     out["critic_grad_norm_diff"] = abs(old["c_norm"] - new["c_norm"])
     out["balanced_calls"], out["balanced_widths"] = new["calls"], new["widths"]
     out["contiguous_widths"] = old["widths"]
+    out["plan_metrics"] = {"contiguous": old["plan_metrics"], "balanced": new["plan_metrics"]}
     unequal = batching.plan_balanced(batching.row_lengths(batch), dp=2, micro_batch_size=MBS_NEW,
                                      max_tokens=BUDGET, seq_multiple=1,
                                      cost=CostModel.for_model(spec), rule=batching.ShapeRule())

@@ -215,6 +215,31 @@ def logits_bytes(vocab: int, s: int, b: int, tp: int = 1, dtype_bytes: int = BF1
     return s * b * shard * dtype_bytes + min(chunk_tokens, s * b) * shard * FP32 + s * b * per_token_vectors
 
 
+# Megatron-core's RotaryEmbedding.forward is an lru_cache of 32 entries (shared by every model in the
+# process), one fp32 [s, 1, 1, head_dim] table per distinct sequence length; micro-batches are as wide
+# as their own longest row, so a run meets many lengths and the cache fills up.
+ROPE_CACHE_ENTRIES = 32
+
+
+def rope_cache_bytes(head_dim: int, s: int) -> float:
+    """The RoPE tables megatron-core keeps cached: at most ROPE_CACHE_ENTRIES lengths of at most s."""
+    return ROPE_CACHE_ENTRIES * s * head_dim * FP32
+
+
+# Per token of the engine's batch (trainer/step.py::model_inputs plus the targets): tokens, versions and
+# turn ids (int64), rollout log-probs, rewards, advantages and returns (fp32), attention, action and
+# lag-0 masks (bool).
+BATCH_BYTES_PER_TOKEN = 3 * 8 + 4 * FP32 + 3
+OUTPUT_BYTES_PER_TOKEN = 2 * FP32  # log-probs / values of the whole batch, and the DP all-gather's buffer
+
+
+def batch_bytes(rows: int, s: int, dp: int) -> float:
+    """What a train step holds of the batch on the device (megatron/engine.py): the whole [rows, s]
+    batch copied over, this rank's micro-batches cut from it (about rows/dp of them) and the full
+    fp32 outputs gathered back."""
+    return rows * s * (BATCH_BYTES_PER_TOKEN + OUTPUT_BYTES_PER_TOKEN) + -(-rows // dp) * s * BATCH_BYTES_PER_TOKEN
+
+
 # ------------------------------------------------------------------------------- KV cache
 
 

@@ -5,8 +5,9 @@
 
 prints the parameter counts, the trainer world (TP/PP/EP/ETP/DP/EDP), per-GPU memory of the actor
 and the critic (weights, gradients, optimizer shards, activations with and without full
-recompute, logits) and of one vLLM server (weights, KV cache), then a verdict. Exit codes: 0 the
-layout fits, 2 it is impossible (the message names the config field), 1 unexpected errors.
+recompute, logits; the batch, its outputs and the RoPE cache) and of one vLLM server (weights, KV
+cache), then a verdict. Exit codes: 0 the layout fits, 2 it is impossible (the message names the
+config field), 1 unexpected errors.
 
 The planner reads the same settings the trainer builds from, through the same functions, so the
 two cannot disagree: the layout and expert-TP size (`ParallelSizes.from_config`, the one default
@@ -98,6 +99,7 @@ class Plan:
     actor: RoleMemory
     critic: RoleMemory | None
     trainer_static: float  # weights + grads + optimizer of both models + overhead
+    step_buffers: float  # the batch on the device, its micro-batches and outputs, the RoPE cache
     trainer_peak: float  # with the config's recompute setting
     recompute_needed: bool  # the step does not fit without full recompute
     dtype: str  # model.dtype the trainer builds in
@@ -139,6 +141,16 @@ def resolve_hf_config(cfg: SAOConfig, hf_config: str | Mapping[str, Any] | None 
                       f"model ({sorted(_KNOWN_MODELS)}); pass --hf-config PATH")
 
 
+def micro_batch_rows(cfg: SAOConfig) -> float:
+    """Rows of model.max_seq_len tokens in the largest micro-batch: parallel.micro_batch_size, or fewer
+    when parallel.max_tokens_per_micro_batch holds fewer such rows (a fraction: the budget's tokens in
+    shorter rows; activations and logits are linear in tokens, and the s x s term is largest when the
+    budget's tokens come in rows of max_seq_len)."""
+    b = float(cfg.parallel.micro_batch_size)
+    budget = cfg.parallel.max_tokens_per_micro_batch
+    return b if budget is None else min(b, budget / cfg.model.max_seq_len)
+
+
 def _role_memory(spec: ModelSpec, layout: Layout, cfg: SAOConfig, opts: PlanOptions, role: str) -> RoleMemory:
     """Worst pipeline stage of `role` ("actor" or "critic") on one GPU."""
     counts = mem.count_params(spec)
@@ -165,11 +177,11 @@ def _role_memory(spec: ModelSpec, layout: Layout, cfg: SAOConfig, opts: PlanOpti
                   + frozen * nbytes_el)
         stages.append((nbytes, int(trainable_dense + trainable_experts), int(frozen)))
     nbytes, trainable, frozen = max(stages)
-    s, b = cfg.model.max_seq_len, cfg.parallel.micro_batch_size
+    s, b = cfg.model.max_seq_len, micro_batch_rows(cfg)
     sp = cfg.parallel.sequence_parallel
     # 1F1B: the first stage holds min(pp, microbatches) micro-batches of its layers (= all L
     # layers' worth when there are enough micro-batches, Korthikanti et al. section 4.2.3).
-    n_micro = max(1, cfg.buffer.batch_size // max(1, layout.dp * b))
+    n_micro = max(1, int(cfg.buffer.batch_size // max(1.0, layout.dp * b)))
     held = layers * min(pp, n_micro)
     shape = mem.LayerShape.from_spec(spec)
     per_layer = mem.layer_activation_bytes(shape, s, b, tp, sp, flash, etp if spec.is_moe else None, nbytes_el)
@@ -198,8 +210,10 @@ def plan(cfg: SAOConfig, hf_config: str | Mapping[str, Any] | ModelSpec | None =
     static = sum(m.weights_grads_optimizer for m in models) + overhead
     # Actor and critic train one after the other: only one model's activations are live at a time.
     budget = opts.gpu_mem_gib * mem.GIB
-    peak_plain = static + max(m.activations + m.logits for m in models)
-    peak_recompute = static + max(m.activations_recompute + m.logits for m in models)
+    buffers = (mem.batch_bytes(cfg.buffer.batch_size, cfg.model.max_seq_len, layout.dp)
+               + mem.rope_cache_bytes(spec.head_dim, cfg.model.max_seq_len))
+    peak_plain = static + buffers + max(m.activations + m.logits for m in models)
+    peak_recompute = static + buffers + max(m.activations_recompute + m.logits for m in models)
     recompute = cfg.parallel.recompute == "full"
     recompute_needed = peak_plain > budget
     peak = peak_recompute if recompute else peak_plain
@@ -235,7 +249,8 @@ def plan(cfg: SAOConfig, hf_config: str | Mapping[str, Any] | ModelSpec | None =
             "cluster.rollout_tp")))
     return Plan(spec=spec, layout=layout, total_params=counts.total, active_params=counts.active,
                 seq_len=cfg.model.max_seq_len, micro_batch=cfg.parallel.micro_batch_size, actor=actor, critic=critic,
-                trainer_static=static, trainer_peak=peak, recompute_needed=recompute_needed, dtype=cfg.model.dtype,
+                trainer_static=static, step_buffers=buffers, trainer_peak=peak, recompute_needed=recompute_needed,
+                dtype=cfg.model.dtype,
                 attention=attention_kernel(cfg.model.dtype, opts.transformer_engine), recompute=recompute,
                 padded_vocab=padded_vocab_size(spec.vocab_size, layout.tp), rollout_weights=weights,
                 rollout_kv_budget=kv_budget, kv_bytes_per_token=per_token, full_sequences_per_server=full,
@@ -278,7 +293,8 @@ def render(p: Plan, cfg: SAOConfig) -> str:
     lines = [
         f"model      {p.spec.arch}: {p.total_params / 1e9:.2f}B params total, {p.active_params / 1e9:.2f}B active",
         f"trainer    world={L.world} tp={L.tp} pp={L.pp} ep={L.ep} etp={L.etp} dp={L.dp} edp={L.edp} "
-        f"seq={p.seq_len} micro_batch={p.micro_batch} sp={cfg.parallel.sequence_parallel}",
+        f"seq={p.seq_len} micro_batch={p.micro_batch} max_tokens_per_micro_batch="
+        f"{cfg.parallel.max_tokens_per_micro_batch} sp={cfg.parallel.sequence_parallel}",
         f"precision  {p.dtype}, {p.attention} attention, recompute={'full' if p.recompute else 'none'}, "
         f"vocab {p.spec.vocab_size} padded to {p.padded_vocab}",
         f"placement  {cfg.cluster.placement}: {L.rollout_servers} rollout server(s), tp={cfg.cluster.rollout_tp}",
@@ -294,6 +310,7 @@ def render(p: Plan, cfg: SAOConfig) -> str:
             f"  {name:6s} logits                  {g(m.logits)}",
         ]
     lines += [
+        f"  batch, outputs, RoPE cache     {g(p.step_buffers)}",
         f"  overhead                       {g(p.options.overhead_gib * mem.GIB)}",
         f"  trainer peak                   {g(p.trainer_peak)}  of {p.options.gpu_mem_gib:g} GiB"
         f"{'  (needs full recompute)' if p.recompute_needed else ''}",

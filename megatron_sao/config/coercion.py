@@ -79,7 +79,7 @@ REMOVED_KEYS: dict[str, str] = {
     "critic.value_head_init": "a critic without a saved value head starts from N(0, init_std); for a zero "
                               "head convert with `sao convert hf-to-megatron --role critic --value-head-init zero`",
     "buffer.max_pending": "admission control (buffer.max_staleness) bounds the finished trajectories held",
-    "trainer.global_batch_tokens": "micro-batches are parallel.micro_batch_size rows",
+    "trainer.global_batch_tokens": "the token budget of a micro-batch is parallel.max_tokens_per_micro_batch",
 }
 
 
@@ -96,11 +96,23 @@ def _drop_removed_keys(data: dict, prefix: str) -> dict:
     return out
 
 
+# Keys users of other trainers expect that this one does not support: refused with the reason.
+UNSUPPORTED_KEYS: dict[str, str] = {
+    "parallel.cp": "context parallelism is not supported: it needs TransformerEngine's attention, which the "
+                   "CPU build cannot run or test; long rows train with full recompute and "
+                   "parallel.max_tokens_per_micro_batch",
+}
+
+
 def _from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     data = _drop_removed_keys(data, prefix)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
+    for k in unknown:
+        key = f"{prefix}.{k}" if prefix else k
+        if key in UNSUPPORTED_KEYS:
+            raise ConfigError(f"{key}: {UNSUPPORTED_KEYS[key]}")
     if unknown:
         where = prefix or "top level"
         raise ConfigError(f"{prefix + '.' if prefix else ''}{unknown[0]}: unknown key at {where} "

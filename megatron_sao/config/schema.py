@@ -49,7 +49,13 @@ class ParallelConfig:
     # (models/parallel_sizes.default_expert_tp): 1 (experts whole on their EP rank) when ep >= tp, else tp.
     etp: Optional[int] = None
     sequence_parallel: bool = False
+    # A micro-batch holds at most micro_batch_size rows and, when max_tokens_per_micro_batch is set, at
+    # most that many padded tokens (rows x its longest row's width): long rows go alone, short ones
+    # many together. Unset: micro-batches of micro_batch_size rows. Rows go to DP ranks by a partition
+    # of their compute cost either way (megatron/batching.py); the budget must hold a model.max_seq_len
+    # row, and `sao plan` counts the activations and logits of a budget-sized micro-batch.
     micro_batch_size: int = 8
+    max_tokens_per_micro_batch: Optional[int] = None
     # Full activation recompute (long contexts); `sao plan` refuses a config that needs it and lacks it.
     recompute: Literal["none", "full"] = "none"
 

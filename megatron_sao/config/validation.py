@@ -53,6 +53,12 @@ def _check_model_layout(p: ParallelConfig, model: ModelConfig) -> None:
     _check(model.dtype != "float16", "model.dtype",
            "float16 training needs loss scaling, which the trainer does not implement; use bfloat16")
     _check(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel", "needs parallel.tp > 1")
+    if p.max_tokens_per_micro_batch is not None:
+        # (Under sequence parallel a row is padded to a multiple of tp; the engine's plan refuses a
+        # budget below that width with the same key, after the layout rules have had their say.)
+        _check(p.max_tokens_per_micro_batch >= model.max_seq_len, "parallel.max_tokens_per_micro_batch",
+               f"must hold one whole row of model.max_seq_len={model.max_seq_len} tokens, "
+               f"got {p.max_tokens_per_micro_batch}")
 
 
 def _check_sampling(r: RolloutConfig, a: AlgorithmConfig) -> None:

@@ -20,8 +20,10 @@ from typing import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_sao.megatron import batching
 from megatron_sao.megatron import forward as fwd
-from megatron_sao.megatron.batching import Batch, prepare_local_batch
+from megatron_sao.megatron.batching import Batch
+from megatron_sao.megatron.compute_cost import CostModel
 from megatron_sao.megatron.optimizer import OptimConfig, build_optimizer, safe_optimizer_step
 from megatron_sao.megatron.parallel import ParallelContext, init_parallel
 from megatron_sao.models.hf_config import ModelSpec
@@ -87,7 +89,11 @@ class MegatronEngine:
         optim: optimizer settings of this engine.
         role: "actor" (outputs per-token log-probs) or "critic" (per-token values).
         init: weight source (HF dir, Megatron checkpoint dir, or random seed).
-        micro_batch_size: rows per micro-batch in every call.
+        micro_batch_size: the most rows of one micro-batch.
+        max_tokens_per_micro_batch: the most padded tokens (rows x width) of one micro-batch; None =
+            micro-batches of exactly micro_batch_size rows (see megatron/batching.py for the plan).
+        assignment: "balanced" (rows over DP ranks by compute cost, per-rank micro-batches) or
+            "contiguous" (the rule it replaced; the baseline of tests and benchmarks).
         freeze_patterns: names (fnmatch globs or "re:" regexes on canonical names) to freeze,
             e.g. models.freeze.CRITIC_FROZEN_ATTENTION for SAO's critic.
         grad_norm_groups: {group: patterns}; their grad norms land in StepResult.metrics as
@@ -106,6 +112,8 @@ class MegatronEngine:
         role: str,
         init: InitSource,
         micro_batch_size: int = 1,
+        max_tokens_per_micro_batch: int | None = None,
+        assignment: str = "balanced",
         freeze_patterns: Sequence[str] = (),
         grad_norm_groups: Mapping[str, Sequence[str]] | None = None,
         params_dtype: torch.dtype = torch.float32,
@@ -122,6 +130,12 @@ class MegatronEngine:
             raise ValueError(f"role must be 'actor' or 'critic', got {role!r}")
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+        if max_tokens_per_micro_batch is not None and (not isinstance(max_tokens_per_micro_batch, int)
+                                                       or max_tokens_per_micro_batch < 2):
+            raise ValueError(f"max_tokens_per_micro_batch must be an int >= 2 or None, got "
+                             f"{max_tokens_per_micro_batch!r}")
+        if assignment not in ("balanced", "contiguous"):
+            raise ValueError(f"assignment must be 'balanced' or 'contiguous', got {assignment!r}")
         if not isinstance(optim, OptimConfig):
             raise TypeError(f"optim must be an OptimConfig, got {type(optim).__name__}")
         self.ctx = ctx if ctx is not None else init_parallel(sizes)
@@ -136,6 +150,9 @@ class MegatronEngine:
         sizes.validate_for(spec, c.world_size)
         self.spec, self.sizes, self.optim_config, self.role = spec, sizes, optim, role
         self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self.assignment = assignment
+        self.cost = CostModel.for_model(spec)
         self.state_version = 0
         self.grad_norm_groups = {k: list(v) for k, v in (grad_norm_groups or {}).items()}
 
@@ -162,6 +179,7 @@ class MegatronEngine:
         self.replay_routes = False  # rollout.routing_replay: replay the engine's routes, not only measure
         self.last_routing_agreement: dict[str, float] | None = None  # of the latest logprobs() call with routes
         self.layout = self._rank_layout()
+        self.shape_rule = self._shape_rule()
         if init.hf_dir is not None:
             from megatron_sao.checkpoint.load import load_hf_into_model
 
@@ -217,17 +235,67 @@ class MegatronEngine:
             raise RuntimeError(f"{self.role}: {'/'.join(self._offload.offloaded())} offloaded to host "
                                f"(colocated placement); onload({list(parts)}) before this call")
 
-    def _local(self, batch: Batch, required: tuple[str, ...] = ()):
+    def _shape_rule(self) -> batching.ShapeRule:
+        """What this layout's collectives need of micro-batch shapes (megatron/batching.py). An MoE
+        layer's expert-parallel group spans DP ranks when ep > 1: every forward runs its dispatcher's
+        collectives there, so every DP rank runs as many; the allgather dispatcher (the CPU build's)
+        also gathers equal token counts, the alltoall one (GPU) exchanges counts first and does not.
+        The pipeline's p2p buffers have one shape unless Megatron communicates shapes."""
+        c, cfg = self.ctx, self.config
+        moe_ep = self.spec.is_moe and c.ep > 1
+        return batching.ShapeRule(equal_count=moe_ep,
+                                  equal_shapes=moe_ep and cfg.moe_token_dispatcher_type == "allgather",
+                                  fixed_shape=c.pp > 1 and not cfg.variable_seq_lengths)
+
+    def plan(self, batch: Batch) -> batching.BatchPlan:
+        """Which rows each DP rank computes, in which micro-batches and shapes (the same on every rank)."""
         c = self.ctx
-        if isinstance(batch, dict) and "routes" in batch:
-            if not self.routing:  # the critic (or a dense actor) routes by itself
-                batch = {k: v for k, v in batch.items() if k != "routes"}
-            else:
-                self._check_routes(batch["routes"])
-        batch = {k: v.to(c.device) for k, v in batch.items()} if isinstance(batch, dict) else batch
         seq_multiple = c.tp if c.sequence_parallel else 1
-        return prepare_local_batch(batch, dp=c.dp, dp_rank=c.dp_rank, micro_batch_size=self.micro_batch_size,
-                                   seq_multiple=seq_multiple, required=required, trim=c.pp == 1)
+        lengths = batching.row_lengths(batch)
+        if self.assignment == "contiguous":
+            return batching.plan_contiguous(lengths, dp=c.dp, micro_batch_size=self.micro_batch_size,
+                                            seq_multiple=seq_multiple, fixed_shape=self.shape_rule.fixed_shape)
+        return batching.plan_balanced(lengths, dp=c.dp, micro_batch_size=self.micro_batch_size,
+                                      max_tokens=self.max_tokens_per_micro_batch, seq_multiple=seq_multiple,
+                                      cost=self.cost, rule=self.shape_rule)
+
+    def _local(self, batch: Batch, required: tuple[str, ...] = ()):
+        """(plan, this rank's micro-batches, B, T) of a validated batch on the training device."""
+        if isinstance(batch, dict):
+            if "routes" in batch:
+                if not self.routing:  # the critic (or a dense actor) routes by itself
+                    batch = {k: v for k, v in batch.items() if k != "routes"}
+                else:
+                    self._check_routes(batch["routes"])
+            batch = {k: v.to(self.ctx.device) for k, v in batch.items()}
+        b, t = batching.validate_batch(batch, required=required)
+        plan = self.plan(batch)
+        return plan, batching.micro_batches(batch, plan, self.ctx.dp_rank), b, t
+
+    def _gather_rows(self, local: list[torch.Tensor] | None, plan: batching.BatchPlan, b: int) -> torch.Tensor:
+        """[B, cols] outputs on every rank, rows in the batch's order. The last pipeline stage holds
+        this DP rank's rows (identical across its TP ranks): all-gathered over DP at the longest
+        rank's row count, put back in place by the plan, then broadcast over the pipeline group."""
+        c = self.ctx
+        counts = [len(plan.rows_of(r)) for r in range(c.dp)]
+        most = max(counts)
+        full = torch.zeros((b, plan.cols), dtype=torch.float32, device=c.device)
+        if c.is_last_stage:
+            mine = torch.cat([o[:len(s.rows)] for o, s in zip(local, plan.per_rank[c.dp_rank])], dim=0)
+            mine = torch.nn.functional.pad(mine.float(), (0, 0, 0, most - mine.shape[0]))
+            if c.dp > 1:
+                gathered = torch.empty((c.dp * most, plan.cols), dtype=torch.float32, device=c.device)
+                dist.all_gather_into_tensor(gathered, mine.contiguous(), group=c.dp_group)
+            else:
+                gathered = mine
+            for r in range(c.dp):
+                rows = plan.rows_of(r)
+                if rows:
+                    idx = torch.tensor(rows, dtype=torch.long, device=c.device)
+                    full.index_copy_(0, idx, gathered[r * most:r * most + len(rows)])
+        if c.pp > 1:
+            dist.broadcast(full, src=c.last_stage_rank, group=c.pp_group)
+        return full
 
     def _check_routes(self, routes: torch.Tensor) -> None:
         s = self.spec
@@ -263,15 +331,16 @@ class MegatronEngine:
             raise RuntimeError(f"this engine is a {self.role}; {'logprobs' if role == 'actor' else 'values'}() "
                                f"needs a {role} engine")
         self._require("params")
-        micro, b, t, cols = self._local(batch)
+        plan, micro, b, t = self._local(batch)
         self.ddp.eval()
         routing = self._routing_begin(batch) if role == "actor" else None
-        outs = fwd.forward_outputs(role, self.chunks, micro, cols, vocab_size=self.spec.vocab_size, routing=routing)
+        outs = fwd.forward_outputs(role, self.chunks, micro, plan.cols, vocab_size=self.spec.vocab_size,
+                                   routing=routing)
         if routing is not None:
             self.last_routing_agreement = self._routing_agreement(routing)
-        local = torch.cat(outs, dim=0) if self.ctx.is_last_stage else None
-        rows = len(micro) * self.micro_batch_size * self.ctx.dp
-        full = fwd.gather_to_all(local, (rows, cols), self.ctx)[:b, :t]
+        full = self._gather_rows(outs if self.ctx.is_last_stage else None, plan, b)
+        # The plan is as wide as the longest real row; the batch may carry padding columns past it.
+        full = torch.nn.functional.pad(full, (0, max(t - full.shape[1], 0)))[:, :t]
         mask = batch["attention_mask"]
         # Back where the caller's batch lives (the trainer's batches are host tensors: GAE and the
         # log-prob checks mix these outputs with them; on a GPU `full` is on the GPU).
@@ -296,14 +365,14 @@ class MegatronEngine:
         untouched) and returns skipped=True.
         """
         self._require()
-        micro, _, _, cols = self._local(batch, required=("action_mask",))
+        plan, micro, _, _ = self._local(batch, required=("action_mask",))
         denominator = batch["action_mask"].float().sum().clamp(min=1.0).to(self.ctx.device)
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         t0 = time.perf_counter()
         routing = self._routing_begin(batch)
-        store = fwd.run_schedule(self.chunks, micro, cols,
+        store = fwd.run_schedule(self.chunks, micro, plan.cols,
                                  fwd.make_train_loss_func(self.role, loss_fn, denominator,
                                                           vocab_size=self.spec.vocab_size),
                                  forward_only=False, routing=routing)
@@ -325,6 +394,11 @@ class MegatronEngine:
         for g, v in outcome.group_norms.items():
             metrics[f"grad_norm/{g}"] = v
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        # How well the plan spread the batch (megatron/batching.py::plan_stats), as verl logs its balance.
+        stats = batching.plan_stats(plan, batching.row_lengths(batch), self.cost)
+        metrics["plan/compute_ratio"] = stats.compute_ratio
+        metrics["plan/padding_fraction"] = stats.padding_fraction
+        metrics["plan/forward_calls"] = float(max(stats.forward_calls))
         return StepResult(loss=metrics["loss"], grad_norm=outcome.grad_norm, metrics=metrics, skipped=outcome.skipped)
 
     def export_hf_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:

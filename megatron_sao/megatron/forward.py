@@ -80,8 +80,8 @@ def run_schedule(
 ) -> list:
     """One pass of Megatron's forward(-backward) schedule over `micro_batches`.
 
-    Micro-batches may be narrower than `seq_length` (padding columns trimmed, see
-    batching.prepare_local_batch). Returns the per-micro-batch metric dicts (non-empty on the last pipeline stage only).
+    Micro-batches may be narrower than `seq_length` (each is as wide as its own longest row, see
+    megatron/batching.py). Returns the per-micro-batch metric dicts (non-empty on the last pipeline stage only).
     `routing` (megatron/routing_replay.py, MoE actor): each micro-batch's `routes` become its routers'
     replay targets before its forward, and recompute in its backward replays the same ones.
     """
@@ -127,27 +127,6 @@ def forward_outputs(
         store = run_schedule(model_chunks, micro_batches, seq_length, make_loss_func, forward_only=True,
                              routing=routing)
     return [d["out"] for d in store]
-
-
-def gather_to_all(local_rows: torch.Tensor | None, shape: tuple[int, int], ctx) -> torch.Tensor:
-    """Assemble the full [rows, cols] output on every rank.
-
-    The last pipeline stage holds this DP rank's rows (identical across its TP ranks): all-gather
-    them over DP, then broadcast over the pipeline group from the last stage.
-    """
-    rows, cols = shape
-    per_rank = rows // ctx.dp
-    full = torch.empty((rows, cols), dtype=torch.float32, device=ctx.device)
-    if ctx.is_last_stage:
-        assert local_rows is not None and local_rows.shape == (per_rank, cols), (
-            None if local_rows is None else local_rows.shape)
-        if ctx.dp > 1:
-            dist.all_gather_into_tensor(full, local_rows.contiguous().to(full.device), group=ctx.dp_group)
-        else:
-            full.copy_(local_rows)
-    if ctx.pp > 1:
-        dist.broadcast(full, src=ctx.last_stage_rank, group=ctx.pp_group)
-    return full
 
 
 def make_train_loss_func(role: str, loss_fn: LossFn, denominator: torch.Tensor, *, vocab_size: int | None):

@@ -161,6 +161,7 @@ def build_actor(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = No
                            engine_optim(optim, total_steps or cfg.run.total_steps),
                            role="actor", init=_init_source(init or cfg.actor.init or str(model_dir)),
                            micro_batch_size=cfg.parallel.micro_batch_size, ctx=ctx,
+                           max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
                            params_dtype=params_dtype(cfg), config_overrides=engine_overrides(cfg))
     actor.replay_routes = cfg.rollout.routing_replay
     return actor
@@ -195,6 +196,7 @@ def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = N
     engine = MegatronEngine(spec, parallel_sizes(cfg), engine_optim(cfg.critic.optim, steps),
                             role="critic", init=_init_source(init or cfg.critic.init or str(model_dir)),
                             micro_batch_size=cfg.parallel.micro_batch_size,
+                            max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
                             freeze_patterns=critic_freeze_patterns(cfg.critic, spec) if freeze else (),
                             grad_norm_groups=CRITIC_NORM_GROUPS if spec.is_moe else CRITIC_NORM_GROUPS_DENSE,
                             ctx=ctx, params_dtype=params_dtype(cfg), config_overrides=engine_overrides(cfg))

@@ -127,9 +127,10 @@ class SAOTrainer:
         self._install_signal_handlers()
         try:
             while self.step < self.total:
-                # Sorted by length so each micro-batch only pays for its own longest trajectory.
+                # In the buffer's order: the engines plan ranks and micro-batches themselves
+                # (megatron/batching.py) and hand their outputs back in this order.
                 tw = time.monotonic()
-                trajs = sorted(self._next_batch(), key=lambda t: t.length)
+                trajs = self._next_batch()
                 wait_s = time.monotonic() - tw
                 self.placement.before_train()  # colocated: engines asleep, trainer state on the device
                 t0 = time.monotonic()

@@ -61,7 +61,12 @@ def test_aime_memory_by_hand(qwen_long):
     # The log-prob stage: bf16 logits, one fp32 chunk of 1024 rows, 17 bytes a token (megatron/logprobs.py).
     assert p.actor.logits == pytest.approx(s * v / 4 * 2 + 1024 * v / 4 * 4 + s * 17) and p.critic.logits == 0
     assert p.recompute_needed and p.recompute  # the recipe sets parallel.recompute: full
-    assert p.trainer_peak == pytest.approx(p.trainer_static + p.actor.activations_recompute + p.actor.logits)
+    # The step's buffers: the batch (43 bytes a token) and its fp32 outputs (8) on the device, this rank's
+    # micro-batches (1/dp of the batch), and 32 cached fp32 RoPE tables of 128 dims.
+    batch = 128 * s * (43 + 8) + 16 * s * 43
+    assert p.step_buffers == pytest.approx(batch + 32 * s * 128 * 4)
+    assert p.trainer_peak == pytest.approx(p.trainer_static + p.step_buffers + p.actor.activations_recompute
+                                           + p.actor.logits)
     # vLLM TP=4: bf16 weights / 4; KV of one token = 2 * 48 layers * 1 kv head * 128 * 2 bytes.
     assert p.rollout_weights == pytest.approx(p.total_params * 2 / 4)
     assert p.kv_bytes_per_token == 24576

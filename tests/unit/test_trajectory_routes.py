@@ -164,9 +164,10 @@ def test_dense_actor_refuses_routing_replay():
     check_routing_replay(cfg, model_spec_from_hf(tiny_hf_config("qwen3_moe")))  # an MoE actor is fine
 
 
-def test_buffer_resume_restores_routes_and_refuses_a_damaged_route_file(tmp_path):
+def test_buffer_resume_restores_routes_and_sets_aside_a_damaged_route_file(tmp_path, caplog):
     """The buffer persists every trajectory on arrival; a resumed buffer gets the routes back bit-exactly, and a
-    file whose routes were damaged stops the restore with the file's name (nothing is trained on half a route)."""
+    file whose routes were damaged is not restored (nothing is trained on half a route): it is set aside under
+    buffer/set_aside/ with its name and the reason in the log, like any buffer file that does not parse."""
     from megatron_sao.buffer import TrajectoryBuffer
 
     buf = TrajectoryBuffer(batch_size=1, max_staleness=4, directory=tmp_path / "buffer")
@@ -178,6 +179,7 @@ def test_buffer_resume_restores_routes_and_refuses_a_damaged_route_file(tmp_path
     _edit(path, path.with_suffix(".tmp"), routed_experts=lambda r: r[:-2],
           route_offsets=lambda o: o - torch.tensor([0, 2]))
     path.with_suffix(".tmp").replace(path)
-    with pytest.raises(TrajectoryFileError, match="must cover every token before the last action token") as e:
-        TrajectoryBuffer(batch_size=1, max_staleness=4, directory=tmp_path / "buffer").restore()
-    assert path.name in str(e.value)
+    with caplog.at_level("WARNING", logger="megatron_sao.buffer"):
+        assert TrajectoryBuffer(batch_size=1, max_staleness=4, directory=tmp_path / "buffer").restore() == []
+    assert not path.exists() and (tmp_path / "buffer" / "set_aside" / path.name).exists()
+    assert path.name in caplog.text and "must cover every token before the last action token" in caplog.text

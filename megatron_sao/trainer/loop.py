@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megatron_sao.algorithms import RunningMeanBaseline
 from megatron_sao.buffer import TrajectoryBuffer
-from megatron_sao.config import SAOConfig, dump_config
+from megatron_sao.config import SAOConfig, dump_config, to_dict
 from megatron_sao.distributed.gated import GatedCollectives
 from megatron_sao.errors import UserError
 from megatron_sao.rollout.prompts import unit_of
@@ -68,6 +68,7 @@ class SAOTrainer:
             self.run_dir.start_train(overwrite=overwrite)
         if self.rank0:
             dump_config(cfg, self.run_dir.path / "config.yaml")
+            self.run_dir.configure_scalars(cfg.run.tensorboard, cfg.run.wandb, cfg.run.name, to_dict(cfg))
         self.collectives.barrier()
         self.model_dir = C.resolve_model_dir(cfg, self.run_dir.path) if self.rank0 else None
         self.model_dir = Path(self.collectives.broadcast(str(self.model_dir) if self.model_dir else None))
@@ -344,7 +345,7 @@ class SAOTrainer:
         if started:  # trainer steps at which this batch's episodes started (non-stationary envs judge by it)
             m["rollout/policy_step_min"], m["rollout/policy_step_max"] = min(started), max(started)
         m.update(self.rollout.metrics())  # per server: episodes, weight version, health, sync check
-        self.run_dir.log_metrics(m, tensorboard=self.cfg.run.tensorboard)
+        self.run_dir.log_metrics(m)
         self.run_dir.log_batch(m["step"], trajs)
         self.console.update(m)
 

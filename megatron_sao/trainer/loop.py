@@ -43,6 +43,7 @@ from megatron_sao.trainer import checkpoints as ckpts
 from megatron_sao.trainer import colocated as colo
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
+from megatron_sao.trainer.hf_export import export_hf_model, export_step
 from megatron_sao.trainer.losses import critic_loss_fn, policy_loss_fn
 from megatron_sao.trainer.run_dir import rng_state, set_rng_state
 from megatron_sao.trainer.step import sao_step
@@ -146,8 +147,6 @@ class SAOTrainer:
                 m.update(self.placement.after_train(self.version, time.monotonic() - t0))
                 self._end_step(m, trajs, batch, t0)
             self.save()
-            from megatron_sao.trainer.hf_export import export_hf_model
-
             with self.placement.trainer_resident():
                 export_hf_model(self.actor, self.model_dir, self.run_dir.path / "final_model")
         finally:
@@ -164,6 +163,8 @@ class SAOTrainer:
         if self._eval_due(self.step):  # while the next batch's episodes run
             m.update(self._evaluate())
         m.update(self.placement.end_step(self.step - 1, self.run_dir))  # colocated: seconds and memory per phase
+        if self.cfg.run.export_every and self.step % self.cfg.run.export_every == 0:
+            m["time/export_s"] = self._export()
         self._log(m, trajs, batch, step_s)
         if self._stop_agreed():
             self.save()
@@ -266,6 +267,13 @@ class SAOTrainer:
             # Release only what the older kept checkpoint covers too: a fallback to it (the newest
             # one damaged) must still find the trajectories trained after it.
             self.buffer.release_consumed(ckpts.step_of(previous) - 1)
+
+    def _export(self) -> float:
+        """run.export_every: the actor as an HF checkpoint in <run>/exports/step_N (collective)."""
+        t0 = time.monotonic()
+        with self.placement.trainer_resident():
+            export_step(self.actor, self.model_dir, self.run_dir.exports_dir, self.step)
+        return time.monotonic() - t0
 
     def _resume(self) -> dict | None:
         """Load the newest intact checkpoint (falling back past damaged ones, which are named and set

@@ -34,6 +34,7 @@ from megatron_sao.errors import UserError
 from megatron_sao.faults import fault_point
 from megatron_sao.trainer import checkpoints as ckpts
 from megatron_sao.trainer.checkpoints import atomic_write_text
+from megatron_sao.trainer.hf_export import drop_exports_after, remove_stale_exports
 from megatron_sao.trainer.scalar_sinks import ScalarSinks, TensorBoardSink, WandbSink, require_wandb
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class RunDir:
         self.is_writer = is_writer
         self.ckpt_root = self.path / "checkpoints"
         self.buffer_dir = self.path / "buffer"
+        self.exports_dir = self.path / "exports"
         if is_writer:
             self.ckpt_root.mkdir(parents=True, exist_ok=True)
         self._tb: TensorBoardSink | None = TensorBoardSink(self.path / "tensorboard")
@@ -92,7 +94,7 @@ class RunDir:
     # ------------------------------------------------------------------ run lifecycle
     def remove_stale(self) -> list[Path]:
         """Temp files and directories of a process that died while writing (never read by anyone)."""
-        gone = ckpts.remove_uncommitted(self.ckpt_root)
+        gone = ckpts.remove_uncommitted(self.ckpt_root) + remove_stale_exports(self.exports_dir)
         # Only what the trainer itself writes: other processes (a rollout server materializing the
         # base model) may be writing their own temp files into the run directory right now.
         patterns = [(self.path, f".{name}.tmp-*") for name in TRAIN_LOGS]
@@ -166,6 +168,7 @@ class RunDir:
         for p in (self.path / "eval").glob("step_*.jsonl"):
             if int(p.stem.split("_")[1]) > step:  # eval/step_k is written while logging step k - 1
                 p.unlink()
+        drop_exports_after(self.exports_dir, step)
         if self._tb is not None:
             self._tb.purge_step = step
 

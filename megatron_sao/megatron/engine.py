@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megatron_sao.megatron import forward as fwd
 from megatron_sao.megatron.batching import Batch, prepare_local_batch
-from megatron_sao.megatron.optimizer import OptimConfig, build_optimizer, safe_optimizer_step
+from megatron_sao.megatron.optimizer import OptimConfig, build_optimizer, effective_for, safe_optimizer_step
 from megatron_sao.megatron.parallel import ParallelContext, init_parallel
 from megatron_sao.models.hf_config import ModelSpec
 from megatron_sao.models.parallel_sizes import ParallelSizes
@@ -134,6 +134,7 @@ class MegatronEngine:
         # Every layout rule (incl. the refusal of MoE with etp*ep < tp, which trains with wrong
         # gradients on megatron-core 0.16.1) lives in ParallelSizes.problems, shared with `sao plan`.
         sizes.validate_for(spec, c.world_size)
+        optim = effective_for(optim, c.dp)  # the distributed optimizer only where DP has several ranks
         self.spec, self.sizes, self.optim_config, self.role = spec, sizes, optim, role
         self.micro_batch_size = micro_batch_size
         self.state_version = 0

@@ -259,7 +259,7 @@ class MegatronEngine:
         store = fwd.run_schedule(self.chunks, micro, cols,
                                  fwd.make_train_loss_func(self.role, loss_fn, denominator,
                                                           vocab_size=self.spec.vocab_size),
-                                 forward_only=False)
+                                 forward_only=False, role=self.role)
         t1 = time.perf_counter()
         metrics = fwd.reduce_step_metrics(store, self.ctx)
         bad = torch.tensor([0.0 if math.isfinite(metrics["loss"]) else 1.0], device=self.ctx.device)

@@ -30,7 +30,7 @@ _WEIGHT = "__action_tokens__"  # per-micro-batch weight for mean-type metrics
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int | None = None, *,
-                   with_entropy: bool = False):
+                   with_entropy: bool = False, seq_first: bool = False):
     """log p(tokens[:, t] | tokens[:, :t]) placed at position t ([b, s]); position 0 gets 0.
 
     `logits` is [b, s, V/TP]: the vocab stays sharded (max and sum-exp are reduced over the TP group,
@@ -39,12 +39,16 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int |
     the padding rows of the vocabulary (models/vocab.py) out of the normaliser. The logits' storage
     holds their gradient after the backward pass. `with_entropy`: also the entropy of the distribution
     token t was drawn from, at position t (a metric: no gradient), as a second [b, s] tensor.
+    `seq_first`: the logits are [s, b, V/TP], the output layer's layout (models/gpt.py::ActorGPTModel):
+    read where they are, no transposed copy; the outputs are [b, s] all the same.
     """
     labels = torch.roll(tokens, shifts=-1, dims=1)  # labels[:, t] = tokens[:, t + 1]
     # The last column has no next token: its (wrapped) label is computed and thrown away.
-    out = vocab_parallel_logprobs(logits, labels, vocab_size, with_entropy=with_entropy)
-    shifted = [torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
-               for x in (out if with_entropy else (out,))]
+    out = vocab_parallel_logprobs(logits, labels.t() if seq_first else labels, vocab_size, with_entropy=with_entropy)
+    out = out if with_entropy else (out,)
+    if seq_first:
+        out = tuple(x.t() for x in out)  # [s, b] -> [b, s]: small vectors
+    shifted = [torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1) for x in out]
     return tuple(shifted) if with_entropy else shifted[0]
 
 
@@ -63,13 +67,19 @@ def model_inputs(mb: Batch) -> tuple[torch.Tensor, torch.Tensor, None]:
 
 
 def head_output(role: str, output: torch.Tensor, tokens: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-    """Actor: logits -> per-token log-probs [b, s]. Critic: values [b, s, 1] -> [b, s]."""
+    """Actor: logits [s, b, V/TP] (`model_kwargs`) -> per-token log-probs [b, s]. Critic: values [b, s, 1] -> [b, s]."""
     if role == "actor":
-        return token_logprobs(output, tokens, vocab_size)
+        return token_logprobs(output, tokens, vocab_size, seq_first=True)
     if output.dim() != 3 or output.shape[-1] != 1 or output.shape[:2] != tokens.shape:
         raise RuntimeError(f"critic model returned shape {tuple(output.shape)}, expected [b, s, 1] "
                            f"with [b, s] = {list(tokens.shape)}")
     return output.squeeze(-1).float()
+
+
+def model_kwargs(role: str, tokens: torch.Tensor) -> dict:
+    """The actor is called with labels: ActorGPTModel then returns its logits as the output layer made
+    them, [s, b, V/TP], instead of a transposed contiguous copy (models/gpt.py)."""
+    return {"labels": tokens} if role == "actor" else {}
 
 
 def run_schedule(
@@ -79,6 +89,7 @@ def run_schedule(
     make_loss_func: Callable[[Batch], Callable],
     *,
     forward_only: bool,
+    role: str,
 ) -> list:
     """One pass of Megatron's forward(-backward) schedule over `micro_batches`.
 
@@ -90,7 +101,7 @@ def run_schedule(
     def forward_step(data_iterator: Iterator[Batch], model):
         mb = next(data_iterator)
         tokens, positions, mask = model_inputs(mb)
-        return model(tokens, positions, mask), make_loss_func(mb)
+        return model(tokens, positions, mask, **model_kwargs(role, tokens)), make_loss_func(mb)
 
     return get_forward_backward_func()(
         forward_step_func=forward_step,
@@ -118,7 +129,7 @@ def forward_outputs(
         return loss_func
 
     with torch.no_grad():
-        store = run_schedule(model_chunks, micro_batches, seq_length, make_loss_func, forward_only=True)
+        store = run_schedule(model_chunks, micro_batches, seq_length, make_loss_func, forward_only=True, role=role)
     return [d["out"] for d in store]
 
 
@@ -150,7 +161,7 @@ def make_train_loss_func(role: str, loss_fn: LossFn, denominator: torch.Tensor, 
         def loss_func(output: torch.Tensor):
             entropy = None
             if role == "actor":  # the policy's entropy comes out of the same chunked pass (a metric)
-                out, entropy = token_logprobs(output, mb["tokens"], vocab_size, with_entropy=True)
+                out, entropy = token_logprobs(output, mb["tokens"], vocab_size, with_entropy=True, seq_first=True)
             else:
                 out = head_output(role, output, mb["tokens"], vocab_size)
             result = loss_fn(out, mb, denominator)

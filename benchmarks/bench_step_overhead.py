@@ -173,6 +173,7 @@ def main() -> None:
             fwd_bwd, opt = fn()
             if rep:
                 times[name].append((fwd_bwd, opt))
+            print(f"round {rep} {name}: fwd+bwd {fwd_bwd:.3f} s, optimizer {opt:.3f} s", file=sys.stderr, flush=True)
 
     def med(name: str, part: int | None = None) -> float:
         return statistics.median(sum(t) if part is None else t[part] for t in times[name])

@@ -80,6 +80,7 @@ def dis_policy_loss(
     eps_low: float,
     eps_high: float,
     loss_denominator: float | torch.Tensor | None = None,
+    turn_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """SAO's direct double-sided importance sampling (DIS) policy loss.
 
@@ -102,6 +103,8 @@ def dis_policy_loss(
         eps_low: in [0, 1]; lower band edge 1 - eps_low (paper: 0.3 math, 0.8 coding).
         eps_high: > 0; upper band edge 1 + eps_high (paper: 5.0 math, 3.0 coding).
         loss_denominator: global action-token count D (see module docstring); default local count.
+        turn_ids: [B, T] int, the action turn of each action token (Trajectory.turn_ids); given, the
+            metrics also count the masked (not kept) and all action tokens per turn (`turn_counts`).
 
     Returns:
         (loss, metrics): 0-dim loss; metrics kept/below/above fractions and counts, action_count,
@@ -128,7 +131,31 @@ def dis_policy_loss(
         c = mask.sum().to(torch.float64)
         metrics[f"{name}_count"] = c
         metrics[f"{name}_fraction"] = _ratio(c, n)
+    if turn_ids is not None:
+        metrics.update(turn_counts(action_mask & ~kept, action_mask, turn_ids))
     return loss, metrics
+
+
+# Turns with their own DIS count; later turns share the last bucket ("4plus").
+TURN_BUCKETS = 5
+
+
+def turn_bucket_names() -> list[str]:
+    return [str(i) for i in range(TURN_BUCKETS - 1)] + [f"{TURN_BUCKETS - 1}plus"]
+
+
+def turn_counts(masked: torch.Tensor, action_mask: torch.Tensor, turn_ids: torch.Tensor) -> Metrics:
+    """{"masked_turn_<k>_count", "action_turn_<k>_count"} per turn bucket k (turn_bucket_names): how
+    many of the action tokens of turn k a mask removed, and how many there are; float64 counts that
+    add across micro-batches and ranks."""
+    check_same_shape("masked", masked, action_mask=action_mask, turn_ids=turn_ids)
+    bucket = turn_ids.clamp(max=TURN_BUCKETS - 1)
+    out = {}
+    for k, name in enumerate(turn_bucket_names()):
+        in_turn = action_mask & (bucket == k)
+        out[f"masked_turn_{name}_count"] = (masked & in_turn).sum().to(torch.float64)
+        out[f"action_turn_{name}_count"] = in_turn.sum().to(torch.float64)
+    return out
 
 
 def ppo_clip_loss(

@@ -33,6 +33,7 @@ from megatron_sao.config.schema import (
     SFTConfig,
     TrainerConfig,
     ValuePretrainConfig,
+    WandbConfig,
 )
 from megatron_sao.config.validation import validate
 
@@ -41,5 +42,5 @@ __all__ = [
     "GROUPED_ALGORITHMS", "ModelConfig", "OptimSection", "PAPER_CRITIC_FREEZE", "PRESETS", "ParallelConfig",
     "REMOVED_KEYS", "RemovedConfigKey", "RolloutConfig", "RunConfig", "SAOConfig", "SFTConfig", "TrainerConfig",
     "ValuePretrainConfig", "apply_overrides", "config_from_dict", "dump_config", "load_config", "parse_override",
-    "to_dict", "validate",
+    "to_dict", "validate", "WandbConfig",
 ]

@@ -10,6 +10,15 @@ from typing import Any, Literal, Optional
 
 
 @dataclass
+class WandbConfig:
+    """`run.wandb`: Weights & Biases beside TensorBoard, the same scalars (trainer/scalar_sinks.py)."""
+
+    project: Optional[str] = None  # None: W&B off
+    entity: Optional[str] = None  # team or user; None: W&B's default entity
+    mode: Literal["online", "offline", "disabled"] = "online"  # offline: files only, `wandb sync` later
+
+
+@dataclass
 class RunConfig:
     name: str = "sao"
     dir: str = "runs/sao"  # run directory: config snapshot, checkpoints, metrics.jsonl, TensorBoard
@@ -22,6 +31,10 @@ class RunConfig:
     # goes on, and a rollout tier that is really stuck stops the run at the next batch wait.
     eval_timeout_s: float = 3600.0
     tensorboard: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    # An HF checkpoint of the actor every N steps into <run>/exports/step_N (0: off), kept like the
+    # checkpoints (the newest two), for evaluating mid-run with one's own tools.
+    export_every: int = 0
     console: Literal["rich", "plain", "none"] = "rich"
     max_consecutive_nonfinite: int = 3  # NaN/inf steps in a row before the run stops with a checkpoint
 

@@ -129,9 +129,11 @@ def _check_policy_lag(cfg: SAOConfig) -> None:
 
 def _check_run(run: RunConfig) -> None:
     _check(run.total_steps >= 0, "run.total_steps", "must be >= 0")
-    for k in ("save_every", "eval_every"):
+    for k in ("save_every", "eval_every", "export_every"):
         _check(getattr(run, k) >= 0, f"run.{k}", "must be >= 0")
     _check(run.eval_timeout_s > 0, "run.eval_timeout_s", "must be > 0")
+    if run.wandb.project is not None:
+        _check(bool(run.wandb.project.strip()), "run.wandb.project", "must be a non-empty name (or null: W&B off)")
 
 
 def _check_optimizers(cfg: SAOConfig) -> None:

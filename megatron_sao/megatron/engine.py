@@ -24,7 +24,7 @@ from megatron_sao.megatron import batching
 from megatron_sao.megatron import forward as fwd
 from megatron_sao.megatron.batching import Batch
 from megatron_sao.megatron.compute_cost import CostModel
-from megatron_sao.megatron.optimizer import OptimConfig, build_optimizer, safe_optimizer_step
+from megatron_sao.megatron.optimizer import OptimConfig, build_optimizer, effective_for, safe_optimizer_step
 from megatron_sao.megatron.parallel import ParallelContext, init_parallel
 from megatron_sao.models.hf_config import ModelSpec
 from megatron_sao.models.parallel_sizes import ParallelSizes
@@ -148,6 +148,7 @@ class MegatronEngine:
         # Every layout rule (incl. the refusal of MoE with etp*ep < tp, which trains with wrong
         # gradients on megatron-core 0.16.1) lives in ParallelSizes.problems, shared with `sao plan`.
         sizes.validate_for(spec, c.world_size)
+        optim = effective_for(optim, c.dp)  # the distributed optimizer only where DP has several ranks
         self.spec, self.sizes, self.optim_config, self.role = spec, sizes, optim, role
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
@@ -375,7 +376,7 @@ class MegatronEngine:
         store = fwd.run_schedule(self.chunks, micro, plan.cols,
                                  fwd.make_train_loss_func(self.role, loss_fn, denominator,
                                                           vocab_size=self.spec.vocab_size),
-                                 forward_only=False, routing=routing)
+                                 forward_only=False, role=self.role, routing=routing)
         t1 = time.perf_counter()
         metrics = fwd.reduce_step_metrics(store, self.ctx)
         metrics.update(self._routing_agreement(routing))

@@ -29,20 +29,27 @@ _ONE = torch.ones((), dtype=torch.int)
 _WEIGHT = "__action_tokens__"  # per-micro-batch weight for mean-type metrics
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int | None = None, *,
+                   with_entropy: bool = False, seq_first: bool = False):
     """log p(tokens[:, t] | tokens[:, :t]) placed at position t ([b, s]); position 0 gets 0.
 
     `logits` is [b, s, V/TP]: the vocab stays sharded (max and sum-exp are reduced over the TP group,
     so no rank ever holds the full vocabulary) and the log-softmax is taken in sequence chunks, so no
     fp32 copy of the logits is ever whole (megatron/logprobs.py). `vocab_size` (the real one) keeps
     the padding rows of the vocabulary (models/vocab.py) out of the normaliser. The logits' storage
-    holds their gradient after the backward pass.
+    holds their gradient after the backward pass. `with_entropy`: also the entropy of the distribution
+    token t was drawn from, at position t (a metric: no gradient), as a second [b, s] tensor.
+    `seq_first`: the logits are [s, b, V/TP], the output layer's layout (models/gpt.py::ActorGPTModel):
+    read where they are, no transposed copy; the outputs are [b, s] all the same.
     """
     labels = torch.roll(tokens, shifts=-1, dims=1)  # labels[:, t] = tokens[:, t + 1]
     # The last column has no next token: its (wrapped) label is computed and thrown away.
-    lp = vocab_parallel_logprobs(logits, labels, vocab_size)
-    zeros = torch.zeros_like(lp[:, :1])
-    return torch.cat([zeros, lp[:, :-1]], dim=1)
+    out = vocab_parallel_logprobs(logits, labels.t() if seq_first else labels, vocab_size, with_entropy=with_entropy)
+    out = out if with_entropy else (out,)
+    if seq_first:
+        out = tuple(x.t() for x in out)  # [s, b] -> [b, s]: small vectors
+    shifted = [torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1) for x in out]
+    return tuple(shifted) if with_entropy else shifted[0]
 
 
 def model_inputs(mb: Batch) -> tuple[torch.Tensor, torch.Tensor, None]:
@@ -60,13 +67,19 @@ def model_inputs(mb: Batch) -> tuple[torch.Tensor, torch.Tensor, None]:
 
 
 def head_output(role: str, output: torch.Tensor, tokens: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-    """Actor: logits -> per-token log-probs [b, s]. Critic: values [b, s, 1] -> [b, s]."""
+    """Actor: logits [s, b, V/TP] (`model_kwargs`) -> per-token log-probs [b, s]. Critic: values [b, s, 1] -> [b, s]."""
     if role == "actor":
-        return token_logprobs(output, tokens, vocab_size)
+        return token_logprobs(output, tokens, vocab_size, seq_first=True)
     if output.dim() != 3 or output.shape[-1] != 1 or output.shape[:2] != tokens.shape:
         raise RuntimeError(f"critic model returned shape {tuple(output.shape)}, expected [b, s, 1] "
                            f"with [b, s] = {list(tokens.shape)}")
     return output.squeeze(-1).float()
+
+
+def model_kwargs(role: str, tokens: torch.Tensor) -> dict:
+    """The actor is called with labels: ActorGPTModel then returns its logits as the output layer made
+    them, [s, b, V/TP], instead of a transposed contiguous copy (models/gpt.py)."""
+    return {"labels": tokens} if role == "actor" else {}
 
 
 def run_schedule(
@@ -76,6 +89,7 @@ def run_schedule(
     make_loss_func: Callable[[Batch], Callable],
     *,
     forward_only: bool,
+    role: str,
     routing=None,
 ) -> list:
     """One pass of Megatron's forward(-backward) schedule over `micro_batches`.
@@ -92,7 +106,7 @@ def run_schedule(
         tokens, positions, mask = model_inputs(mb)
         if routing:
             routing.before_forward(mb)
-        output = model(tokens, positions, mask)
+        output = model(tokens, positions, mask, **model_kwargs(role, tokens))
         if routing:
             routing.after_forward()
         return output, make_loss_func(mb)
@@ -124,7 +138,7 @@ def forward_outputs(
         return loss_func
 
     with torch.no_grad():
-        store = run_schedule(model_chunks, micro_batches, seq_length, make_loss_func, forward_only=True,
+        store = run_schedule(model_chunks, micro_batches, seq_length, make_loss_func, forward_only=True, role=role,
                              routing=routing)
     return [d["out"] for d in store]
 
@@ -134,7 +148,11 @@ def make_train_loss_func(role: str, loss_fn: LossFn, denominator: torch.Tensor, 
 
     def make_loss_func(mb: Batch):
         def loss_func(output: torch.Tensor):
-            out = head_output(role, output, mb["tokens"], vocab_size)
+            entropy = None
+            if role == "actor":  # the policy's entropy comes out of the same chunked pass (a metric)
+                out, entropy = token_logprobs(output, mb["tokens"], vocab_size, with_entropy=True, seq_first=True)
+            else:
+                out = head_output(role, output, mb["tokens"], vocab_size)
             result = loss_fn(out, mb, denominator)
             if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
                 raise TypeError("loss_fn must return (loss: 0-dim tensor, metrics: dict[str, 0-dim tensor])")
@@ -143,6 +161,9 @@ def make_train_loss_func(role: str, loss_fn: LossFn, denominator: torch.Tensor, 
                 raise TypeError(f"loss_fn returned a loss of shape {getattr(loss, 'shape', type(loss))}; "
                                 f"need a 0-dim tensor")
             reported = {"loss": loss.detach().float(), _WEIGHT: mb["action_mask"].float().sum()}
+            if entropy is not None:  # token mean over the action tokens (weighted across micro-batches)
+                action = mb["action_mask"].bool()
+                reported["entropy"] = torch.where(action, entropy, 0.0).sum() / action.sum().clamp(min=1)
             for k, v in metrics.items():
                 # a Python number becomes a tensor beside the output: DP ranks all-reduce these
                 reported[k] = (v.detach() if torch.is_tensor(v)

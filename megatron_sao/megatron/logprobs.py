@@ -12,6 +12,11 @@ So beyond the logits themselves the stage holds one fp32 chunk ([chunk_tokens, V
 vectors. Liger-Kernel's and verl's chunked log-prob losses rest on the same identity,
 grad_logits = g * (softmax - onehot(target)) with g = -dL/dlogp.
 
+The policy's entropy over the vocabulary, a metric (no gradient flows through it), comes out of the
+same chunk loop when asked for: with e = exp(logit - max) and S = sum e over every TP rank,
+H = log S - sum(e * log e) / S, where e * log e is taken in place on the chunk's exp (``xlogy``, 0 for
+the -inf padding), so it costs one more pass over the chunk and no memory.
+
 The logits passed in must not be read after the backward pass (their storage holds the gradient
 then); the engine's forward has no other reader.
 """
@@ -21,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# 1024 x 151936/TP fp32 = 0.58 GiB at TP 1; three small all-reduces a chunk (384 for a 128K-token
-# micro-batch, each of 1024 floats: microseconds beside the forward of 128K tokens)
+# 1024 x 151936/TP fp32 = 0.58 GiB at TP 1; two small all-reduces a chunk (256 for a 128K-token
+# micro-batch, of 1024 and 2-3 x 1024 floats: microseconds beside the forward of 128K tokens)
 DEFAULT_CHUNK_TOKENS = 1024
 
 
@@ -40,13 +45,15 @@ def _all_reduce(t: torch.Tensor, op, group) -> None:
 
 
 class _ChunkedLogprob(torch.autograd.Function):
-    """logits [N, Vl] (this TP rank's vocab shard), labels [N] (global ids) -> log p(label) [N] fp32."""
+    """logits [N, Vl] (this TP rank's vocab shard), labels [N] (global ids) -> (log p(label) [N] fp32,
+    entropy [N] fp32 or an empty tensor when `with_entropy` is False; never differentiated)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, vocab_start: int, valid: int, chunk: int, group):
+    def forward(ctx, logits, labels, vocab_start: int, valid: int, chunk: int, group, with_entropy: bool):
         n, vl = logits.shape
         logp = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)  # log-sum-exp over the whole vocab
+        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
         local = labels - vocab_start
         own = (local >= 0) & (local < valid)  # the target's logit lives on this TP rank
         local = local.clamp(0, vl - 1)
@@ -54,22 +61,29 @@ class _ChunkedLogprob(torch.autograd.Function):
             x = logits[i:i + chunk].to(torch.float32, copy=True)  # the forward never writes the caller's logits
             if valid < vl:
                 x[:, valid:] = float("-inf")  # the padded vocabulary rows are not tokens (models/vocab.py)
-            target = torch.where(own[i:i + chunk], x.gather(1, local[i:i + chunk, None]).squeeze(1), 0.0)
+            # rows: sum of exp, the target's logit (and sum of e log e): one all-reduce for all of them
+            sums = torch.empty(3 if with_entropy else 2, x.shape[0], dtype=torch.float32, device=x.device)
+            sums[1] = torch.where(own[i:i + chunk], x.gather(1, local[i:i + chunk, None]).squeeze(1), 0.0)
             m = x.max(dim=1).values
             _all_reduce(m, dist.ReduceOp.MAX, group)
             x.sub_(m[:, None]).exp_()
-            sum_exp = x.sum(dim=1)
-            _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
-            _all_reduce(target, dist.ReduceOp.SUM, group)
-            lse[i:i + chunk] = m + sum_exp.log()
-            logp[i:i + chunk] = target - lse[i:i + chunk]
+            sums[0] = x.sum(dim=1)
+            if with_entropy:
+                sums[2] = x.xlogy_(x).sum(dim=1)  # e log e, with log e = logit - max exactly where e > 0
+            _all_reduce(sums, dist.ReduceOp.SUM, group)
+            log_sum_exp = sums[0].log()
+            lse[i:i + chunk] = m + log_sum_exp
+            logp[i:i + chunk] = sums[1] - lse[i:i + chunk]
+            if with_entropy:
+                entropy[i:i + chunk] = log_sum_exp - sums[2] / sums[0]
             del x
         ctx.save_for_backward(logits, lse, local, own)
         ctx.valid, ctx.chunk = valid, chunk
-        return logp
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp):
+    def backward(ctx, grad_logp, grad_entropy):  # grad_entropy: none flows (a metric)
         logits, lse, local, own = ctx.saved_tensors
         n, vl = logits.shape
         g = grad_logp.float()
@@ -84,16 +98,17 @@ class _ChunkedLogprob(torch.autograd.Function):
             if p.dtype != logits.dtype:  # fp32 logits: p is already their slice, written in place
                 logits[i:i + ctx.chunk] = p  # the logits are not read again (module docstring)
             del p
-        return logits, None, None, None, None, None
+        return logits, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None,
-                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, *, with_entropy: bool = False):
     """log softmax(logits)[label] for every position: logits [..., V/TP] (this TP rank's shard of a
     vocabulary padded to V/TP * TP columns), labels [...] global ids -> fp32 [...].
 
     `vocab_size` (the real vocabulary) keeps the padding columns out of the normaliser; None: every
-    column is a token."""
+    column is a token. `with_entropy`: return (log-probs, entropy of each position's distribution
+    over the real vocabulary, fp32 [...], no gradient)."""
     group, rank = _tp_group()
     vl = logits.shape[-1]
     start = rank * vl
@@ -101,5 +116,8 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_si
     flat = logits.reshape(-1, vl)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    out = _ChunkedLogprob.apply(flat, labels.reshape(-1), start, valid, max(1, chunk_tokens), group)
-    return out.view(labels.shape)
+    logp, entropy = _ChunkedLogprob.apply(flat, labels.reshape(-1), start, valid, max(1, chunk_tokens), group,
+                                          with_entropy)
+    if with_entropy:
+        return logp.view(labels.shape), entropy.view(labels.shape)
+    return logp.view(labels.shape)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,10 @@ class OptimConfig:
     warmup_steps: int = 0
     decay_steps: int = 0
     decay_style: str = "constant"
+    # Shard the optimizer state over the data-parallel ranks (Megatron's distributed optimizer). Used
+    # only where the data-parallel group has more than one rank (`effective_for`): with one rank there
+    # is nothing to shard, and it still reduce-scatters the gradients and all-gathers the whole weight
+    # buffer after every step (0.94 s of a 1.42 s optimizer step on SmolLM2-135M).
     use_distributed_optimizer: bool = True
 
     def __post_init__(self) -> None:
@@ -59,6 +63,13 @@ class OptimConfig:
             raise ValueError(f"OptimConfig.decay_style must be one of {_DECAY_STYLES}, got {self.decay_style!r}")
         if self.decay_style != "constant" and self.decay_steps <= self.warmup_steps:
             raise ValueError("OptimConfig.decay_steps must exceed warmup_steps for a decaying schedule")
+
+
+def effective_for(cfg: OptimConfig, dp_size: int) -> OptimConfig:
+    """`cfg` as an engine with `dp_size` data-parallel ranks runs it: the distributed optimizer only
+    when there is a state to shard (dp_size > 1). The expert data-parallel group is never larger than
+    the dense one (models/parallel_sizes.py: etp * ep >= tp), so the dense size decides."""
+    return replace(cfg, use_distributed_optimizer=cfg.use_distributed_optimizer and dp_size > 1)
 
 
 def build_optimizer(cfg: OptimConfig, ddp_chunks: list, params_dtype: torch.dtype):

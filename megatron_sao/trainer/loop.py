@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megatron_sao.algorithms import RunningMeanBaseline
 from megatron_sao.buffer import TrajectoryBuffer
-from megatron_sao.config import SAOConfig, dump_config
+from megatron_sao.config import SAOConfig, dump_config, to_dict
 from megatron_sao.distributed.gated import GatedCollectives
 from megatron_sao.errors import UserError
 from megatron_sao.rollout.prompts import unit_of
@@ -43,6 +43,7 @@ from megatron_sao.trainer import checkpoints as ckpts
 from megatron_sao.trainer import colocated as colo
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
+from megatron_sao.trainer.hf_export import export_hf_model, export_step
 from megatron_sao.trainer.losses import critic_loss_fn, policy_loss_fn
 from megatron_sao.trainer.run_dir import rng_state, set_rng_state
 from megatron_sao.trainer.step import sao_step
@@ -68,6 +69,7 @@ class SAOTrainer:
             self.run_dir.start_train(overwrite=overwrite)
         if self.rank0 and not resume:  # a resume writes its config once it has resumed (below)
             dump_config(cfg, self.run_dir.path / "config.yaml")
+            self.run_dir.configure_scalars(cfg.run.tensorboard, cfg.run.wandb, cfg.run.name, to_dict(cfg))
         self.collectives.barrier()
         self.model_dir = C.resolve_model_dir(cfg, self.run_dir.path) if self.rank0 else None
         self.model_dir = Path(self.collectives.broadcast(str(self.model_dir) if self.model_dir else None))
@@ -148,8 +150,6 @@ class SAOTrainer:
                 m.update(self.placement.after_train(self.version, time.monotonic() - t0))
                 self._end_step(m, trajs, batch, t0)
             self.save()
-            from megatron_sao.trainer.hf_export import export_hf_model
-
             with self.placement.trainer_resident():
                 export_hf_model(self.actor, self.model_dir, self.run_dir.path / "final_model")
         finally:
@@ -166,6 +166,8 @@ class SAOTrainer:
         if self._eval_due(self.step):  # while the next batch's episodes run
             m.update(self._evaluate())
         m.update(self.placement.end_step(self.step - 1, self.run_dir))  # colocated: seconds and memory per phase
+        if self.cfg.run.export_every and self.step % self.cfg.run.export_every == 0:
+            m["time/export_s"] = self._export()
         self._log(m, trajs, batch, step_s)
         if self._stop_agreed():
             self.save()
@@ -269,6 +271,13 @@ class SAOTrainer:
             # one damaged) must still find the trajectories trained after it.
             self.buffer.release_consumed(ckpts.step_of(previous) - 1)
 
+    def _export(self) -> float:
+        """run.export_every: the actor as an HF checkpoint in <run>/exports/step_N (collective)."""
+        t0 = time.monotonic()
+        with self.placement.trainer_resident():
+            export_step(self.actor, self.model_dir, self.run_dir.exports_dir, self.step)
+        return time.monotonic() - t0
+
     def _resume(self) -> dict | None:
         """Load the newest intact checkpoint (falling back past damaged ones, which are named and set
         aside); with none at all, clear what an earlier attempt logged and start fresh."""
@@ -347,7 +356,7 @@ class SAOTrainer:
         if started:  # trainer steps at which this batch's episodes started (non-stationary envs judge by it)
             m["rollout/policy_step_min"], m["rollout/policy_step_max"] = min(started), max(started)
         m.update(self.rollout.metrics())  # per server: episodes, weight version, health, sync check
-        self.run_dir.log_metrics(m, tensorboard=self.cfg.run.tensorboard)
+        self.run_dir.log_metrics(m)
         self.run_dir.log_batch(m["step"], trajs)
         self.console.update(m)
 

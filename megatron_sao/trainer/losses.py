@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron_sao.algorithms import dis_policy_loss, ppo_clip_loss, value_loss
+from megatron_sao.algorithms.losses import turn_bucket_names
 from megatron_sao.config import AlgorithmConfig
 from megatron_sao.trainer.targets import values_for_actions
 
@@ -35,8 +36,20 @@ def policy_loss_fn(algo: AlgorithmConfig):
     else:  # sao, grpo_dis, running_mean: direct double-sided IS masking against rollout log-probs
         def loss(logprobs, mb, denominator):
             return dis_policy_loss(logprobs, mb["rollout_logprobs"], mb["advantages"], mb["action_mask"].bool(),
-                                   algo.eps_low, algo.eps_high, loss_denominator=denominator)
+                                   algo.eps_low, algo.eps_high, loss_denominator=denominator,
+                                   turn_ids=mb.get("turn_ids"))
     return with_lag0_mismatch(loss)
+
+
+def dis_masked_share_by_turn(metrics: dict[str, float]) -> dict[str, float]:
+    """From a DIS step's per-turn counts (algorithms.losses.turn_counts, summed over the batch):
+    {"dis/masked_share_turn_<k>": masked / action tokens of turn k} for the turns the batch has."""
+    out = {}
+    for name in turn_bucket_names():
+        n = metrics.get(f"action_turn_{name}_count", 0.0)
+        if n > 0:
+            out[f"dis/masked_share_turn_{name}"] = metrics[f"masked_turn_{name}_count"] / n
+    return out
 
 
 def lag0_mismatch_sums(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,

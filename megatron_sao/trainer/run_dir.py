@@ -4,6 +4,8 @@
     <run>/metrics.jsonl            one JSON object per step (append, flushed each step)
     <run>/batches.jsonl            which trajectories and prompts each step trained on (audit trail)
     <run>/tensorboard/             TensorBoard event files with the same scalars
+    <run>/wandb/                   W&B's files and the run's id (run.wandb.project set; scalar_sinks.py)
+    <run>/exports/step_N/          HF checkpoints of the actor every run.export_every steps (two kept)
     <run>/eval/step_N.jsonl        per-item evaluation results during training
     <run>/buffer/                  finished trajectories not yet covered by the kept checkpoints
     <run>/checkpoints/             see checkpoints.py (atomic commit through `latest`, two kept)
@@ -27,17 +29,20 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from megatron_sao.config import WandbConfig
 from megatron_sao.errors import UserError
 from megatron_sao.faults import fault_point
 from megatron_sao.trainer import checkpoints as ckpts
 from megatron_sao.trainer.checkpoints import atomic_write_text
+from megatron_sao.trainer.hf_export import drop_exports_after, remove_stale_exports
+from megatron_sao.trainer.scalar_sinks import ScalarSinks, TensorBoardSink, WandbSink, require_wandb
 
 logger = logging.getLogger(__name__)
 
 # What a training run writes (relative to the run directory). Earlier stages' outputs (sft_model/,
 # critic_pretrained/, base_model/, sft/) are inputs of `sao train` and are never touched.
 TRAIN_LOGS = ("metrics.jsonl", "batches.jsonl")
-TRAIN_DIRS = ("buffer", "checkpoints", "tensorboard", "final_model")
+TRAIN_DIRS = ("buffer", "checkpoints", "tensorboard", "wandb", "exports", "final_model")
 
 
 def rng_state() -> dict[str, Any]:
@@ -80,15 +85,16 @@ class RunDir:
         self.is_writer = is_writer
         self.ckpt_root = self.path / "checkpoints"
         self.buffer_dir = self.path / "buffer"
+        self.exports_dir = self.path / "exports"
         if is_writer:
             self.ckpt_root.mkdir(parents=True, exist_ok=True)
-        self._tb = None
-        self._tb_purge_step: int | None = None
+        self._tb: TensorBoardSink | None = TensorBoardSink(self.path / "tensorboard")
+        self.scalars = ScalarSinks([self._tb])
 
     # ------------------------------------------------------------------ run lifecycle
     def remove_stale(self) -> list[Path]:
         """Temp files and directories of a process that died while writing (never read by anyone)."""
-        gone = ckpts.remove_uncommitted(self.ckpt_root)
+        gone = ckpts.remove_uncommitted(self.ckpt_root) + remove_stale_exports(self.exports_dir)
         # Only what the trainer itself writes: other processes (a rollout server materializing the
         # base model) may be writing their own temp files into the run directory right now.
         patterns = [(self.path, f".{name}.tmp-*") for name in TRAIN_LOGS]
@@ -130,19 +136,23 @@ class RunDir:
     load_trainer_state = staticmethod(ckpts.load_trainer_state)
 
     # ------------------------------------------------------------------ metrics
-    def log_metrics(self, record: dict[str, Any], tensorboard: bool = True) -> None:
+    def configure_scalars(self, tensorboard: bool, wandb: WandbConfig, name: str, config: dict[str, Any]) -> None:
+        """Which sinks besides metrics.jsonl get every step's scalars (before the first step is logged)."""
+        self.scalars.close()
+        self._tb = TensorBoardSink(self.path / "tensorboard") if tensorboard else None
+        self.scalars = ScalarSinks([self._tb] if self._tb else [])
+        if wandb.project is not None and self.is_writer:
+            require_wandb()
+            self.scalars.add(WandbSink(wandb, self.path, name, config))
+
+    def log_metrics(self, record: dict[str, Any]) -> None:
+        """One step's record: a line of metrics.jsonl, and its scalars to every sink (scalar_sinks.py)."""
         if not self.is_writer:
             return
         clean = {k: _jsonable(v) for k, v in record.items()}
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(clean) + "\n")
-        if tensorboard:
-            tb = self._writer()
-            step = int(record.get("step", 0))
-            for k, v in _flatten(clean).items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    tb.add_scalar(k, v, step)
-            tb.flush()
+        self.scalars.write(clean, int(record.get("step", 0)))
 
     def truncate_logs(self, step: int) -> None:
         """On resume from the checkpoint of `step`: drop what steps >= `step` logged (written after the
@@ -158,7 +168,9 @@ class RunDir:
         for p in (self.path / "eval").glob("step_*.jsonl"):
             if int(p.stem.split("_")[1]) > step:  # eval/step_k is written while logging step k - 1
                 p.unlink()
-        self._tb_purge_step = step
+        drop_exports_after(self.exports_dir, step)
+        if self._tb is not None:
+            self._tb.purge_step = step
 
     def log_batch(self, step: int, trajs) -> None:
         """Audit trail: which trajectories (and prompts) each step trained on, to check that a run
@@ -170,17 +182,8 @@ class RunDir:
             f.write(json.dumps(rec) + "\n")
         fault_point("batch_logged")
 
-    def _writer(self):
-        if self._tb is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(self.path / "tensorboard"), purge_step=self._tb_purge_step)
-        return self._tb
-
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        self.scalars.close()
 
 
 def _complete_record_before(line: str, step: int) -> bool:
@@ -201,13 +204,3 @@ def _jsonable(v: Any) -> Any:
         return str(v)
     return v
 
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "/"))
-        else:
-            out[key] = v
-    return out

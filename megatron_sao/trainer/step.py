@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from megatron_sao.config import AlgorithmConfig
-from megatron_sao.trainer.losses import lag0_mismatch
+from megatron_sao.trainer.losses import dis_masked_share_by_turn, lag0_mismatch
 from megatron_sao.trainer.targets import compute_targets
 from megatron_sao.trajectory import TrajectoryBatch
 
@@ -94,6 +94,7 @@ def sao_step(batch: TrajectoryBatch, actor: MegatronEngine, critic: MegatronEngi
     if (mismatch := lag0_mismatch(result.metrics)) is not None:
         m["logprob_mismatch_lag0"] = mismatch
     m.update({k: v for k, v in result.metrics.items() if k.startswith("moe/")})
+    m.update(dis_masked_share_by_turn(result.metrics))
     m.update(step_metrics("actor", result))
     return StepOutcome(actor_updated=not result.skipped, metrics=m)
 

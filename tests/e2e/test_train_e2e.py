@@ -142,3 +142,38 @@ def test_ctrl_c_finishes_the_step_and_writes_a_checkpoint(tmp_path):
     assert "checkpoint written" in err
     steps = len(metrics(run))
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps:06d}"  # the last finished step
+
+
+def test_periodic_hf_exports_wandb_and_the_new_actor_metrics(tmp_path, replay_file):
+    """run.export_every=1 writes loadable HF checkpoints, the newest two kept, the last one the final
+    model; W&B (offline) gets the scalars metrics.jsonl has; every actor step logs its entropy and the
+    DIS-masked share of the first turn's tokens."""
+    import sys as _sys
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    _sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
+    from wandb_records import history
+
+    run = tmp_path / "exp"
+    wb = {k: str(tmp_path / k) for k in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")}
+    sao("train", CONFIG, f"run.dir={run}", f"trainer.replay={replay_file}", "run.total_steps=3",
+        "algorithm.critic_warmup_steps=0", "run.export_every=1", "run.wandb.project=sao-e2e",
+        "run.wandb.mode=offline", env={**wb, "WANDB_SILENT": "true"})
+    assert sorted(p.name for p in (run / "exports").iterdir()) == ["step_000002", "step_000003"]
+    last = load_file(run / "exports/step_000003/model.safetensors")
+    final = load_file(run / "final_model/model.safetensors")
+    assert last.keys() == final.keys() and all(last[k].equal(final[k]) for k in last)
+    earlier = load_file(run / "exports/step_000002/model.safetensors")
+    assert any(not earlier[k].equal(last[k]) for k in last)  # a step apart: the actor moved
+    AutoModelForCausalLM.from_pretrained(run / "exports/step_000002")  # loads as users load it
+    rows = metrics(run)
+    for r in rows:
+        assert r["actor/entropy"] > 0 and r["time/export_s"] > 0
+        assert 0.0 <= r["dis/masked_share_turn_0"] <= 1.0
+    logged = history(run)
+    assert sorted(logged) == [0, 1, 2]
+    for r in rows:
+        assert logged[r["step"]]["actor/entropy"] == pytest.approx(r["actor/entropy"])
+        assert logged[r["step"]]["dis/masked_share_turn_0"] == pytest.approx(r["dis/masked_share_turn_0"])

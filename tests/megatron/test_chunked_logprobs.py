@@ -1,9 +1,17 @@
 """megatron/logprobs.py against log_softmax of the masked fp32 logits, values and gradients, for chunk
-sizes from one token to the whole batch. One process (no TP group); the multi-rank engine tests run
-it under TP 2 and 4 against the HF model (tests/megatron/test_engine_parallel.py, models_equivalence)."""
+sizes from one token to the whole batch, and its entropy against the full softmax's. One process (no
+TP group), and the entropy once at TP 2 (a torchrun worker); the multi-rank engine tests run the
+log-probs under TP 2 and 4 against the HF model (tests/megatron/test_engine_parallel.py, models_equivalence)."""
+
+import math
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
+from launch import torchrun_cmd
+from result_lines import parse_tagged
 
 from megatron_sao.megatron.forward import token_logprobs
 from megatron_sao.megatron.logprobs import vocab_parallel_logprobs
@@ -50,3 +58,67 @@ def test_the_forward_leaves_fp32_logits_untouched_and_token_logprobs_shift_by_on
     assert torch.equal(logits, before)  # megatron-core's cross entropy subtracts in place; this does not
     want = torch.log_softmax(before, -1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
     assert torch.equal(lp[:, 0], torch.zeros(2)) and torch.allclose(lp[:, 1:], want, atol=1e-6)
+
+
+def reference_entropy(logits, vocab_size):
+    x = logits.float()
+    if vocab_size is not None:
+        x = x[..., :vocab_size]
+    p = torch.softmax(x, dim=-1)
+    return -(p * torch.log_softmax(x, dim=-1)).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 7, 10_000])
+@pytest.mark.parametrize("vocab_size", [None, 50])
+def test_entropy_matches_the_full_softmax_and_leaves_the_logprobs_and_gradient_unchanged(dtype, chunk, vocab_size):
+    torch.manual_seed(2)
+    b, s, v = 3, 37, 64
+    base = (torch.randn(b, s, v) * 3).to(dtype)
+    base[0, 0] = -30.0  # a row with a uniform distribution: entropy log(V)
+    base[0, 0, 5] = 60.0  # ... made one-hot: entropy ~0 (exp underflows to 0 off the peak)
+    base[1, 1] = 0.0
+    labels = torch.randint(0, vocab_size or v, (b, s))
+    weights = torch.randn(b, s)
+
+    def run(with_entropy):
+        logits = base.clone().requires_grad_(True)
+        out = vocab_parallel_logprobs(logits, labels, vocab_size, chunk_tokens=chunk, with_entropy=with_entropy)
+        lp = out[0] if with_entropy else out
+        (lp * weights).sum().backward()
+        return out, logits.grad
+
+    (lp, ent), grad = run(True)
+    plain_lp, plain_grad = run(False)
+    want = reference_entropy(base, vocab_size)
+    assert ent.dtype == torch.float32 and not ent.requires_grad
+    assert torch.allclose(ent, want, atol=1e-5, rtol=0), (ent - want).abs().max()
+    assert float(ent[0, 0]) < 1e-5 and float(ent[1, 1]) == pytest.approx(math.log(vocab_size or v), abs=1e-5)
+    assert torch.equal(lp, plain_lp) and torch.equal(grad, plain_grad)  # the metric changes nothing else
+
+
+def test_token_logprobs_shifts_the_entropy_like_the_logprobs():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 9, 16)
+    tokens = torch.randint(0, 16, (2, 9))
+    lp, ent = token_logprobs(logits, tokens, with_entropy=True)
+    assert torch.equal(lp, token_logprobs(logits, tokens))
+    assert torch.equal(ent[:, 0], torch.zeros(2))
+    assert torch.allclose(ent[:, 1:], reference_entropy(logits, None)[:, :-1], atol=1e-5)
+
+
+@pytest.mark.slow  # a torchrun subprocess pair
+def test_entropy_and_logprobs_at_tp2_match_the_full_softmax(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    worker = Path(__file__).with_name("workers") / "chunked_entropy_tp.py"
+    p = subprocess.run(torchrun_cmd(2, str(worker)), cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    results = parse_tagged(p.stdout)
+    assert len(results) == 6, sorted(results)
+    for tag, r in results.items():
+        full, labels = torch.tensor(r["full"]), torch.tensor(r["labels"])
+        got_ent, got_lp = torch.tensor(r["entropy"]), torch.tensor(r["logprobs"])
+        assert torch.allclose(got_ent, reference_entropy(full, 50), atol=1e-5, rtol=0), tag
+        assert torch.allclose(got_lp, reference_logprobs(full, labels, 50), atol=1e-5, rtol=0), tag

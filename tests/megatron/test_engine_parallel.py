@@ -68,3 +68,12 @@ def test_layout(results, layout):
     assert r["grad_norm_diff_vs_first"] <= 1e-5
     assert r["lp_changed"] > 0.1 and r["lp_after_diff_vs_first"] <= 1e-4
     assert r["values_diff_vs_first"] <= 1e-5
+
+
+@pytest.mark.parametrize("layout, optimizer", [("dp2", "DistributedOptimizer"), ("tp2sp", "FP32Optimizer")])
+def test_save_load_resumes_exactly_with_either_optimizer(results, layout, optimizer):
+    """The distributed optimizer only where the data-parallel group has two ranks; both kinds save
+    and load so that the next step is the same."""
+    r = results[layout]["resumed"]
+    assert set(r["optimizers"]) == {optimizer}
+    assert r["loss_diff"] == 0.0 and r["lp_diff"] == 0.0, r

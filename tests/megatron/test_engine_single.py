@@ -61,12 +61,15 @@ def test_nan_loss_skips_step(results):
     assert r["state_version"] == 2  # 2 successful steps, the skipped one not counted
 
 
-def test_save_load_resumes_exactly(results):
-    r = results["save_load"]
+@pytest.mark.parametrize("tag, optimizer", [("save_load", "FP32Optimizer"),
+                                            ("save_load_bf16", "Float16OptimizerWithFloat16Params")])
+def test_save_load_resumes_exactly(results, tag, optimizer):
+    r = results[tag]
     assert r["param_max_abs_diff"] == 0.0
     assert r["loss_a"] == r["loss_b"]
     assert r["version_after_load"] == 1
     assert not r["tmp_left"]
+    assert set(r["optimizers"]) == {optimizer}  # one data-parallel rank: not the distributed optimizer
 
 
 def test_frozen_attention_critic(results):

@@ -69,3 +69,24 @@ def test_lag0_mismatch_comes_from_the_loss_forward(name):
     assert "lag0_count" not in without and lag0_mismatch({}) is None
     _, none_lag0 = loss_fn(logprobs, {**mb, "lag0_mask": torch.zeros_like(lag0)}, torch.tensor(6.0))
     assert lag0_mismatch({k: float(v) for k, v in none_lag0.items()}) is None
+
+
+def test_dis_masked_share_per_turn_counts_the_tokens_the_band_drops_in_each_turn():
+    """Turn 0 has one of two tokens outside the DIS band, turn 1 none, turn 6 (in the last bucket
+    "4plus") both; summed over two micro-batches like the engine does."""
+    from megatron_sao.trainer.losses import dis_masked_share_by_turn
+
+    mask = torch.tensor([[False, True, True, True, True, True, True]])
+    turns = torch.tensor([[-1, 0, 0, 1, 1, 6, 6]])
+    logprobs = torch.full((1, 7), -1.0, dtype=torch.float64)
+    # r = exp(lp - rollout): 1 (kept), e^-1 = 0.37 <= 0.7 (below), 1, 1, e^2 = 7.4 >= 6 (above), e^-1
+    rollout = logprobs - torch.tensor([[0.0, 0.0, -1.0, 0.0, 0.0, 2.0, -1.0]], dtype=torch.float64)
+    mb = {"action_mask": mask, "rollout_logprobs": rollout, "advantages": torch.ones(1, 7, dtype=torch.float64),
+          "turn_ids": turns}
+    fn = policy_loss_fn(AlgorithmConfig(name="sao"))
+    _, metrics = fn(logprobs.clone().requires_grad_(), mb, torch.tensor(6.0, dtype=torch.float64))
+    summed = {k: 2 * float(v) for k, v in metrics.items() if k.endswith("_count")}  # two identical micro-batches
+    shares = dis_masked_share_by_turn(summed)
+    assert shares == {"dis/masked_share_turn_0": 0.5, "dis/masked_share_turn_1": 0.0,
+                      "dis/masked_share_turn_4plus": 1.0}
+    assert float(metrics["below_count"] + metrics["above_count"]) == 3.0

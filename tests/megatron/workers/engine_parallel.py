@@ -23,7 +23,7 @@ from engine_common import emit, hf_logprobs, make_batch, nll_loss, tiny_model_di
 from safetensors.torch import load_file  # noqa: E402
 
 from megatron_sao.megatron.engine import InitSource, MegatronEngine  # noqa: E402
-from megatron_sao.megatron.optimizer import OptimConfig  # noqa: E402
+from megatron_sao.megatron.optimizer import OptimConfig, sub_optimizers  # noqa: E402
 from megatron_sao.megatron.parallel import destroy_parallel, init_parallel  # noqa: E402
 from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
 
@@ -72,6 +72,16 @@ for name in names:
         exported.update(dict(bucket))
     step = actor.train_step(batch, nll_loss)
     lp_after = actor.logprobs(batch)
+    resumed = None
+    if name in ("dp2", "tp2sp"):  # save/load with the distributed optimizer (dp2) and the plain one (tp2sp)
+        ckpt = os.path.join(tmp, f"ckpt_{name}")
+        actor.save(ckpt)
+        twin = MegatronEngine(spec, sizes, opt, role="actor", init=InitSource.random(5), micro_batch_size=2, ctx=ctx)
+        twin.load(ckpt)
+        a, b = actor.train_step(batch, nll_loss), twin.train_step(batch, nll_loss)
+        resumed = {"loss_diff": abs(a.loss - b.loss), "lp_diff": (actor.logprobs(batch) - twin.logprobs(batch))
+                   .abs().max().item(), "optimizers": [type(o).__name__ for o in sub_optimizers(actor.optimizer)]}
+        del twin
     critic = MegatronEngine(spec, sizes, opt, role="critic", init=InitSource.from_hf(hf_dir), micro_batch_size=2,
                             ctx=ctx)
     values = critic.values(batch)
@@ -98,6 +108,7 @@ for name in names:
             "lp_changed": (lp_after - lp).abs().max().item(),
             "values_diff_vs_first": (values - first["values"]).abs().max().item(),
             "same_on_ranks": same_on_ranks,
+            "resumed": resumed,
         })
     del actor, critic
     gc.collect()

@@ -87,18 +87,22 @@ emit("nan_skip", {"skipped": res_nan.skipped, "param_change": nan_change,
                   "adam_steps": [steps_before, steps_after], "next_step_skipped": res_ok.skipped,
                   "next_step_change": max_diff(snapshot(eng), before), "state_version": eng.state_version})
 
-# 4. save/load: a step after load equals the step without the save
-eng_a = actor()
-eng_a.train_step(batch, nll_loss)
-eng_a.save(os.path.join(tmp, "ckpt"))
-r_a = eng_a.train_step(batch, nll_loss)
-eng_b = MegatronEngine(spec, sizes, OPT, role="actor", init=InitSource.random(99), micro_batch_size=2, ctx=ctx)
-eng_b.load(os.path.join(tmp, "ckpt"))
-version_after_load = eng_b.state_version
-r_b = eng_b.train_step(batch, nll_loss)
-emit("save_load", {"param_max_abs_diff": max_diff(snapshot(eng_a), snapshot(eng_b)),
-                   "loss_a": r_a.loss, "loss_b": r_b.loss, "version_after_load": version_after_load,
-                   "tmp_left": os.path.exists(os.path.join(tmp, "ckpt.tmp"))})
+# 4. save/load: a step after load equals the step without the save (fp32 and bf16: one rank, so
+#    Megatron's plain optimizers, not the distributed one: optimizer.effective_for)
+for tag, dtype in (("save_load", torch.float32), ("save_load_bf16", torch.bfloat16)):
+    eng_a = actor(params_dtype=dtype)
+    eng_a.train_step(batch, nll_loss)
+    eng_a.save(os.path.join(tmp, tag))
+    r_a = eng_a.train_step(batch, nll_loss)
+    eng_b = MegatronEngine(spec, sizes, OPT, role="actor", init=InitSource.random(99), micro_batch_size=2, ctx=ctx,
+                           params_dtype=dtype)
+    eng_b.load(os.path.join(tmp, tag))
+    version_after_load = eng_b.state_version
+    r_b = eng_b.train_step(batch, nll_loss)
+    emit(tag, {"param_max_abs_diff": max_diff(snapshot(eng_a), snapshot(eng_b)),
+               "loss_a": r_a.loss, "loss_b": r_b.loss, "version_after_load": version_after_load,
+               "tmp_left": os.path.exists(os.path.join(tmp, tag + ".tmp")),
+               "optimizers": [type(o).__name__ for o in sub_optimizers(eng_a.optimizer)]})
 
 # 5. frozen-attention critic: frozen params fixed, trainable ones move; per-group grad norms
 groups = {"attention": list(CRITIC_FROZEN_ATTENTION), "moe": ["decoder.layers.*.mlp.*"], "value_head": ["value_head.*"]}

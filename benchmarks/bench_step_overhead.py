@@ -1,0 +1,204 @@
+"""The train step's own overhead: MegatronEngine's actor and critic steps against a minimal plain loop.
+
+The plain loop is what a user would write by hand: the HF model with sdpa attention, the same DIS loss
+(actor) or value loss (critic) in a few lines, AdamW, gradient clipping, the same micro-batches. Both
+sides train the same weights on the same batch, interleaved in one run (engine actor, plain actor,
+engine critic, plain critic, in turn), so a load change on the machine hits both alike. The figures
+are medians; `actor_ratio` / `critic_ratio` = engine step / plain step (the target is <= 1.1), with
+the forward+backward and optimizer parts of each beside them.
+
+Commands (the figures in the README):
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_step_overhead.py --threads 2            # auto model
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_step_overhead.py --model smollm2-shape \\
+        --batch 16 --seq 140 --threads 2 --steps 3 --json
+
+--model: `auto` (default) uses runs/smollm2/hf when it exists (make smollm2), else the tiny Llama
+preset; `tiny`; `smollm2-shape` (SmolLM2-135M's config with random weights: the timing is the
+weights'-shape's, so no download is needed); or a path to an HF model directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+EPS_LOW, EPS_HIGH, LR, CLIP = 0.3, 5.0, 1e-6, 1.0
+
+
+def smollm2_shape_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                       rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, hidden_act="silu",
+                       architectures=["LlamaForCausalLM"])
+
+
+def resolve_model(name: str, tmp: Path) -> tuple[str, str]:
+    """(description, HF directory) of the model both sides train."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_sao.models.presets import tiny_hf_config
+
+    if name == "auto":
+        name = str(ROOT / "runs/smollm2/hf") if (ROOT / "runs/smollm2/hf/config.json").is_file() else "tiny"
+    if name in ("tiny", "smollm2-shape"):
+        cfg = tiny_hf_config("llama") if name == "tiny" else smollm2_shape_config()
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp / "hf")
+        return name, str(tmp / "hf")
+    if not (Path(name) / "config.json").is_file():
+        raise SystemExit(f"--model {name}: not tiny / smollm2-shape / auto, and no HF directory there")
+    return name, name
+
+
+def make_batch(vocab: int, b: int, t: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    action = torch.ones(b, t, dtype=torch.bool)
+    action[:, : t // 4] = False  # a prompt, then actions
+    return dict(tokens=torch.randint(0, vocab, (b, t), generator=g), attention_mask=torch.ones(b, t, dtype=torch.bool),
+                action_mask=action, advantages=torch.randn(b, t, generator=g), returns=torch.randn(b, t, generator=g))
+
+
+# ---------------------------------------------------------------------------------------------- plain loop
+class PlainCritic(torch.nn.Module):
+    """The HF backbone with a [1, H] value head (the engine's critic: the actor's backbone, output layer
+    replaced by a scalar projection)."""
+
+    def __init__(self, causal_lm):
+        super().__init__()
+        self.backbone = causal_lm.model
+        self.head = torch.nn.Linear(causal_lm.config.hidden_size, 1)
+
+    def forward(self, input_ids):
+        return self.head(self.backbone(input_ids=input_ids).last_hidden_state).squeeze(-1)
+
+
+def plain_actor_loss(model, mb, denom):
+    logits = model(input_ids=mb["tokens"]).logits
+    lp = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, mb["tokens"][:, 1:, None]).squeeze(-1)
+    lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+    ratio = torch.exp(lp - mb["rollout_logprobs"])
+    keep = mb["action_mask"] & (ratio.detach() > 1 - EPS_LOW) & (ratio.detach() < 1 + EPS_HIGH)
+    return -torch.where(keep, ratio * mb["advantages"], 0.0).sum() / denom
+
+
+def plain_critic_loss(model, mb, denom):
+    v = model(mb["tokens"])
+    v = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)  # V(state before token t) at t
+    return (0.5 * torch.where(mb["action_mask"], (v - mb["returns"]) ** 2, 0.0)).sum() / denom
+
+
+def plain_step(model, opt, loss_fn, batch, micro: int) -> tuple[float, float]:
+    """(fwd+bwd seconds, optimizer seconds) of one step over the batch's micro-batches."""
+    denom = batch["action_mask"].sum().clamp(min=1).float()
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    for i in range(0, batch["tokens"].shape[0], micro):
+        loss_fn(model, {k: v[i:i + micro] for k, v in batch.items()}, denom).backward()
+    t1 = time.perf_counter()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    opt.step()
+    return t1 - t0, time.perf_counter() - t1
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+def engine_step(engine, loss_fn, batch) -> tuple[float, float]:
+    m = engine.train_step(batch, loss_fn).metrics
+    return m["time/fwd_bwd_s"], m["time/optimizer_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="auto")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=140)
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per side (after one warm-up)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
+
+    ensure_cpu_compat()
+    from transformers import AutoModelForCausalLM
+
+    from megatron_sao.config import AlgorithmConfig
+    from megatron_sao.megatron.engine import InitSource, MegatronEngine
+    from megatron_sao.megatron.optimizer import OptimConfig
+    from megatron_sao.models.hf_config import model_spec_from_hf
+    from megatron_sao.models.parallel_sizes import ParallelSizes
+    from megatron_sao.trainer.losses import critic_loss_fn, policy_loss_fn
+
+    with tempfile.TemporaryDirectory() as tmp:
+        desc, hf_dir = resolve_model(args.model, Path(tmp))
+        hf_actor = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+        hf_critic = PlainCritic(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                                     attn_implementation="sdpa"))
+        spec = model_spec_from_hf(hf_actor.config)
+        sizes = ParallelSizes()
+        optim = OptimConfig(lr=LR, clip_grad=CLIP)
+        actor = MegatronEngine(spec, sizes, optim, role="actor", init=InitSource.from_hf(hf_dir),
+                               micro_batch_size=args.micro_batch_size)
+        critic = MegatronEngine(spec, sizes, optim, role="critic", init=InitSource.from_hf(hf_dir),
+                                micro_batch_size=args.micro_batch_size, ctx=actor.ctx)
+    batch = make_batch(spec.vocab_size, args.batch, args.seq)
+    batch["rollout_logprobs"] = actor.logprobs(batch)  # the sampler's log-probs = the policy's: DIS keeps them
+    adamw = dict(lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    opt_actor = torch.optim.AdamW(hf_actor.parameters(), **adamw)
+    opt_critic = torch.optim.AdamW(hf_critic.parameters(), **adamw)
+    policy_loss, value_loss = policy_loss_fn(AlgorithmConfig(name="sao")), critic_loss_fn()
+    mb = args.micro_batch_size
+    sides = {
+        "engine_actor": lambda: engine_step(actor, policy_loss, batch),
+        "plain_actor": lambda: plain_step(hf_actor, opt_actor, plain_actor_loss, batch, mb),
+        "engine_critic": lambda: engine_step(critic, value_loss, batch),
+        "plain_critic": lambda: plain_step(hf_critic, opt_critic, plain_critic_loss, batch, mb),
+    }
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
+    for rep in range(args.steps + 1):  # interleaved; the first round is the warm-up
+        for name, fn in sides.items():
+            fwd_bwd, opt = fn()
+            if rep:
+                times[name].append((fwd_bwd, opt))
+            print(f"round {rep} {name}: fwd+bwd {fwd_bwd:.3f} s, optimizer {opt:.3f} s", file=sys.stderr, flush=True)
+
+    def med(name: str, part: int | None = None) -> float:
+        return statistics.median(sum(t) if part is None else t[part] for t in times[name])
+
+    out = {"model": desc, "params": sum(p.numel() for p in hf_actor.parameters()), "batch": args.batch,
+           "seq": args.seq, "micro_batch_size": mb, "threads": args.threads, "steps": args.steps}
+    for role in ("actor", "critic"):
+        e, p = f"engine_{role}", f"plain_{role}"
+        out[f"{e}_s"], out[f"{p}_s"] = med(e), med(p)
+        out[f"{role}_ratio"] = med(e) / med(p)
+        out[f"{role}_fwd_bwd_ratio"] = med(e, 0) / med(p, 0)
+        out[f"{role}_optimizer_ratio"] = med(e, 1) / med(p, 1)
+        out[f"{e}_optimizer_s"], out[f"{p}_optimizer_s"] = med(e, 1), med(p, 1)
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"model {desc} ({out['params']:,} params), batch {args.batch} x {args.seq}, micro-batch {mb}, "
+          f"threads {args.threads}, {args.steps} interleaved steps per side (medians)")
+    for role in ("actor", "critic"):
+        e, p = f"engine_{role}", f"plain_{role}"
+        print(f"{role:6s}: engine {med(e):.3f} s (fwd+bwd {med(e, 0):.3f}, optimizer {med(e, 1):.3f})  "
+              f"plain {med(p):.3f} s (fwd+bwd {med(p, 0):.3f}, optimizer {med(p, 1):.3f})  "
+              f"ratio {out[f'{role}_ratio']:.2f} (fwd+bwd {out[f'{role}_fwd_bwd_ratio']:.2f}, "
+              f"optimizer {out[f'{role}_optimizer_ratio']:.2f})")
+
+
+if __name__ == "__main__":
+    main()

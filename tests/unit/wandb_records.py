@@ -1,0 +1,61 @@
+"""Read back the scalars of an offline W&B run (its `run-<id>.wandb` file), for the tests.
+
+The file is W&B's record log: a 7-byte header (":W&B", a magic short, a version byte), then LevelDB's
+log format (32 KiB blocks of records, each a 7-byte header: crc32c, little-endian length, type
+FULL/FIRST/MIDDLE/LAST) whose payloads are `wandb_internal_pb2.Record` protobufs. The installed wandb
+has no reader of its own (the Go core writes the file), so this one reads the history records.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+_BLOCK = 32768
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def _payloads(data: bytes):
+    assert data[:4] == b":W&B", "not a W&B record file"
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        if kind == _FULL:
+            yield chunk
+        elif kind == _FIRST:
+            pending = chunk
+        elif kind == _MIDDLE:
+            pending += chunk
+        elif kind == _LAST:
+            yield pending + chunk
+            pending = b""
+
+
+def history(run_dir: Path) -> dict[int, dict[str, float]]:
+    """{step: {key: value}} of every history record under `run_dir`/wandb (one offline run)."""
+    import wandb
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    wandb.teardown()  # `finish()` returns before W&B's service has flushed the file; this waits for it
+
+    files = sorted(Path(run_dir, "wandb").glob("offline-run-*/run-*.wandb"))
+    assert files, f"no offline W&B run under {run_dir}/wandb"
+    out: dict[int, dict[str, float]] = {}
+    for f in files:
+        for payload in _payloads(f.read_bytes()):
+            rec = pb.Record()
+            rec.ParseFromString(payload)
+            if rec.WhichOneof("record_type") != "history":
+                continue
+            row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+            out.setdefault(int(rec.history.step.num), {}).update(row)
+    return out

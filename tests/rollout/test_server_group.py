@@ -1,4 +1,4 @@
-"""One transfer group for every rollout server: rank 0 broadcasts each tensor once, whatever the number
+"""One transfer group for every rollout server: rank 0 broadcasts each bucket once, whatever the number
 of servers; a server that dies mid-bucket is dropped without hanging the others, who still load every
 tensor exactly once; the group is formed once, reused, and re-formed when the servers change.
 
@@ -108,7 +108,7 @@ def test_rank_offsets_follow_each_servers_tp():
         rank_offsets([1, 0])
 
 
-def test_one_broadcast_per_tensor_for_every_server_and_the_group_is_reused():
+def test_one_broadcast_per_bucket_for_every_server_and_the_group_is_reused():
     servers = [ThreadServer("a"), ThreadServer("b", tp=2), ThreadServer("c")]
     group = ServerTransferGroup("127.0.0.1", [free_port(), free_port()], "gloo", timeout_s=60)
     bs = buckets()
@@ -117,8 +117,8 @@ def test_one_broadcast_per_tensor_for_every_server_and_the_group_is_reused():
         assert run_update(group, servers, bs) == {}  # the second update reuses the group
     finally:
         group.close()
-    tensors = sum(len(b) for b in bs)
-    assert group.broadcasts == 2 * tensors and group.bucket_sends == 2 * len(bs)  # not x servers
+    # gloo: one broadcast per bucket (packed), not one per server or per tensor
+    assert group.packed and group.broadcasts == group.bucket_sends == 2 * len(bs)
     assert group.formations == 1
     assert [i["rank_offset"] for s in servers for i in s.inits] == [1, 2, 4]  # b's two workers at 2, 3
     assert {i["world_size"] for s in servers for i in s.inits} == {5}
@@ -177,3 +177,15 @@ def test_a_server_that_cannot_join_is_left_out_and_the_group_forms_over_the_rest
     assert list(dropped) == [servers[0]] and "health" in dropped[servers[0]]
     assert group.formations == 1  # no rendezvous was tried with it
     assert servers[1].loaded() == [[n for n, _ in buckets(1)[0]]]
+
+
+def test_a_packed_bucket_unpacks_to_the_same_tensors():
+    from megatron_sao.rollout.vllm_worker.transfer_group import pack_bucket, unpack_bucket
+
+    ts = [torch.randn(3, 4), torch.tensor(7, dtype=torch.int64), torch.randn(5).to(torch.bfloat16), torch.ones(0, 2)]
+    flat = pack_bucket(ts)
+    assert flat.dtype == torch.uint8 and flat.numel() == 48 + 16 + 16 + 0  # each tensor 16-byte aligned
+    back = unpack_bucket(flat, [t.dtype for t in ts], [list(t.shape) for t in ts])
+    assert all(b.dtype == t.dtype and torch.equal(b, t) for b, t in zip(back, ts))
+    with pytest.raises(ValueError, match="bytes"):
+        unpack_bucket(flat, [torch.float32], [[3, 4]])

@@ -34,7 +34,12 @@ def _engine_class():
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
-    from megatron_sao.rollout.vllm_worker.transfer_group import join_group, worker_group_rank
+    from megatron_sao.rollout.vllm_worker.transfer_group import (
+        join_group,
+        packed_layout,
+        unpack_bucket,
+        worker_group_rank,
+    )
 
     class GlooWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo]):
         init_info_cls = NCCLWeightTransferInitInfo
@@ -45,12 +50,13 @@ def _engine_class():
             super().__init__(*args, **kwargs)
             self.group = None
             self.rank = None
+            self.packed = False
             self.received: list[str] = []  # names of the update in progress (the CPU MoE repack)
             self._loaded: set[str] = set()  # the same, as a set: a bucket sent again is not loaded twice
 
         def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
-            if init_info.packed:
-                raise ValueError(f"{BACKEND_NAME}: packed transfers are not supported (send packed=False)")
+            # packed: one byte buffer per bucket (transfer_group.pack_bucket), not vLLM's packed format
+            self.packed = bool(init_info.packed)
             pc = self.parallel_config
             self.shutdown()  # a re-formed group replaces the old one
             self.rank = worker_group_rank(init_info.rank_offset, pc.rank, pc.world_size, pc.data_parallel_index)
@@ -79,11 +85,17 @@ def _engine_class():
             if self.group is None:
                 raise RuntimeError(f"{BACKEND_NAME}: receive before init_weight_transfer_engine")
             bucket, error = [], None
+            dtypes = [getattr(torch, d) for d in update_info.dtype_names]
             try:
-                for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
-                    weight = torch.empty(shape, dtype=getattr(torch, dtype_name), device="cpu")
-                    self.group.broadcast(weight, src=0)
-                    bucket.append((name, weight))
+                if self.packed:
+                    flat = torch.empty(packed_layout(dtypes, update_info.shapes)[1], dtype=torch.uint8)
+                    self.group.broadcast(flat, src=0)
+                    bucket = list(zip(update_info.names, unpack_bucket(flat, dtypes, update_info.shapes)))
+                else:
+                    for name, dtype, shape in zip(update_info.names, dtypes, update_info.shapes):
+                        weight = torch.empty(shape, dtype=dtype, device="cpu")
+                        self.group.broadcast(weight, src=0)
+                        bucket.append((name, weight))
             except Exception as e:  # noqa: BLE001 - re-raised below, without its frames
                 error = f"{type(e).__name__}: {e}"
             if error is not None:

@@ -3,9 +3,11 @@
 The group is trainer rank 0 plus the workers of every server in the update, at rank offsets 1,
 1 + tp_0, 1 + tp_0 + tp_1, ... (vLLM's ``rank_offset`` in its NCCL init info exists for this; a
 worker's rank is ``rank_offset + tp_pp_rank``, ``transfer_group.worker_group_rank``). Each bucket is
-one broadcast per tensor from rank 0 while every member's ``/update_weights`` receives it, so what
-rank 0 does per update does not grow with the server count (on NCCL the collective's ring/tree moves
-the bytes; gloo's broadcast is its own algorithm over TCP).
+sent once by rank 0 while every member's ``/update_weights`` receives it: on gloo one broadcast of the
+bucket packed into one byte buffer (``init_info.packed``, which our ``sao_gloo`` engine unpacks), on
+NCCL one broadcast per tensor (vLLM's NCCL engine as it is), so what rank 0 does per update does not
+grow with the server count (on NCCL the collective's ring/tree moves the bytes; gloo's broadcast is
+its own algorithm over TCP).
 
 The group is formed once and reused: it is re-formed only when the set of servers in the update
 changes (a server left the pool, a restarted one is readmitted) or after a failure broke it. Forming
@@ -63,10 +65,11 @@ def rank_offsets(world_sizes: Sequence[int]) -> list[int]:
     return offsets
 
 
-def member_init_info(master_address: str, master_port: int, rank_offset: int, world_size: int) -> dict:
+def member_init_info(master_address: str, master_port: int, rank_offset: int, world_size: int,
+                     packed: bool = False) -> dict:
     """The ``init_info`` body of ``POST /init_weight_transfer_engine`` (vLLM's NCCL init-info fields)."""
     return {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "packed": False}
+            "world_size": world_size, "packed": packed}
 
 
 def _why(e: BaseException) -> str:
@@ -88,7 +91,9 @@ class ServerTransferGroup:
         self.master_address, self.ports, self.backend = master_address, tuple(ports), backend
         self.timeout_s = float(timeout_s)
         self.members: tuple = ()  # the servers the current group was formed over, in rank order
-        self.broadcasts = 0  # tensor broadcasts rank 0 made, ever (what the tests and the benchmark count)
+        # gloo: one broadcast per bucket (our engine unpacks it); nccl: one per tensor, vLLM's engine as it is
+        self.packed = backend == "gloo"
+        self.broadcasts = 0  # broadcasts rank 0 made, ever (what the tests and the benchmark count)
         self.bucket_sends = 0  # buckets rank 0 sent (a resend after a failure counts again)
         self.formations = 0
         self.formation_seconds = 0.0  # the last formation's wall time
@@ -123,7 +128,8 @@ class ServerTransferGroup:
         world = 1 + sum(m.transfer_world_size for m in members)
         t0 = time.perf_counter()
         inits = [asyncio.ensure_future(asyncio.wait_for(
-            m.join_transfer_group(member_init_info(self.master_address, port, off, world)), self.timeout_s))
+            m.join_transfer_group(member_init_info(self.master_address, port, off, world, self.packed)),
+            self.timeout_s))
             for m, off in zip(members, offsets)]
         try:
             group = await asyncio.to_thread(join_group, self.master_address, port, 0, world, self.backend,
@@ -200,8 +206,8 @@ class ServerTransferGroup:
             tensors = [t for _, t in bucket]
             self.bucket_sends += 1
             try:
-                await asyncio.to_thread(broadcast_bucket, self._group, tensors, self.timeout_s)
-                self.broadcasts += len(tensors)
+                self.broadcasts += await asyncio.to_thread(broadcast_bucket, self._group, tensors, self.timeout_s,
+                                                           self.packed)
             except Exception as e:  # a peer died or hung: every member's receive below says which
                 # Only its text is kept: the failed call's frames hold the gloo work, which keeps the
                 # group's connections open, and the receivers must see them close.

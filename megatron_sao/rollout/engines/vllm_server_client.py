@@ -262,6 +262,8 @@ class VLLMServerClient:
             if self.transport == "reload":
                 await self._control("POST", "/sao/start_weight_update", params={"version": str(version)})
                 return
+            if self._solo is not None:
+                self._solo.new_update()
             await self._control("POST", "/pause", params={"mode": self.cfg.inflight_policy})
             await self._control("POST", "/start_weight_update")
             self._session_open = True

@@ -98,6 +98,7 @@ class ServerTransferGroup:
         self.formations = 0
         self.formation_seconds = 0.0  # the last formation's wall time
         self._group = None
+        self._proven = False  # a bucket of this update went through this group: no refusal window needed
 
     # ------------------------------------------------------------------ formation
     async def ensure(self, members: Sequence[GroupMember]) -> dict:
@@ -153,7 +154,12 @@ class ServerTransferGroup:
                     len(members), world, port, self.formation_seconds)
         return {}
 
+    def new_update(self) -> None:
+        """A new update starts: its first bucket gets the refusal window again (``_send_once``)."""
+        self._proven = False
+
     def close(self) -> None:
+        self._proven = False
         group, self._group, self.members = self._group, None, ()
         if group is not None:
             group.close()
@@ -198,8 +204,10 @@ class ServerTransferGroup:
         members = self.members
         recvs = [asyncio.ensure_future(asyncio.wait_for(m.receive_bucket(info), self.timeout_s)) for m in members]
         # A receive refused at once (bad names, no update session) would leave the broadcast waiting for
-        # a worker that never joins it: give the refusals a moment to show first.
-        await asyncio.wait(recvs, timeout=0.05)
+        # a worker that never joins it: give the refusals a moment to show first, on the first bucket of
+        # an update or of a new group (a later bucket meets the same sessions and names).
+        if not self._proven:
+            await asyncio.wait(recvs, timeout=0.05)
         refused = any(f.done() and f.exception() is not None for f in recvs)
         sender_error = None
         if not refused:
@@ -218,6 +226,7 @@ class ServerTransferGroup:
         failed = {m: f"receiving a bucket failed: {_why(r)}" for m, r in zip(members, results)
                   if isinstance(r, BaseException)}
         del results
+        self._proven = not failed and sender_error is None and not refused
         if sender_error is not None and not failed:  # every member has it; only the group is gone
             logger.warning("weight-transfer broadcast failed after every server received it (%s); the group "
                            "is re-formed", sender_error)

@@ -150,6 +150,7 @@ class WeightSync:
                                              e.group_transport, self.timeout_s)
             self._sent0 = self.group.broadcasts
         formed = self.group.formations
+        self.group.new_update()
         failed = await self.group.ensure([self.engines[i] for i in grouped])
         self._metrics.group_formations += self.group.formations - formed
         self._fail_members(failed, "begin")

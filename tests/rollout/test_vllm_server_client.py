@@ -230,6 +230,9 @@ class _NoDataPlane:
     async def ensure(self, members):
         return {}
 
+    def new_update(self):
+        pass
+
     async def send_bucket(self, bucket, retry=None):
         from megatron_sao.rollout.weights.vllm_transport import bucket_update_info
 

@@ -178,6 +178,9 @@ class RolloutConfig:
     weight_transfer_ports: list[int] = field(default_factory=list)
     weight_sync_check: bool = False  # after every update, compare each server's log-probs with the trainer's
     weight_sync_check_atol: float = 1e-3
+    # With weight_sync_check: check only the updates whose version is a multiple of this (1: every one).
+    # The check is a trainer forward plus a scoring request per server: sample it when updates must be fast.
+    weight_sync_check_every: int = 1
     health_check_interval_s: float = 10.0  # servers failing it stop getting episodes (theirs re-run elsewhere)
     vllm_serve_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags of the launch plan
     # Rollout routing replay (R3, MoE actors only): the engines return the experts every token was routed

@@ -93,12 +93,14 @@ def _check_rollout_servers(r: RolloutConfig) -> None:
         _check(len(r.weight_transfer_ports) == n, "rollout.weight_transfer_ports",
                f"needs one port per server ({n}), got {r.weight_transfer_ports}")
         _check(len(set(r.weight_transfer_ports)) == len(r.weight_transfer_ports), "rollout.weight_transfer_ports",
-               f"must be distinct (one transfer group per server), got {r.weight_transfer_ports}")
+               f"must be distinct (one rendezvous port per server), got {r.weight_transfer_ports}")
         _check(all(0 < p < 65536 for p in r.weight_transfer_ports), "rollout.weight_transfer_ports",
                f"must be TCP ports, got {r.weight_transfer_ports}")
         _check(bool(r.weight_transfer_master_address), "rollout.weight_transfer_master_address",
                "is required with rollout.weight_transfer_ports (the trainer rank-0 host)")
     _check(r.weight_sync_check_atol > 0, "rollout.weight_sync_check_atol", "must be > 0")
+    _check(isinstance(r.weight_sync_check_every, int) and r.weight_sync_check_every >= 1,
+           "rollout.weight_sync_check_every", f"must be an int >= 1, got {r.weight_sync_check_every!r}")
     _check(r.health_check_interval_s >= 0, "rollout.health_check_interval_s", "must be >= 0 (0 = off)")
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -47,6 +48,7 @@ class RolloutSideConfig:
     sync_timeout_s: float = 600.0  # each step of a weight update, per server
     check_weights: bool = False  # verify every server's log-probs after every update
     check_atol: float = 1e-3
+    check_every: int = 1  # with check_weights: only the updates whose version is a multiple of this
     health_interval_s: float = 10.0
     health_timeout_s: float = 30.0
 
@@ -59,7 +61,7 @@ class RolloutSide:
         self.cfg, self.formatter = cfg, formatter
         self.pool = ServerPool(engines, labels, cfg.max_num_seqs)
         self.sync = WeightSync(self.pool.engines, cfg.sync_timeout_s, check=cfg.check_weights, atol=cfg.check_atol,
-                               strict=False, labels=[s.label for s in self.pool.slots])
+                               strict=False, labels=[s.label for s in self.pool.slots], check_every=cfg.check_every)
         self.driver = EpisodeDriver(self.pool, env_factory, stream, formatter, loop_cfg, on_done,
                                     batch_size=cfg.batch_size, ahead=cfg.ahead, concurrency=cfg.concurrency,
                                     group_size=cfg.group_size, next_pos=next_pos, requeue=requeue, skip=skip,
@@ -119,16 +121,22 @@ class RolloutSide:
         rejoin = [s.index for s in self.pool.rejoinable()]  # dead servers that answer again (server_pool)
         wait_s = self.cfg.sync_timeout_s + 60.0  # each step is bounded per server inside WeightSync
         it = iter(buckets)
-        try:
+        produce_s = wait_s_total = 0.0  # the overlap: producing bucket k+1 (the export's gathers) vs
+        try:                            # waiting for bucket k to reach every server
             self.driver.call(self.sync.begin(version, live + rejoin, probation=rejoin), timeout=wait_s)
             in_flight = None
-            for bucket in it:  # bucket k+1 is produced here while bucket k is on its way
+            while True:  # bucket k+1 is produced here while bucket k is on its way
+                t0 = time.perf_counter()
+                bucket = next(it, None)
+                t1 = time.perf_counter()
+                produce_s += t1 - t0
                 if in_flight is not None:
                     in_flight.result(wait_s)  # bucket k reached every server before k+2 is produced
+                    wait_s_total += time.perf_counter() - t1
+                if bucket is None:
+                    break
                 in_flight = self.driver.submit(self.sync.send_bucket(bucket))
                 bucket = None  # the sender holds it until sent, not us
-            if in_flight is not None:
-                in_flight.result(wait_s)
             metrics = self.driver.call(self.sync.finish(version, check_tokens=check_tokens,
                                                         check_prompt_len=check_prompt_len,
                                                         reference_logprobs=reference_logprobs), timeout=wait_s)
@@ -140,6 +148,8 @@ class RolloutSide:
             except Exception:  # already failing
                 pass
             raise
+        metrics.phase_seconds["produce"] = produce_s  # on the trainer thread, while the previous bucket was sent
+        metrics.phase_seconds["send_wait"] = wait_s_total  # the trainer waiting for a bucket still on the wire
         self.last_sync = metrics
         if rejoin:
             self._settle_rejoins(rejoin, metrics, version)
@@ -203,7 +213,8 @@ class RolloutSide:
         if self.driver.loop is not None and self.driver._thread.is_alive():
             async def close_all():
                 await self.driver.cancel_episodes()
-                await asyncio.gather(*(e.close() for e in self.pool.engines), return_exceptions=True)
+                await asyncio.gather(self.sync.close(), *(e.close() for e in self.pool.engines),
+                                     return_exceptions=True)
             try:
                 self.driver.call(close_all(), timeout=timeout)
             except Exception as e:  # shutting down; report and go on

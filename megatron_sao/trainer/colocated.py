@@ -165,7 +165,8 @@ class Placement:
         """How the actor's weights reach the engines after each actor step: streamed by rank 0."""
         r = self.cfg.rollout
         return WeightPush(actor, rollout, collectives, bucket_bytes=r.weight_sync_bucket_mb << 20,
-                          policy_lag=self.cfg.trainer.policy_lag, check=r.weight_sync_check)
+                          policy_lag=self.cfg.trainer.policy_lag, check=r.weight_sync_check,
+                          check_every=r.weight_sync_check_every)
 
     def evaluate(self, rollout, out: Path) -> float | None:
         """Rank 0 (the only one with a rollout side) runs the episodes over every live server; past

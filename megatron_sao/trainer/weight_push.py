@@ -19,6 +19,7 @@ from collections import deque
 
 import torch
 
+from megatron_sao.rollout.weights.sync import check_due
 from megatron_sao.trainer.stopping import TrainingStopped
 
 logger = logging.getLogger(__name__)
@@ -33,9 +34,11 @@ class WeightPush:
     """``rollout``: rank 0's ``RolloutSide`` (None on the other ranks); ``collectives``: ``GatedCollectives``."""
 
     def __init__(self, actor, rollout, collectives, *, bucket_bytes: int, policy_lag: int = 0,
-                 check: bool = False) -> None:
+                 check: bool = False, check_every: int = 1) -> None:
         self.actor, self.rollout, self.collectives = actor, rollout, collectives
         self.bucket_bytes, self.policy_lag, self.check = bucket_bytes, policy_lag, check
+        check_due(0, check_every)  # refuses an interval < 1
+        self.check_every = check_every  # rollout.weight_sync_check_every: every rank decides alike, by version
         self._lagged: deque = deque()  # trainer.policy_lag: (version, weights) not yet pushed
 
     def push(self, version: int, step: int) -> float:
@@ -67,13 +70,14 @@ class WeightPush:
         return version, iter(snapshot)
 
     def _send(self, buckets, version: int, step: int) -> None:
-        check = self._check_reference() if self.check else {}
+        check = self._check_reference() if self.check and check_due(version, self.check_every) else {}
         error = None
         if self.rollout is not None:
             try:
                 m = self.rollout.push_weights(buckets, version, **check)
-                logger.info("weights v%d -> %d server(s): %.2fs, %d buckets, %.1f MB", version,
-                            len(m.per_engine_seconds), m.seconds, m.buckets, m.bytes / 2**20)
+                logger.info("weights v%d -> %d server(s): %.2fs, %d buckets, %.1f MB (%s)", version,
+                            len(m.per_engine_seconds), m.seconds, m.buckets, m.bytes / 2**20,
+                            ", ".join(f"{k} {v:.3f}s" for k, v in m.phase_seconds.items()))
             except Exception as e:  # every rank must learn it, or they wait forever
                 error = f"{type(e).__name__}: {e}"
         else:

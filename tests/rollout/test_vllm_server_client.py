@@ -224,11 +224,23 @@ class _VLLMSessionRules:
 class _NoDataPlane:
     """Stands in for the transfer group: this test is about the HTTP session, not the broadcast."""
 
-    def broadcast(self, tensor, src=0):
+    def __init__(self, member) -> None:
+        self.member = member
+
+    async def ensure(self, members):
+        return {}
+
+    def new_update(self):
         pass
 
-    def synchronize(self):
-        pass
+    async def send_bucket(self, bucket, retry=None):
+        from megatron_sao.rollout.weights.vllm_transport import bucket_update_info
+
+        try:
+            await self.member.receive_bucket(bucket_update_info(bucket))
+        except ServerError as e:
+            return {self.member: str(e)}
+        return {}
 
     def close(self):
         pass
@@ -250,7 +262,8 @@ def test_an_aborted_vllm_update_leaves_the_session_so_the_server_can_take_the_ne
         url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         client = VLLMServerClient(url, EngineConfig(backend="vllm_server", server_urls=(url,), weight_transport="gloo",
                                                     control_timeout_s=5.0))
-        client.kind, client.transport, client.route, client._group = "vllm", "gloo", "generate", _NoDataPlane()
+        client.kind, client.transport, client.route = "vllm", "gloo", "generate"
+        client._solo = _NoDataPlane(client)
         try:
             await client.begin_weight_update(1)
             rules.fail_next_update = True

@@ -137,3 +137,23 @@ def test_bad_arguments_are_refused(moe_dir):
             await WeightSync([_ok_engine()], timeout_s=1).verify(_ok_engine(), [1, 2, 3], [0.0, 0.0], 1e-3)
 
     asyncio.run(run())
+
+
+def test_check_every_n_checks_only_the_versions_it_names():
+    """rollout.weight_sync_check_every: the trainer computes the reference only for due versions, and
+    a due version without one is refused, not silently unchecked."""
+    from megatron_sao.rollout.weights.sync import check_due
+
+    assert [v for v in range(1, 9) if check_due(v, 3)] == [3, 6]
+    assert all(check_due(v, 1) for v in range(5))
+    with pytest.raises(ValueError, match=">= 1"):
+        WeightSync([_ok_engine()], timeout_s=5, check=True, check_every=0)
+    bucket = [("w", torch.zeros(2))]
+
+    async def run():
+        sync = WeightSync([_ok_engine()], timeout_s=5, check=True, check_every=2)
+        m = await sync.push([bucket], version=1)  # not due: no reference needed, none checked
+        assert not m.logprob_diff and set(m.phase_seconds) >= {"begin", "buckets", "finish"}
+        with pytest.raises(ValueError, match="check_every=2"):
+            await sync.push([bucket], version=2)
+    asyncio.run(run())

@@ -52,6 +52,7 @@ def test_presets_and_precedence(tmp_path):
     (["run.seed=1.5"], "run.seed: expected an integer"),
     (["algorithm.eps_low"], "expected key.path=value"),
     (["parallel.etp=0"], "parallel.etp: must be >= 1"),
+    (["rollout.weight_sync_check_every=0"], "rollout.weight_sync_check_every: must be an int >= 1"),
     (["model.dtype=float16"], "model.dtype: float16 training needs loss scaling"),
 ])
 def test_errors_name_the_key(overrides, needle):

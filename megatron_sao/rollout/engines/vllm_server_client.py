@@ -358,6 +358,15 @@ class VLLMServerClient:
         except ServerError:
             return False
 
+    async def reset_transfer(self) -> None:
+        """Forget this server's transfer group: a restarted server process is a new peer, so the next
+        ``begin_weight_update`` opens a new group at the same rendezvous port (the old store, which
+        this process hosts, is closed first so that the port is free)."""
+        group, self._group = self._group, None
+        self._session_open = False
+        if group is not None:
+            await asyncio.to_thread(group.close)
+
     async def close(self) -> None:
         group, self._group = self._group, None
         if group is not None:

@@ -85,6 +85,7 @@ class GlooGroup:
 
     def __init__(self, pg) -> None:
         self.pg = pg
+        self.store_group = None  # vLLM's StatelessProcessGroup (its TCPStore), kept alive with the group
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self.pg.broadcast(tensor, src).wait()
@@ -93,7 +94,10 @@ class GlooGroup:
         pass  # every gloo broadcast already waited
 
     def close(self) -> None:
+        # Drop the group and the store it met through (rank 0 hosts the store: its port is freed
+        # for the next group, e.g. with a restarted server).
         self.pg = None
+        self.store_group = None
 
 
 class NcclGroup:

@@ -1,0 +1,220 @@
+"""`sbatch slurm/sao_aime.sh` on a real SLURM cluster: munged, slurmctld and two slurmd on this machine.
+
+The cluster is tools/slurm_local/cluster.py (nodes sao-n1, sao-n2; `make test` installs Debian's
+slurm-wlm and munge through tools/slurm_local/install.sh). The jobs run the CPU recipes of
+examples/slurm_cpu/ (the tiny Qwen3-MoE-shaped model, vLLM's CPU build, gloo transfer groups) with
+the venv's python, torchrun and vLLM, exactly as a user submits them (docs/cluster.md, "Trying the
+launcher on one machine"):
+
+- colocated: one node, two trainer ranks each hosting a vLLM engine shard; completes.
+- disaggregated: a trainer node of two ranks and a rollout node of two `vllm serve`. As the trainer
+  starts, one server is killed with SIGKILL and the other frozen (SIGSTOP): with no server in service
+  the run waits; the node supervisor restarts the killed one, the trainer readmits it with a complete
+  weight update (a new transfer group) and it serves again. Then `scancel --signal=USR1 --batch` (what
+  `--signal=B:USR1@600` delivers before the time limit): the trainer finishes its step and writes a
+  checkpoint, the job is requeued under the same id and run dir, and the second attempt resumes and
+  completes: every step logged once, no trajectory and no prompt trained twice.
+
+Without the SLURM programs the tests fail in CI (CI=true) and skip elsewhere. A requeued job waits
+~2 min (SLURM's begin-time delay after a requeue); the test starts it at once with `scontrol update
+StartTime=now`, as an administrator could.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "tools" / "slurm_local"))
+from cluster import ClusterError, SlurmCluster, missing_tools  # noqa: E402
+
+from megatron_sao.cluster.launch_local import free_port_block  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+RECIPES = REPO / "examples" / "slurm_cpu"
+VENV_PY = sys.executable
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    missing = missing_tools()
+    if missing:
+        why = f"no SLURM here ({', '.join(missing)} missing): run `bash tools/slurm_local/install.sh` as root"
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        c.start()
+    except ClusterError as e:
+        pytest.fail(f"the SLURM cluster did not come up: {e}")
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The recipes' built-in model as the HF directory vllm serve loads (SAO_MODEL_DIR)."""
+    from megatron_sao.config import load_config
+    from megatron_sao.trainer.components import resolve_model_dir
+
+    d = tmp_path_factory.mktemp("model")
+    return resolve_model_dir(load_config(RECIPES / "disaggregated.yaml"), d)
+
+
+def _job_env(slurm: SlurmCluster, run_root: Path, config: Path, model_dir: Path, **extra: str) -> dict:
+    return {**slurm.env(), "SAO_REPO": str(REPO), "SAO_CONFIG": str(config), "SAO_PYTHON": VENV_PY,
+            "SAO_TORCHRUN": f"{VENV_PY} -m torch.distributed.run",
+            "SAO_VLLM": f"{VENV_PY} -m vllm.entrypoints.openai.api_server",
+            # the trailing slash is on purpose: vLLM must serve the name the trainer asks for
+            "SAO_MODEL_DIR": f"{model_dir}/", "SAO_RUN_ROOT": str(run_root), "SAO_POLL_S": "1",
+            "SAO_KILL_GRACE_S": "60", "SAO_HEALTH_TIMEOUT_S": "400", "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
+
+
+def _ports() -> list[str]:
+    """This machine is shared: the recipe's ports (8000, 29500, 29600) may be taken."""
+    rollout = free_port_block(2)
+    master = free_port_block(1, avoid=[rollout, rollout + 1])
+    sync = free_port_block(2, avoid=[rollout, rollout + 1, master])
+    return [f"cluster.rollout_port={rollout}", f"cluster.master_port={master}", f"cluster.weight_sync_port={sync}"]
+
+
+def _submit(slurm: SlurmCluster, env: dict, nodes: int, out: Path, *overrides: str) -> str:
+    p = subprocess.run(["sbatch", "--parsable", f"--nodes={nodes}", "--gpus-per-node=0", f"--output={out}",
+                        str(REPO / "slurm" / "sao_aime.sh"), *overrides],
+                       env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip().split(";")[0]
+
+
+def _job(slurm: SlurmCluster, job: str) -> dict:
+    p = subprocess.run(["scontrol", "-o", "show", "job", job], env=slurm.env(), capture_output=True, text=True,
+                       timeout=30)
+    return dict(re.findall(r"(\w+)=(\S*)", p.stdout))
+
+
+def _wait(slurm: SlurmCluster, job: str, until, timeout_s: float, what: str, out: Path) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = _job(slurm, job)
+        if until(info):
+            return info
+        if time.monotonic() > deadline or info.get("JobState") in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            raise AssertionError(f"job {job}: {what} not reached ({info.get('JobState')}, "
+                                 f"Restarts={info.get('Restarts')})\n{_diagnose(slurm, out)}")
+        time.sleep(1)
+
+
+def _done(info: dict) -> bool:
+    return info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _diagnose(slurm: SlurmCluster, out: Path) -> str:
+    parts = [f"--- {out.name}\n{out.read_text(errors='replace')[-4000:]}" if out.exists() else f"no {out}"]
+    for f in sorted(out.parent.glob("**/logs/*.log")):
+        parts.append(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}")
+    return "\n".join(parts) + "\n" + slurm.logs_tail(1500)
+
+
+def _server_pid(port: int) -> int:
+    """The `vllm serve` process listening on ``port`` (its argv says --port PORT)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in b" ".join(argv) and str(port).encode() in argv:
+            if argv[argv.index(b"--port") + 1] == str(port).encode():
+                return int(d.name)
+    raise AssertionError(f"no vllm server with --port {port}")
+
+
+def test_colocated_job_completes(slurm, model_dir, tmp_path):
+    env = _job_env(slurm, tmp_path / "runs", RECIPES / "colocated.yaml", model_dir)
+    out = tmp_path / "job.out"
+    job = _submit(slurm, env, 1, out, _ports()[1])
+    info = _wait(slurm, job, _done, 600, "the end of the job", out)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", _diagnose(slurm, out)
+    run = tmp_path / "runs" / f"sao-aime-{job}"
+    rows = _rows(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2], _diagnose(slurm, out)  # critic warm-up + 2 steps
+    assert all(n > 0 for n in rows[-1]["rollout/episodes_by_server"].values()), rows[-1]
+    assert (run / "final_model" / "config.json").exists()
+
+
+def test_disaggregated_job_survives_a_server_kill_and_requeues_at_the_time_limit(slurm, model_dir, tmp_path):
+    ports = _ports()
+    rollout_port = int(ports[0].split("=")[1])
+    env = _job_env(slurm, tmp_path / "runs", RECIPES / "disaggregated.yaml", model_dir, SAO_RESTART_BACKOFF_S="1")
+    out = tmp_path / "job.out"
+    total = 8  # steps after the warm-up
+    job = _submit(slurm, env, 2, out, *ports, f"run.total_steps={total}")
+    run = tmp_path / "runs" / f"sao-aime-{job}"
+    metrics = run / "metrics.jsonl"
+    killed = f"http://sao-n2:{rollout_port + 1}"
+
+    # 1. As the trainer starts, SIGKILL server 1 and freeze server 0 (SIGSTOP: a hung server, which also
+    # keeps the trainer from finishing its steps before a vLLM restart, minutes here). Server 0 fails its
+    # health checks, so no server is in service: the run waits (rollout.server_deadline_s). Server 1 is
+    # restarted by its node, answers /health, gets the trainer's current weights at once (a new transfer
+    # group) and serves; then server 0 is thawed and rejoins at the next update.
+    _wait(slurm, job, lambda i: (out.exists() and "start trainer-0" in out.read_text()) or _done(i), 600,
+          "the trainer's start", out)
+    frozen = _server_pid(rollout_port)
+    os.kill(_server_pid(rollout_port + 1), signal.SIGKILL)
+    os.killpg(frozen, signal.SIGSTOP)  # the node started it in its own process group (engine core too)
+    try:
+        def served_again(info) -> bool:
+            rows = _rows(metrics)
+            back = [r for r in rows if r["rollout/server_revivals"] >= 1]
+            return (bool(back) and rows[-1]["rollout/episodes_by_server"][killed]
+                    > back[0]["rollout/episodes_by_server"][killed]) or _done(info)
+        _wait(slurm, job, served_again, 600, "the restarted server serving again", out)
+    finally:
+        os.killpg(frozen, signal.SIGCONT)
+    attempt1 = _rows(metrics)
+    assert attempt1[-1]["step"] < total, "the run ended before the time-limit signal; raise total"
+    revived = next(r for r in attempt1 if r["rollout/server_revivals"] >= 1)
+    assert revived["rollout/server_deaths"] == 2 and revived["rollout/servers_alive"] == 1, revived
+    assert revived["rollout/version_by_server"][killed] == revived["version"], revived  # the current weights
+
+    # 2. The time-limit signal: checkpoint, requeue under the same id, resume, finish.
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env(), check=True, timeout=30)
+    info = _wait(slurm, job, lambda i: i.get("Restarts") == "1" or _done(i), 300, "the requeue", out)
+    assert info.get("Restarts") == "1", f"{info}\n{_diagnose(slurm, out)}"
+    stopped_at = len(_rows(metrics))
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{stopped_at:06d}", (latest, stopped_at)  # the stop's own checkpoint
+    if _job(slurm, job).get("JobState") == "PENDING":
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env(), timeout=30)
+    info = _wait(slurm, job, _done, 600, "the end of the requeued job", out)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", _diagnose(slurm, out)
+    assert info["Restarts"] == "1"
+
+    rows = _rows(metrics)
+    assert [r["step"] for r in rows] == list(range(total + 1)), [r["step"] for r in rows]  # each step once
+    batches = _rows(run / "batches.jsonl")
+    assert [b["step"] for b in batches] == list(range(total + 1))
+    trajs = [t for b in batches for t in b["traj_ids"]]
+    prompts = [p for b in batches for p in b["prompt_ids"]]
+    assert len(trajs) == len(set(trajs)) and len(prompts) == len(set(prompts))  # nothing trained twice
+    log = out.read_text()
+    assert "restart 1 of 3" in log and "restarted vllm-1" in log, log[-3000:]
+    assert "stop requested: SIGTERM to the trainer" in log and f"requeueing job {job}" in log
+    assert (run / "final_model" / "config.json").exists()

@@ -67,7 +67,8 @@ def ensure_hosts(path: str = "/etc/hosts") -> None:
 
 
 def slurm_conf(d: Path, ctl_port: int, node_ports: dict[str, int], cpus: int, user: str) -> str:
-    """slurm.conf of the one-machine cluster (every path inside ``d``)."""
+    """slurm.conf of the one-machine cluster (every path inside ``d``). cred_expire=30: a requeued job
+    may start again 30 s after its last attempt ended (SLURM's default, 120 s, is also the delay)."""
     nodes = "\n".join(f"NodeName={n} NodeAddr={a} Port={node_ports[n]} CPUs={cpus} RealMemory=1000 State=UNKNOWN"
                       for n, a in NODES.items())
     return f"""\
@@ -78,7 +79,7 @@ SlurmUser={user}
 SlurmdUser={user}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={d}/munge/munge.socket
+AuthInfo=socket={d}/munge/munge.socket,cred_expire=30
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool/%n
 SlurmctldPidFile={d}/run/slurmctld.pid

@@ -28,7 +28,7 @@ FAKE_VLLM = textwrap.dedent(f"""\
     starts = os.path.join(out, f"vllm-{{port}}.pids")
     first = not os.path.exists(starts)
     with open(starts, "a") as f:  # one line per start: pid, worker pid, time
-        f.write(f"{{os.getpid()}} {{child.pid}} {{time.time()}}\n")
+        f.write(f"{{os.getpid()}} {{child.pid}} {{time.time()}}\\n")
     if os.environ.get("FAKE_VLLM_FAIL") or (first and os.environ.get("FAKE_VLLM_FAIL_FIRST")):
         sys.exit(1)
     class H(http.server.BaseHTTPRequestHandler):

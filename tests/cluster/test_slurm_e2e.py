@@ -38,7 +38,7 @@ from cluster import ClusterError, SlurmCluster, missing_tools  # noqa: E402
 
 from megatron_sao.cluster.launch_local import free_port_block  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 RECIPES = REPO / "examples" / "slurm_cpu"
 VENV_PY = sys.executable
 
@@ -187,7 +187,7 @@ def test_disaggregated_job_survives_a_server_kill_and_requeues_at_the_time_limit
             back = [r for r in rows if r["rollout/server_revivals"] >= 1]
             return (bool(back) and rows[-1]["rollout/episodes_by_server"][killed]
                     > back[0]["rollout/episodes_by_server"][killed]) or _done(info)
-        _wait(slurm, job, served_again, 600, "the restarted server serving again", out)
+        _wait(slurm, job, served_again, 1200, "the restarted server serving again", out)
     finally:
         os.killpg(frozen, signal.SIGCONT)
     attempt1 = _rows(metrics)
@@ -203,7 +203,7 @@ def test_disaggregated_job_survives_a_server_kill_and_requeues_at_the_time_limit
     stopped_at = len(_rows(metrics))
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step_{stopped_at:06d}", (latest, stopped_at)  # the stop's own checkpoint
-    info = _wait(slurm, job, _done, 600, "the end of the requeued job", out)
+    info = _wait(slurm, job, _done, 1200, "the end of the requeued job", out)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", _diagnose(slurm, out)
     assert info["Restarts"] == "1"
 

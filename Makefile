@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: venv demo lint test test-fast clean-venv smollm2 smollm2-curve gpu-check gpu-check-smoke gpu-wheels
+.PHONY: venv demo lint slurm-tools test test-fast clean-venv smollm2 smollm2-curve gpu-check gpu-check-smoke gpu-wheels
 
 $(STAMP): requirements.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,12 @@ demo: venv
 lint: venv
 	$(BIN)/ruff check .
 
-test: lint system-deps
+# The SLURM tests' one-machine cluster (tests/cluster/test_slurm_e2e.py): Debian's slurm-wlm and munge,
+# installed when missing (root); without them those tests fail in CI and skip elsewhere.
+slurm-tools:
+	bash tools/slurm_local/install.sh
+
+test: lint system-deps slurm-tools
 	$(BIN)/pytest -q -p no:cacheprovider tests
 
 # Single-process tests only (the multi-process and integration ones are marked slow).

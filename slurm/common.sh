@@ -17,11 +17,13 @@
 #   SAO_MODEL_DIR         local HF checkpoint: model.path of the trainer and the model vllm serve loads
 #   SAO_MEGATRON_CKPT     converted Megatron checkpoint for actor.init (slurm/convert.sh makes it)
 #   SAO_TRAINER_NODES     trainer nodes (default cluster.trainer_nodes); the rest are rollout nodes
-#   SAO_GPUS_PER_NODE     default SLURM_GPUS_ON_NODE, else 8
+#   SAO_GPUS_PER_NODE     default SLURM_GPUS_ON_NODE, else the recipe's cluster.gpus_per_node
 #   SAO_GPU_MEM_GIB       GPU memory for the preflight plan (default 80); SAO_SKIP_PLAN=1 skips it
 #   SAO_HEALTH_TIMEOUT_S  deadline for every vLLM server to answer /health (default 1800)
 #   SAO_KILL_GRACE_S      SIGTERM -> SIGKILL grace, e.g. for a final checkpoint (default 120)
-#   SAO_POLL_S            poll interval of the health and done-file checks (default 10 / 5 s)
+#   SAO_POLL_S            poll interval of the health and done/stop-file checks (default 10 / 5 s)
+#   SAO_SERVER_RESTARTS   restarts of one rollout server that exited before the trainer finished (default 3)
+#   SAO_RESTART_BACKOFF_S delay before restart n: this * 2^(n-1) seconds, at most 300 (default 10)
 #   SAO_SRUN_ARGS         extra srun flags: container (--container-image=... --container-mounts=...), --mpi, ...
 #   SAO_TORCHRUN, SAO_VLLM executables on the nodes (default torchrun, vllm)
 #   SAO_DRY_RUN=1 (or --dry-run) prints every node's commands and exits without srun
@@ -49,10 +51,20 @@ sao_defaults() {
     export SAO_RESTART_COUNT="${SLURM_RESTART_COUNT:-0}"
     export SAO_RUN_ROOT="${SAO_RUN_ROOT:-$SAO_REPO/runs}"
     export SAO_RUN_DIR="${SAO_RUN_DIR:-$SAO_RUN_ROOT/${SLURM_JOB_NAME:-sao}-$SAO_JOB_ID}"
-    export SAO_GPUS_PER_NODE="${SAO_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
+    # The batch host asks for a stop (time limit, scancel --batch) by creating this file; every
+    # trainer node polls it (the run dir is on a file system all nodes see, like the done file).
+    export SAO_STOP_FILE="$SAO_RUN_DIR/.stop-$SAO_JOB_ID-$SAO_RESTART_COUNT"
+    # GPUs per node: SAO_GPUS_PER_NODE, else what SLURM allocated, else (none: a CPU job) the
+    # recipe's cluster.gpus_per_node.
+    export SAO_GPUS_PER_NODE="${SAO_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}"
+    [[ "$SAO_GPUS_PER_NODE" == 0 ]] && SAO_GPUS_PER_NODE=""
     export SAO_GPU_MEM_GIB="${SAO_GPU_MEM_GIB:-80}"
     export SAO_HEALTH_TIMEOUT_S="${SAO_HEALTH_TIMEOUT_S:-1800}"
     export SAO_KILL_GRACE_S="${SAO_KILL_GRACE_S:-120}"
+    # torchrun gives its workers this long between its SIGTERM and SIGKILL (its default, 30 s, is
+    # shorter than a large model's final checkpoint).
+    export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$SAO_KILL_GRACE_S}"
+    export SAO_SERVER_RESTARTS="${SAO_SERVER_RESTARTS:-3}" SAO_RESTART_BACKOFF_S="${SAO_RESTART_BACKOFF_S:-10}"
     export SAO_TORCHRUN="${SAO_TORCHRUN:-torchrun}" SAO_VLLM="${SAO_VLLM:-vllm}"
     export SAO_NODELIST="${SAO_NODELIST:-${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set (run under sbatch, or export it for a dry run)}}"
 }
@@ -77,19 +89,17 @@ sao_nccl_env() {
     export PYTHONUNBUFFERED=1
 }
 
-# The hostlist as one comma list: scontrol when present, else the raw SLURM syntax (the Python
-# side expands brackets itself).
-sao_hostlist() {
-    if command -v scontrol >/dev/null 2>&1; then scontrol show hostnames "$SAO_NODELIST" | paste -sd, -
-    else echo "$SAO_NODELIST"; fi
-}
+# The allocation's hostlist exactly as SLURM wrote it ("n[1-2],gpu7"): the launch plan expands
+# the brackets itself (cluster/hostlist.py). Not `scontrol show hostnames`: its answer depends on
+# the host's SLURM configuration, and the same plan must come out on a laptop and on the nodes.
+sao_hostlist() { echo "$SAO_NODELIST"; }
 
 # Arguments shared by every launch_plan call; user overrides ("$@") go last.
 sao_plan_cmd() {
     SAO_PLAN_CMD=("$SAO_PYTHON" -m megatron_sao.cluster.launch_plan --config "$SAO_CONFIG"
         --nodelist "$(sao_hostlist)" --run-dir "$SAO_RUN_DIR" --job-id "$SAO_JOB_ID"
-        --restart-count "$SAO_RESTART_COUNT" --gpus-per-node "$SAO_GPUS_PER_NODE"
-        --torchrun "$SAO_TORCHRUN" --vllm "$SAO_VLLM")
+        --restart-count "$SAO_RESTART_COUNT" --torchrun "$SAO_TORCHRUN" --vllm "$SAO_VLLM")
+    [[ -n "${SAO_GPUS_PER_NODE:-}" ]] && SAO_PLAN_CMD+=(--gpus-per-node "$SAO_GPUS_PER_NODE")
     [[ -n "${SAO_TRAINER_NODES:-}" ]] && SAO_PLAN_CMD+=(--trainer-nodes "$SAO_TRAINER_NODES")
     [[ -n "${SAO_MODEL_DIR:-}" ]] && SAO_PLAN_CMD+=(--model-dir "$SAO_MODEL_DIR")
     SAO_PLAN_CMD+=("${SAO_OVERRIDES[@]}")
@@ -125,9 +135,9 @@ sao_launch() {
              "bash $SAO_REPO/slurm/common.sh node"
         return 0
     fi
-    "${SAO_PLAN_CMD[@]}" --format text >/dev/null || sao_die "launch plan failed (see above)" 2
     mkdir -p "$SAO_RUN_DIR/logs"
-    "${SAO_PLAN_CMD[@]}" --format text > "$SAO_RUN_DIR/logs/launch-plan-$SAO_JOB_ID-$SAO_RESTART_COUNT.txt"
+    "${SAO_PLAN_CMD[@]}" --format text > "$SAO_RUN_DIR/logs/launch-plan-$SAO_JOB_ID-$SAO_RESTART_COUNT.txt" \
+        || sao_die "launch plan failed (see above)" 2
     sao_log "run dir $SAO_RUN_DIR (restart $SAO_RESTART_COUNT), nodes $(sao_hostlist)"
 
     # One task per node; --kill-on-bad-exit: any node failing stops all of them.
@@ -136,14 +146,27 @@ sao_launch() {
         --wait="${SAO_SRUN_WAIT_S:-$((SAO_KILL_GRACE_S + 60))}" ${SAO_SRUN_ARGS:-} \
         bash "$SAO_REPO/slurm/common.sh" node &
     SAO_SRUN_PID=$!
-    # USR1 (--signal=B:USR1@T, before the time limit): stop cleanly, then requeue this job id so
-    # the next attempt resumes from the run dir's latest checkpoint. TERM/INT: scancel or Ctrl-C.
-    trap 'sao_log "time limit near: stopping and requeueing"; kill -TERM "$SAO_SRUN_PID" 2>/dev/null; \
-          wait "$SAO_SRUN_PID"; scontrol requeue "$SLURM_JOB_ID"; exit 0' USR1
-    trap 'sao_log "signal: stopping every node"; kill -TERM "$SAO_SRUN_PID" 2>/dev/null; wait "$SAO_SRUN_PID"; exit 143' TERM INT
+    # USR1 (--signal=B:USR1@T, before the time limit): every trainer node SIGTERMs its trainer, which
+    # finishes its step and writes a checkpoint; then this job id is requeued and the next attempt
+    # resumes from the run dir. TERM/INT (scancel --batch, Ctrl-C): the same stop, no requeue.
+    # Never a signal to srun: srun turns TERM into SIGKILL for every task (no checkpoint).
+    SAO_REQUEUE=0
+    trap 'sao_log "time limit near: stopping the trainer (checkpoint), then requeueing"; SAO_REQUEUE=1; \
+          touch "$SAO_STOP_FILE"' USR1
+    trap 'sao_log "signal: stopping the trainer (checkpoint)"; touch "$SAO_STOP_FILE"' TERM INT
     local rc=0
-    wait "$SAO_SRUN_PID" || rc=$?
+    while :; do
+        rc=0
+        wait "$SAO_SRUN_PID" || rc=$?
+        kill -0 "$SAO_SRUN_PID" 2>/dev/null || break  # else a trap interrupted the wait
+    done
     sao_log "srun finished with exit code $rc"
+    if [[ "$SAO_REQUEUE" == 1 ]]; then
+        sao_log "requeueing job $SLURM_JOB_ID (restart $((SAO_RESTART_COUNT + 1)) resumes from $SAO_RUN_DIR)"
+        scontrol requeue "$SLURM_JOB_ID" || sao_die "scontrol requeue $SLURM_JOB_ID failed (is the job --requeue?)"
+        exit 0
+    fi
+    [[ -e "$SAO_STOP_FILE" && "$rc" == 0 ]] && rc=143  # stopped by a signal: not a finished run
     return "$rc"
 }
 
@@ -164,9 +187,10 @@ sao_start() {
 sao_stop_all() {
     local pid deadline
     ((${#SAO_PIDS[@]})) || return 0
-    for pid in "${SAO_PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
+    for pid in "${SAO_PIDS[@]}"; do [[ -n "$pid" ]] && { kill -TERM -- "-$pid" 2>/dev/null || true; }; done
     deadline=$((SECONDS + SAO_KILL_GRACE_S))
     for pid in "${SAO_PIDS[@]}"; do
+        [[ -n "$pid" ]] || continue
         while kill -0 -- "-$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 1; done
         kill -KILL -- "-$pid" 2>/dev/null || true
     done
@@ -212,22 +236,71 @@ sao_node_main() {
         eval "name=\$SAO_PROC_NAME_$i; log=\$SAO_PROC_LOG_$i; cmd=(\"\${SAO_PROC_CMD_$i[@]}\")"
         sao_start "$name" "$log" "${cmd[@]}"
     done
-    local rc=0
-    if [[ "$SAO_ROLE" == trainer ]]; then
-        wait "${SAO_PIDS[0]}" || rc=$?
-        # Trainer node 0 tells the rollout nodes that the end is intended, not a crash.
-        [[ "$SAO_NODE_RANK" == 0 ]] && touch "$SAO_DONE_FILE"
-        sao_log "trainer exited with $rc"
-        exit "$rc"
-    fi
-    # Rollout node: run until the trainer is done (exit 0) or a server dies (exit 1, which makes
-    # srun --kill-on-bad-exit stop the whole job).
-    (while [[ ! -e "$SAO_DONE_FILE" ]]; do sleep "${SAO_POLL_S:-5}"; done) &
-    local watcher=$!
-    wait -n || true  # bash >= 4.3; the only children are the servers and the watcher
-    kill "$watcher" 2>/dev/null || true
-    if [[ -e "$SAO_DONE_FILE" ]]; then sao_log "trainer done: stopping vLLM"; exit 0; fi
-    sao_die "a vLLM server on $SAO_HOST exited before the trainer finished (logs in $SAO_RUN_DIR/logs)"
+    if [[ "$SAO_ROLE" == trainer ]]; then sao_supervise_trainer; else sao_supervise_servers; fi
+}
+
+# Trainer node: wait for torchrun; on the batch host's stop request SIGTERM it (torchrun passes the
+# SIGTERM to every rank, which finishes its step and writes a checkpoint). Exit with the trainer's
+# code, 0 after a requested stop (the batch host requeues or reports it; a non-zero exit here would
+# make srun kill the other nodes at once).
+sao_supervise_trainer() {
+    local pid="${SAO_PIDS[0]}" rc=0 stopping=0
+    while kill -0 "$pid" 2>/dev/null; do
+        if ((!stopping)) && [[ -e "$SAO_STOP_FILE" ]]; then
+            sao_log "stop requested: SIGTERM to the trainer (it checkpoints after its step)"
+            kill -TERM -- "-$pid" 2>/dev/null || true
+            stopping=1
+        fi
+        sleep "${SAO_POLL_S:-5}"
+    done
+    wait "$pid" || rc=$?
+    # Trainer node 0 tells the rollout nodes that the end is intended, not a crash.
+    [[ "$SAO_NODE_RANK" == 0 ]] && touch "$SAO_DONE_FILE"
+    if ((stopping)); then sao_log "trainer stopped on request (exit $rc)"; exit 0; fi
+    sao_log "trainer exited with $rc"
+    exit "$rc"
+}
+
+# Rollout node: run until the trainer is done. A server that exits before that is restarted, at
+# most SAO_SERVER_RESTARTS times, after SAO_RESTART_BACKOFF_S * 2^(n-1) s (capped at 300 s); the
+# trainer's server pool takes it out of service meanwhile and readmits it with a complete weight
+# update once it answers /health again (rollout/server_pool.py). A server out of restarts stays
+# down; the trainer decides whether the run can go on (it stops, with a checkpoint, when no server
+# is left past rollout.server_deadline_s). This node never fails the job: a failing exit would make
+# srun --kill-on-bad-exit stop the trainer mid-step.
+sao_supervise_servers() {
+    local i pid rc name log cmd n delay
+    local -a restarts=() due=()
+    for ((i = 0; i < SAO_NPROCS; i++)); do restarts[i]=0; due[i]=-1; done
+    while [[ ! -e "$SAO_DONE_FILE" ]]; do
+        for ((i = 0; i < SAO_NPROCS; i++)); do
+            eval "name=\$SAO_PROC_NAME_$i; log=\$SAO_PROC_LOG_$i"
+            pid="${SAO_PIDS[i]}"
+            if [[ -n "$pid" ]] && ! kill -0 "$pid" 2>/dev/null; then
+                rc=0; wait "$pid" || rc=$?
+                kill -KILL -- "-$pid" 2>/dev/null || true  # what is left of its group (engine workers)
+                SAO_PIDS[i]=""
+                n=$((restarts[i] + 1))
+                if ((n > SAO_SERVER_RESTARTS)); then
+                    sao_log "$name exited with $rc; no restart left (SAO_SERVER_RESTARTS=$SAO_SERVER_RESTARTS; log $log)"
+                    continue
+                fi
+                delay=$((SAO_RESTART_BACKOFF_S * (1 << (n - 1)))); ((delay > 300)) && delay=300
+                restarts[i]=$n; due[i]=$((SECONDS + delay))
+                sao_log "$name exited with $rc before the trainer finished; restart $n of $SAO_SERVER_RESTARTS in ${delay}s (log $log)"
+            fi
+            if [[ -z "${SAO_PIDS[i]}" ]] && ((due[i] >= 0 && SECONDS >= due[i])); then
+                due[i]=-1
+                eval "cmd=(\"\${SAO_PROC_CMD_$i[@]}\")"
+                setsid "${cmd[@]}" >>"$log" 2>&1 < /dev/null &
+                SAO_PIDS[i]=$!
+                sao_log "restarted $name (restart ${restarts[i]} of $SAO_SERVER_RESTARTS, pid ${SAO_PIDS[i]})"
+            fi
+        done
+        sleep "${SAO_POLL_S:-5}"
+    done
+    sao_log "trainer done: stopping vLLM"
+    exit 0
 }
 
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then

@@ -1,7 +1,7 @@
 """SLURM hostlist expansion ("node[01-04],gpu7" -> node01..node04, gpu7) without `scontrol`.
 
-The sbatch scripts call `scontrol show hostnames` when it exists; this expander is what the launch
-plan uses everywhere else (dry runs, tests, machines without SLURM tools). It follows SLURM's
+The sbatch scripts hand SLURM_JOB_NODELIST to the launch plan unexpanded, so the plan is the same
+on every machine whatever its SLURM configuration (dry runs, tests, the nodes). It follows SLURM's
 syntax: comma-separated hosts, each with zero or more bracket groups of comma-separated numbers
 and ranges; a range keeps the zero padding of its lower bound ("01-10" -> 01, 02, ..., 10).
 """

@@ -22,11 +22,12 @@ import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_sao.cluster.launch_plan import Executables, LaunchPlan, ProcessSpec, build_launch_plan
-from megatron_sao.cluster.supervisor import Supervisor, SupervisorError
+from megatron_sao.cluster.supervisor import RestartPolicy, Supervisor, SupervisorError
 from megatron_sao.config import ConfigError
 
 HOST = "127.0.0.1"
@@ -137,8 +138,9 @@ def _builtin_model_dir(config: str, overrides: Sequence[str], run_dir: str) -> l
 
 
 def run_local(plan: LocalPlan, *, health_timeout_s: float = 300.0, grace_s: float = 30.0,
-              sup: Supervisor | None = None) -> int:
-    """Start the servers, wait for /health, run the trainer; return its exit code (1 if a server died).
+              sup: Supervisor | None = None, restarts: RestartPolicy = RestartPolicy()) -> int:
+    """Start the servers, wait for /health, run the trainer; return its exit code. A server that exits
+    meanwhile is restarted under ``restarts`` (the trainer readmits it), one out of restarts stays down.
     Every process is stopped on the way out, whatever happens (pass `sup` to hold the processes)."""
     sup = sup or Supervisor(grace_s=grace_s)
 
@@ -156,10 +158,22 @@ def run_local(plan: LocalPlan, *, health_timeout_s: float = 300.0, grace_s: floa
                 print(f"launch_local: {e}", file=sys.stderr)
                 return 1
             sup.start(plan.trainer.name, plan.trainer.argv, plan.trainer.log, plan.trainer.env)
-            name, rc = sup.wait_any()
-            if name != "trainer":
-                print(f"launch_local: {name} exited with {rc} before the trainer finished", file=sys.stderr)
-                return 1
+            attempts: dict[str, int] = {}
+            while True:
+                name, rc = sup.wait_any()
+                if name == "trainer":
+                    break
+                attempts[name] = attempts.get(name, 0) + 1
+                delay = restarts.delay(attempts[name])
+                if delay is None:
+                    print(f"launch_local: {name} exited with {rc}; no restart left ({restarts.max_restarts})",
+                          file=sys.stderr)
+                    sup.forget(name)
+                    continue
+                print(f"launch_local: {name} exited with {rc} before the trainer finished; restart "
+                      f"{attempts[name]} of {restarts.max_restarts} in {delay:g}s", file=sys.stderr)
+                time.sleep(delay)
+                sup.restart(name)
             print(f"launch_local: trainer exited with {rc} (logs in {plan.run_dir}/logs)", file=sys.stderr)
             return rc
     finally:

@@ -33,6 +33,7 @@ import os
 import shlex
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import PurePosixPath
 from typing import Literal, Mapping, Sequence
 
 from megatron_sao.cluster.hostlist import HostlistError, expand_hostlist
@@ -224,7 +225,10 @@ def _vllm_process(cfg: SAOConfig, exe: Executables, model_dir: str | None, host:
     # a transfer engine our worker extension registers (rollout/vllm_worker/gloo_engine.py).
     gloo = r.weight_transport == "gloo"
     transfer = {"backend": "sao_gloo" if gloo else "nccl"}
-    argv = [*exe.vllm_argv(model_dir or cfg.model.path),
+    # vLLM serves the model under the name exactly as given, and the trainer asks for it by
+    # str(Path(model.path)): "dir/" would make every request a 404 ("model does not exist").
+    model = str(PurePosixPath(model_dir or cfg.model.path))
+    argv = [*exe.vllm_argv(model),
             "--host", "0.0.0.0", "--port", str(c.rollout_port + i),
             "--tensor-parallel-size", str(c.rollout_tp),
             "--dtype", cfg.model.dtype,  # sample from the precision the trainer scores in

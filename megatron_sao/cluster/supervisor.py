@@ -3,8 +3,9 @@
 Same protocol as the SLURM path: every process runs in its own session (so a stop reaches its
 whole tree: torchrun's workers, a server's engine processes), writes its own log file, servers
 must answer GET /health before the trainer starts (with a deadline, failing early when a server
-dies while we wait), the first process to exit decides the outcome, and every other process gets
-SIGTERM, a grace period, then SIGKILL.
+dies while we wait), a rollout server that exits is restarted under a ``RestartPolicy`` (bounded
+attempts, doubling delays, each logged), the trainer's exit decides the outcome, and every other
+process gets SIGTERM, a grace period, then SIGKILL.
 """
 
 from __future__ import annotations
@@ -28,6 +29,26 @@ class _Proc:
     name: str
     popen: subprocess.Popen
     log: str
+    argv: Sequence[str] = ()
+    env: Mapping[str, str] | None = None
+    cwd: str | None = None
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a rollout server that exited is restarted: at most ``max_restarts`` times, restart n after
+    ``backoff_s * 2**(n-1)`` seconds (at most ``max_backoff_s``). slurm/common.sh does the same with
+    SAO_SERVER_RESTARTS and SAO_RESTART_BACKOFF_S."""
+
+    max_restarts: int = 3
+    backoff_s: float = 10.0
+    max_backoff_s: float = 300.0
+
+    def delay(self, attempt: int) -> float | None:
+        """Seconds before restart ``attempt`` (1-based), or None when no restart is left."""
+        if attempt > self.max_restarts:
+            return None
+        return min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
 
 
 def http_ok(url: str, timeout_s: float = 5.0) -> bool:
@@ -55,7 +76,23 @@ class Supervisor:
         with open(log, "ab") as fh:
             popen = subprocess.Popen(list(argv), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=full_env, cwd=cwd, start_new_session=True)
-        self.procs.append(_Proc(name, popen, log))
+        self.procs.append(_Proc(name, popen, log, list(argv), env, cwd))
+
+    def restart(self, name: str) -> None:
+        """Start the exited process ``name`` again (same argv, environment and log); what is left of its
+        process group (engine workers) is killed first."""
+        (p,) = [p for p in self.procs if p.name == name]
+        if p.popen.poll() is None:
+            raise SupervisorError(f"restart of {name}: it is still running")
+        self._signal(p, signal.SIGKILL)
+        self.procs.remove(p)
+        self.start(name, p.argv, p.log, p.env, p.cwd)
+
+    def forget(self, name: str) -> None:
+        """Stop watching the exited process ``name`` (no restart left): ``wait_any`` skips it."""
+        for p in [p for p in self.procs if p.name == name]:
+            self._signal(p, signal.SIGKILL)
+            self.procs.remove(p)
 
     def _dead(self) -> list[_Proc]:
         return [p for p in self.procs if p.popen.poll() is not None]

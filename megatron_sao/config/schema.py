@@ -182,6 +182,9 @@ class RolloutConfig:
     # The check is a trainer forward plus a scoring request per server: sample it when updates must be fast.
     weight_sync_check_every: int = 1
     health_check_interval_s: float = 10.0  # servers failing it stop getting episodes (theirs re-run elsewhere)
+    # With every server out of service: how long the run waits for one to come back (a restarted
+    # server rejoins with the current weights) before it stops with a checkpoint.
+    server_deadline_s: float = 300.0
     vllm_serve_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags of the launch plan
     # Rollout routing replay (R3, MoE actors only): the engines return the experts every token was routed
     # to, the trajectory keeps them, and the actor's forward replays them (megatron/routing_replay.py).

@@ -102,6 +102,7 @@ def _check_rollout_servers(r: RolloutConfig) -> None:
     _check(isinstance(r.weight_sync_check_every, int) and r.weight_sync_check_every >= 1,
            "rollout.weight_sync_check_every", f"must be an int >= 1, got {r.weight_sync_check_every!r}")
     _check(r.health_check_interval_s >= 0, "rollout.health_check_interval_s", "must be >= 0 (0 = off)")
+    _check(r.server_deadline_s >= 0, "rollout.server_deadline_s", "must be >= 0 (0 = stop when the last server dies)")
 
 
 def _check_buffer(b: BufferConfig) -> None:

@@ -14,12 +14,13 @@ started more than ``max_staleness`` steps before it is trained on. Units handed 
 Server failures: a health check runs every ``health_interval_s``, and right away when an episode's
 generate raised (``end_reason == "engine_error"``). A server that fails it is taken out of service; its
 in-flight episodes are cancelled and re-run from their first turn on the remaining servers (counted in
-``rollout/episodes_rerun``), never handed to the buffer half-done. With no server left the driver stops
-with an error naming every server and why it died (the episode that found the last one dead is
-recorded as a failed trajectory; the cancelled ones stay queued for a resume); the trainer writes a
-checkpoint and exits.
+``rollout/episodes_rerun``), never handed to the buffer half-done. With no server left no episode starts,
+and the driver waits ``server_deadline_s`` for one to come back (the node supervisor restarts a server
+that exited, slurm/common.sh); past it, it stops with an error naming every server and why it died (the
+episodes it could not run stay queued for a resume), and the trainer writes a checkpoint and exits.
 A dead server stays under health checks; one that answers again rejoins through the next weight update
-(``ServerPool.revive``: never at an old weight version).
+(``ServerPool.revive``: never at an old weight version). With none in service the trainer does not wait
+for a step to end: ``needs_rejoin`` asks it for an update of its current weights to the rejoining ones.
 Episodes that fail on a healthy server are ordinary failed trajectories, and the circuit breaker stops
 the run when they keep coming (``max(8, concurrency)`` in a row with no healthy server, or four times
 that with healthy ones).
@@ -54,12 +55,15 @@ class EpisodeDriver:
                  loop_cfg: AgentLoopConfig, on_done: Callable[[Trajectory], None], *, batch_size: int,
                  ahead: int, concurrency: int, group_size: int = 1, next_pos: int = 0,
                  requeue: list[Unit] | None = None, skip: set[Unit] | None = None, step_offset: int = 0,
-                 health_interval_s: float = 10.0, health_timeout_s: float = 30.0):
+                 health_interval_s: float = 10.0, health_timeout_s: float = 30.0, server_deadline_s: float = 300.0):
         self.pool = pool if isinstance(pool, ServerPool) else ServerPool([pool])
         self.env_factory, self.stream, self.formatter = env_factory, stream, formatter
         self.loop_cfg, self.on_done = loop_cfg, on_done
         self.batch_size, self.ahead, self.concurrency, self.group_size = batch_size, ahead, concurrency, group_size
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
+        # With health checks off nothing could notice a server coming back: stop at once then.
+        self.server_deadline_s = server_deadline_s if health_interval_s > 0 else 0.0
+        self._all_dead_since: float | None = None  # monotonic time the last server went out of service
         self.next_pos = next_pos
         self._queue: collections.deque[Unit] = collections.deque(requeue or [])
         self._skip = set(skip or ())  # units whose trajectory is already in the buffer (resume)
@@ -148,8 +152,13 @@ class EpisodeDriver:
         return self.activity.total_idle_s() / total if total > 0 else 0.0
 
     # ------------------------------------------------------------------ the loop
+    @property
+    def needs_rejoin(self) -> bool:
+        """No server in service, and a dead one answers again: it needs the current weights now."""
+        return self.error is None and not self.pool.alive() and bool(self.pool.rejoinable())
+
     def _admit(self) -> bool:
-        return (len(self.in_flight) < self.concurrency
+        return (bool(self.pool.alive()) and len(self.in_flight) < self.concurrency
                 and self.started < (self.steps_done + self.ahead + 1) * self.batch_size)
 
     def _next_unit(self) -> Unit:
@@ -182,10 +191,8 @@ class EpisodeDriver:
             traj = await run_one(engine, self.env_factory, task, self.formatter, self.loop_cfg, activity=self.activity)
             if traj.info.get("end_reason") == "engine_error" and not await self.pool.check(slot, self.health_timeout_s):
                 await self._server_failed(slot, f"unhealthy after a generate failed ({traj.error})")
-                if self.pool.alive():
-                    self._rerun_unit(unit)
-                    return
-                # No server left: the run stops; the failure is recorded like any failed episode.
+                self._rerun_unit(unit)  # on another server, or on one that comes back
+                return
             finished = True
         except asyncio.CancelledError:
             if unit in self._rerun:  # its server died: run it again elsewhere, from the start
@@ -226,7 +233,21 @@ class EpisodeDriver:
                 self._rerun.add(unit)
                 task.cancel()
         if not self.pool.alive() and self.error is None:
-            self.error = RuntimeError("every rollout server is out of service (the rollout engine is unhealthy): "
+            self._all_dead_since = time.monotonic()
+            if self.server_deadline_s > 0:
+                logger.error("no rollout server in service; waiting up to %gs (rollout.server_deadline_s) for one "
+                             "to come back", self.server_deadline_s)
+            self._check_deadline()
+
+    def _check_deadline(self) -> None:
+        """Stop the run when no server has been in service for ``server_deadline_s``."""
+        if self.pool.alive():
+            self._all_dead_since = None
+            return
+        if self.error is None and self._all_dead_since is not None \
+                and time.monotonic() - self._all_dead_since >= self.server_deadline_s:
+            self.error = RuntimeError(f"every rollout server is out of service (for {self.server_deadline_s:g}s, "
+                                      "rollout.server_deadline_s: the rollout engine is unhealthy): "
                                       f"{self.pool.describe_dead()}")
             self._stop.set()
 
@@ -256,6 +277,7 @@ class EpisodeDriver:
                     logger.info("rollout server %s answers its health check again; it rejoins at the next "
                                 "weight update", slot.label)
                 slot.healthy_again = healthy
+            self._check_deadline()
 
     async def _check_failing(self, traj: Trajectory) -> None:
         """Stop instead of spinning when episodes keep failing: a dead engine would otherwise turn

@@ -51,6 +51,7 @@ class RolloutSideConfig:
     check_every: int = 1  # with check_weights: only the updates whose version is a multiple of this
     health_interval_s: float = 10.0
     health_timeout_s: float = 30.0
+    server_deadline_s: float = 300.0  # with no server in service, how long to wait for one to come back
 
 
 class RolloutSide:
@@ -66,13 +67,19 @@ class RolloutSide:
                                     batch_size=cfg.batch_size, ahead=cfg.ahead, concurrency=cfg.concurrency,
                                     group_size=cfg.group_size, next_pos=next_pos, requeue=requeue, skip=skip,
                                     step_offset=step_offset, health_interval_s=cfg.health_interval_s,
-                                    health_timeout_s=cfg.health_timeout_s)
+                                    health_timeout_s=cfg.health_timeout_s,
+                                    server_deadline_s=cfg.server_deadline_s)
         self.last_sync: SyncMetrics | None = None
 
     # ------------------------------------------------------------------ what the trainer reads
     @property
     def error(self) -> BaseException | None:
         return self.driver.error
+
+    @property
+    def needs_rejoin(self) -> bool:
+        """No server in service and a restarted one answers: push the current weights (``push_weights``)."""
+        return self.driver.needs_rejoin
 
     @property
     def finished(self) -> int:
@@ -115,10 +122,9 @@ class RolloutSide:
         The generator is always iterated to the end, even after a failure: on the trainer it runs
         collectives that every rank must pair.
         """
-        live = [s.index for s in self.pool.alive()]
-        if not live:
+        live, rejoin = self.pool.update_members()  # rejoin: dead servers that answer again (server_pool)
+        if not live and not rejoin:
             raise RuntimeError(f"no rollout server left to update: {self.pool.describe_dead()}")
-        rejoin = [s.index for s in self.pool.rejoinable()]  # dead servers that answer again (server_pool)
         wait_s = self.cfg.sync_timeout_s + 60.0  # each step is bounded per server inside WeightSync
         it = iter(buckets)
         produce_s = wait_s_total = 0.0  # the overlap: producing bucket k+1 (the export's gathers) vs

@@ -14,11 +14,14 @@ A server marked dead (failed health check, failed weight update) gets no new epi
 re-runs its in-flight episodes elsewhere. Nothing here falls back silently: every death is logged
 with its reason and counted in ``metrics()``.
 
-Re-admission: the driver keeps health-checking dead servers; one that answers again (a restarted
-`vllm serve`, a node that came back from an overload) is marked ``healthy_again``. It is not given
-episodes on that alone, since it holds an older weight version: the next weight update includes it, and
-only a server that takes the whole update (and passes the weight check, when on) is revived
-(``revive``), at the same version as every other live server. A server whose rejoin fails stays out
+Re-admission: the driver keeps health-checking dead servers; one that answers again (a `vllm serve`
+restarted by the node supervisor, a node that came back from an overload) is marked ``healthy_again``.
+It is not given episodes on that alone, since it holds an older weight version: the next weight update
+includes it (``update_members``), and ``WeightSync`` re-forms the transfer group with it (the restarted
+process is a new peer), and only a server that takes the whole update (and passes the weight check, when on) is
+revived (``revive``), at the same version as every other live server. With no server in service the
+update goes to the rejoining ones alone (the trainer pushes its current version while it waits for a
+batch). A server whose rejoin fails stays out
 for the rest of the run: a server that hangs in the update would otherwise cost a sync timeout every
 step.
 """
@@ -149,6 +152,16 @@ class ServerPool:
     def rejoinable(self) -> list[ServerSlot]:
         """Dead servers whose health check passes again and whose rejoin was never refused."""
         return [s for s in self.slots if not s.alive and s.healthy_again and s.rejoin_refused is None]
+
+    def update_members(self) -> tuple[list[int], list[int]]:
+        """Who takes the next weight update: (servers in service, rejoining servers), as indices.
+
+        A rejoining server is a dead one that answers /health again: usually a restarted process (the
+        node supervisor restarts a `vllm serve` that exited, slurm/common.sh), which holds the base
+        model and no transfer group. It gets the complete update like every other member, on a new
+        transfer group (``WeightSync`` re-forms the group when the members change), and serves again only if
+        it took all of it."""
+        return [s.index for s in self.alive()], [s.index for s in self.rejoinable()]
 
     def revive(self, slot: ServerSlot, version: int) -> None:
         """Back in service after it took the whole update to ``version`` (see the module docstring)."""

@@ -269,7 +269,7 @@ def build_rollout_side(cfg: SAOConfig, model_dir: Path, on_done, *, group_size: 
         concurrency=r.concurrency, group_size=group_size, sync_timeout_s=r.timeout_s, max_num_seqs=cap,
         check_weights=r.weight_sync_check, check_atol=r.weight_sync_check_atol,
         check_every=r.weight_sync_check_every,
-        health_interval_s=r.health_check_interval_s)
+        health_interval_s=r.health_check_interval_s, server_deadline_s=r.server_deadline_s)
     return RolloutSide(engines, env_factory(cfg), PromptStream(train_tasks(cfg), cfg.run.seed),
                        ChatFormatter(load_tokenizer(cfg, model_dir)), agent_loop_config(cfg), on_done, side_cfg,
                        labels=labels, next_pos=drv.get("next_pos", 0), requeue=requeue, skip=in_buffer,

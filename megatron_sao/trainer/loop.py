@@ -113,8 +113,13 @@ class SAOTrainer:
                 signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        if self._stop_requested:  # a second Ctrl-C: leave now, without a checkpoint
-            raise KeyboardInterrupt
+        if self._stop_requested:
+            if signum == signal.SIGINT:  # a second Ctrl-C: leave now, without a checkpoint
+                raise KeyboardInterrupt
+            # A repeated SIGTERM is the same request from another sender (scancel signals every
+            # process of the step, and torchrun passes its own on): keep finishing the step.
+            logger.warning("SIGTERM again: still finishing step %d and its checkpoint", self.step)
+            return
         self._stop_requested = True
         logger.warning("%s: finishing step %d, then writing a checkpoint (again to abort at once)",
                        signal.Signals(signum).name, self.step)
@@ -185,7 +190,7 @@ class SAOTrainer:
                 return self.buffer.take(self.step, self.version, timeout=timeout, should_stop=should_stop)
 
         def should_stop() -> bool:
-            return (self.rank0 and self.rollout.error is not None) or self._stop_requested
+            return (self.rank0 and (self.rollout.error is not None or self._rejoin_due())) or self._stop_requested
         trajs = self.placement.wait_for_batch(self.step, take, should_stop, self.cfg.rollout.timeout_s)
         if self.rank0:
             self.wait_s += time.monotonic() - t0
@@ -194,6 +199,8 @@ class SAOTrainer:
                     trajs = "interrupted"
                 elif self.rollout.error is not None:
                     trajs = f"the rollout driver died: {self.rollout.error!r}"
+                elif self._rejoin_due():
+                    trajs = "rejoin"
                 else:
                     trajs = (f"no batch of {self.cfg.buffer.batch_size} trajectories within rollout.timeout_s="
                              f"{self.cfg.rollout.timeout_s}s (finished {self.rollout.finished}, failed "
@@ -203,10 +210,18 @@ class SAOTrainer:
             self.save()
             raise TrainingInterrupted(f"stopped by a signal while waiting for step {self.step}'s batch; "
                                       "checkpoint written")
+        if trajs == "rejoin":
+            # No server in service and a restarted one answers /health: it gets the current weights now
+            # (every rank: the export is collective), then the wait goes on (rollout/server_pool.py).
+            self.weights.push_resumed(self.version, self.step)
+            return self._next_batch()
         if isinstance(trajs, str):
             self.save()
             raise TrainingStopped(f"rollout engine: {trajs}; checkpoint written at step {self.step}")
         return trajs
+
+    def _rejoin_due(self) -> bool:
+        return bool(getattr(self.rollout, "needs_rejoin", False))
 
     # ------------------------------------------------------------------ rollouts
     def _start_rollouts(self, state: dict | None) -> None:

@@ -207,3 +207,19 @@ def test_plan_refuses_transfer_ports_on_the_torchrun_port_and_reload_with_vllm()
     plan = build_launch_plan(AIME, ["t0", "r0"], run_dir="/r", trainer_nodes=1, overrides=["rollout.max_num_seqs=12"])
     (serve, _) = [p.argv for p in plan.nodes[1].processes]
     assert serve[serve.index("--max-num-seqs") + 1] == "12" and "rollout.max_num_seqs=12" in plan.trainer_overrides
+
+
+def test_vllm_serves_the_model_under_the_name_the_trainer_asks_for(tmp_path):
+    """A trailing / in SAO_MODEL_DIR: vLLM serves the name as given and the trainer asks for
+    str(Path(model.path)), so the plan hands vllm serve the normalized path (else every request 404s)."""
+    from pathlib import Path
+
+    from megatron_sao.config import load_config
+    from megatron_sao.trainer.components import engine_config
+
+    model = f"{tmp_path}/hf/"
+    plan = build_launch_plan(AIME, ["t0", "r0"], run_dir="/r", trainer_nodes=1, gpus_per_node=4, model_dir=model,
+                             overrides=[f"model.path={model}"])
+    (serve,) = [p.argv for n in plan.nodes if n.role == "rollout" for p in n.processes]
+    asked = engine_config(load_config(AIME, [f"model.path={model}", *plan.trainer_overrides]), Path(model)).model_path
+    assert serve[serve.index("serve") + 1] == asked == f"{tmp_path}/hf"

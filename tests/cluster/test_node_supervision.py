@@ -11,21 +11,25 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 
 from conftest import RECIPES, REPO
 
 from megatron_sao.cluster.launch_local import build_local_plan
-from megatron_sao.cluster.supervisor import Supervisor, SupervisorError
+from megatron_sao.cluster.supervisor import RestartPolicy, Supervisor, SupervisorError
 
 FAKE_VLLM = textwrap.dedent(f"""\
     #!{sys.executable}
-    import http.server, os, subprocess, sys
+    import http.server, os, subprocess, sys, time
     argv = sys.argv[1:]
     port = int(argv[argv.index("--port") + 1])
     out = os.environ["FAKE_OUT"]
     child = subprocess.Popen(["sleep", "300"])  # a worker that must die with its group
-    open(os.path.join(out, f"vllm-{{port}}.pids"), "w").write(f"{{os.getpid()}} {{child.pid}}")
-    if os.environ.get("FAKE_VLLM_FAIL"):
+    starts = os.path.join(out, f"vllm-{{port}}.pids")
+    first = not os.path.exists(starts)
+    with open(starts, "a") as f:  # one line per start: pid, worker pid, time
+        f.write(f"{{os.getpid()}} {{child.pid}} {{time.time()}}\\n")
+    if os.environ.get("FAKE_VLLM_FAIL") or (first and os.environ.get("FAKE_VLLM_FAIL_FIRST")):
         sys.exit(1)
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -36,6 +40,10 @@ FAKE_VLLM = textwrap.dedent(f"""\
 FAKE_TORCHRUN = textwrap.dedent("""\
     #!/bin/bash
     printf '%s\\n' "$@" > "$FAKE_OUT/torchrun.args"
+    if [[ -n "${FAKE_TRAINER_WAIT:-}" ]]; then  # run until SIGTERM, like the trainer's checkpoint-and-exit
+        trap 'echo TERM >> "$FAKE_OUT/torchrun.signals"; exit 130' TERM
+        sleep 300 & wait
+    fi
     exit "${FAKE_TRAINER_RC:-0}"
     """)
 
@@ -91,20 +99,86 @@ def test_trainer_waits_for_health_then_rollout_node_stops_cleanly(tmp_path):
     args = (tmp_path / "torchrun.args").read_text().splitlines()
     assert args[:4] == ["--nnodes=1", "--nproc-per-node=4", "--node-rank=0", "--master-addr=127.0.0.1"]
     assert f'rollout.server_urls=["http://localhost:{port}"]' in args
-    server, worker = map(int, (tmp_path / f"vllm-{port}.pids").read_text().split())
+    ((server, worker, _),) = _starts(tmp_path, port)
+    server, worker = int(server), int(worker)
     assert not _alive(server) and not _alive(worker)  # the whole process group was stopped
     logs = sorted(p.name for p in (tmp_path / "run" / "logs").iterdir())
     assert logs == ["rollout-node0-localhost-0.log", "trainer-node0-127.0.0.1.log"]
 
 
-def test_rollout_node_fails_when_its_server_dies(tmp_path):
+def _starts(tmp_path, port):
+    return [line.split() for line in (tmp_path / f"vllm-{port}.pids").read_text().splitlines()]
+
+
+def test_rollout_node_restarts_a_dead_server_with_backoff_a_bounded_number_of_times(tmp_path):
+    """A server that keeps exiting is restarted SAO_SERVER_RESTARTS times, each after a longer wait, each
+    logged; then it stays down and the node waits for the trainer (exit 0: no srun --kill-on-bad-exit)."""
     port = _free_port()
-    rollout = _node(_env(tmp_path, port, FAKE_VLLM_FAIL="1"), 1)
-    out, _ = rollout.communicate(timeout=60)
-    assert rollout.returncode == 1
-    assert "exited before the trainer finished" in out
-    _, worker = map(int, (tmp_path / f"vllm-{port}.pids").read_text().split())
-    assert not _alive(worker)
+    env = _env(tmp_path, port, FAKE_VLLM_FAIL="1", SAO_SERVER_RESTARTS="2", SAO_RESTART_BACKOFF_S="1")
+    log = tmp_path / "node.out"
+    with open(log, "w") as out:
+        rollout = subprocess.Popen(["bash", str(REPO / "slurm" / "common.sh"), "node"], stdout=out,
+                                   stderr=subprocess.STDOUT, env={**env, "SLURM_NODEID": "1"})
+        try:
+            deadline = time.monotonic() + 60
+            while "no restart left" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert rollout.poll() is None, log.read_text()  # still up: the trainer decides the run's end
+            (tmp_path / "run" / ".trainer-done-7-0").touch()
+            assert rollout.wait(30) == 0
+        finally:
+            rollout.kill()
+    text = log.read_text()
+    assert "vllm-0 exited with 1 before the trainer finished; restart 1 of 2 in 1s" in text, text
+    assert "restart 2 of 2 in 2s" in text and "restarted vllm-0 (restart 2 of 2" in text
+    assert "vllm-0 exited with 1; no restart left (SAO_SERVER_RESTARTS=2" in text
+    starts = _starts(tmp_path, port)
+    assert len(starts) == 3  # the first start and two restarts
+    gaps = [float(b[2]) - float(a[2]) for a, b in zip(starts, starts[1:])]
+    assert gaps[0] >= 1 and gaps[1] >= 2, gaps  # the backoff doubles
+    assert not any(_alive(int(w)) for _, w, _ in starts)  # each dead server's workers were stopped
+
+
+def test_a_restarted_server_serves_again_and_stops_with_the_node(tmp_path):
+    from megatron_sao.cluster.supervisor import http_ok
+
+    port = _free_port()
+    rollout = _node(_env(tmp_path, port, FAKE_VLLM_FAIL_FIRST="1", SAO_RESTART_BACKOFF_S="0"), 1)
+    try:
+        deadline = time.monotonic() + 60
+        while not http_ok(f"http://127.0.0.1:{port}/health") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert http_ok(f"http://127.0.0.1:{port}/health")  # the restarted server answers
+        (tmp_path / "run" / ".trainer-done-7-0").touch()
+        out, _ = rollout.communicate(timeout=60)
+    finally:
+        rollout.kill()
+    assert rollout.returncode == 0 and "restarted vllm-0 (restart 1 of 3" in out, out
+    (_, w1, _), (s2, w2, _) = _starts(tmp_path, port)
+    assert not _alive(int(w1)) and not _alive(int(s2)) and not _alive(int(w2))
+
+
+def test_trainer_node_sigterms_the_trainer_on_the_stop_file_and_exits_0(tmp_path):
+    """The batch host's stop request (USR1 before the time limit) reaches the trainer as one SIGTERM, not
+    srun's SIGKILL; the node exits 0 so that srun does not kill the other nodes, and writes the done file."""
+    port = _free_port()
+    env = _env(tmp_path, port, FAKE_TRAINER_WAIT="1")
+    rollout = _node(env, 1)
+    trainer = _node(env, 0)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "torchrun.args").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (tmp_path / "run" / ".stop-7-0").touch()
+        t_out, _ = trainer.communicate(timeout=60)
+        r_out, _ = rollout.communicate(timeout=60)
+    finally:
+        trainer.kill()
+        rollout.kill()
+    assert trainer.returncode == 0, t_out
+    assert "stop requested: SIGTERM to the trainer" in t_out and "trainer stopped on request (exit 130)" in t_out
+    assert (tmp_path / "torchrun.signals").read_text() == "TERM\n"  # once
+    assert rollout.returncode == 0, r_out
 
 
 def test_supervisor_health_deadline_and_early_death(tmp_path):
@@ -126,6 +200,30 @@ def test_supervisor_health_deadline_and_early_death(tmp_path):
             raise AssertionError("expected SupervisorError")
         pid = sup.procs[0].popen.pid
     assert sup.procs[0].popen.returncode is not None and not _alive(pid)
+
+
+def test_restart_policy_and_the_python_supervisor_restart(tmp_path):
+    """launch_local's twin of the node's restarts: bounded, doubling, capped; a restart reruns the same
+    argv into the same log, a forgotten process is no longer waited for."""
+    p = RestartPolicy(max_restarts=4, backoff_s=1.0, max_backoff_s=5.0)
+    assert [p.delay(n) for n in (1, 2, 3, 4, 5)] == [1.0, 2.0, 4.0, 5.0, None]
+    marks = tmp_path / "starts"
+    argv = [sys.executable, "-c", f"open({str(marks)!r}, 'a').write('x'); raise SystemExit(5)"]
+    with Supervisor(grace_s=2, poll_s=0.05) as sup:
+        sup.start("srv", argv, str(tmp_path / "srv.log"))
+        sup.start("trainer", ["sleep", "30"], str(tmp_path / "t.log"))
+        assert sup.wait_any(timeout_s=30) == ("srv", 5)
+        sup.restart("srv")
+        assert sup.wait_any(timeout_s=30) == ("srv", 5)
+        sup.forget("srv")
+        assert [q.name for q in sup.procs] == ["trainer"]
+        try:
+            sup.wait_any(timeout_s=0.3)
+        except SupervisorError:
+            pass  # only the trainer is watched, and it is still running
+        else:
+            raise AssertionError("a forgotten process was waited for")
+    assert marks.read_text() == "xx"
 
 
 def test_local_plan_is_the_slurm_plan_on_localhost(tmp_path):

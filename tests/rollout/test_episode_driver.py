@@ -129,12 +129,13 @@ def test_episodes_failing_on_a_healthy_engine_trip_the_circuit_breaker():
 
 
 def test_dead_engine_stops_the_driver_with_a_clear_error():
-    drv, done, engine = make_driver(batch_size=4, ahead=0, broken=True, concurrency=8)
+    drv, done, engine = make_driver(batch_size=4, ahead=0, broken=True, concurrency=8, server_deadline_s=0)
     drv.start()
     try:
         assert wait_for(lambda: drv.error is not None)
         assert "unhealthy" in str(drv.error) and "refused the connection" in str(drv.error)
-        assert done and all(not t.trainable for t in done)  # recorded as failures, none re-run: no server left
+        # deadline 0: the run stops when the last server dies; its episodes stay queued for a resume
+        assert not done and len(drv.state()["queued"]) >= 1
         calls = len(engine.calls)
         time.sleep(0.3)
         assert len(engine.calls) == calls  # stopped, not spinning through the prompt stream
@@ -227,17 +228,22 @@ def test_a_dead_server_gets_no_episodes_and_its_episodes_rerun_elsewhere():
     assert not pool.slots[1].alive and "health check failed" in pool.slots[1].dead_reason
 
 
-def test_every_server_dead_stops_the_driver_naming_each():
-    drv, done, engines, pool = make_pool_driver(n_servers=2, concurrency=4, batch_size=4, delay=0.05)
+def test_every_server_dead_past_the_deadline_stops_the_driver_naming_each():
+    drv, done, engines, pool = make_pool_driver(n_servers=2, concurrency=4, batch_size=4, delay=0.05,
+                                                health_interval_s=0.05, health_timeout_s=1.0, server_deadline_s=0.5)
     for e in engines:
         e.down = True
     drv.start()
     try:
+        assert wait_for(lambda: not pool.alive())
+        t0 = time.monotonic()
         assert wait_for(lambda: drv.error is not None)
+        waited = time.monotonic() - t0
     finally:
         drv.stop()
     msg = str(drv.error)
-    assert "every rollout server is out of service" in msg and "http://srv0" in msg and "http://srv1" in msg
-    # The first server's failure re-ran its episode on the other; failures are recorded once none is left.
-    assert done and all(not t.trainable for t in done)
+    assert "every rollout server is out of service (for 0.5s" in msg and "http://srv0" in msg and "http://srv1" in msg
+    assert waited >= 0.3  # it waited for a server to come back (less the checks' own latency)
+    # Nothing is recorded as failed while no server can run it: every started unit is queued for a resume.
+    assert not done and len(drv.state()["queued"]) >= 1
     assert pool.metrics()["rollout/episodes_rerun"] >= 1 and pool.metrics()["rollout/servers_alive"] == 0

@@ -30,12 +30,12 @@ def scripted_server(formatter, name: str, **kw):
     return answering(formatter, name=name, delay=0.02, scores=REFERENCE, **kw)
 
 
-def make_side(n=2, check=False):
+def make_side(n=2, check=False, server_deadline_s=300.0):
     fmt = ChatFormatter(build_char_tokenizer())
     servers = [scripted_server(fmt, f"http://srv{i}") for i in range(n)]
     done = []
     cfg = RolloutSideConfig(batch_size=4, ahead=0, concurrency=4, sync_timeout_s=5.0, check_weights=check,
-                            health_interval_s=0.05, health_timeout_s=1.0)
+                            health_interval_s=0.05, health_timeout_s=1.0, server_deadline_s=server_deadline_s)
     side = RolloutSide(servers, lambda task: ThreeTurns(), PromptStream(ToyToolTasks(80, seed=0), seed=0), fmt,
                        AgentLoopConfig(max_turns=5, max_total_tokens=512, max_new_tokens_per_turn=32,
                                        sampling=SamplingParams(max_new_tokens=32)),
@@ -87,6 +87,33 @@ def test_a_server_that_answers_again_rejoins_at_the_current_version():
     assert metrics["rollout/servers_alive"] == 2 and metrics["rollout/server_deaths"] == 1
     assert metrics["rollout/server_revivals"] == 1
     assert metrics["rollout/version_by_server"] == {"http://srv0": 1, "http://srv1": 1}
+
+
+def test_with_no_server_in_service_a_restarted_one_gets_the_current_weights_at_once():
+    """The only server dies (a `vllm serve` the node supervisor restarts): no episode starts and nothing
+    is lost while it is down; once it answers, `needs_rejoin` asks the trainer for its current weights
+    (no step has to end first), it takes the whole update, and the run goes on with every episode
+    run once."""
+    side, servers, done = make_side(n=1)
+    side.start()
+    try:
+        assert wait_for(lambda: servers[0].answered >= 1)
+        servers[0].down = True
+        assert wait_for(lambda: not side.pool.slots[0].alive)
+        assert side.error is None and not side.needs_rejoin  # waiting (rollout.server_deadline_s)
+        servers[0].down = False
+        assert wait_for(lambda: side.needs_rejoin)
+        m = push(side, 0, check=False)  # the trainer's current version (what loop.py pushes)
+        assert not m.failed and servers[0].version == 0
+        assert side.pool.slots[0].alive and not side.needs_rejoin
+        assert wait_for(lambda: len(done) == 4, timeout=30)
+        side.step_finished()
+        assert wait_for(lambda: len(done) == 8, timeout=30)
+    finally:
+        side.close()
+    assert side.error is None and all(t.trainable for t in done)
+    assert sorted(t.info["data_pos"] for t in done) == list(range(8))  # re-run, not lost
+    assert side.metrics()["rollout/server_revivals"] == 1
 
 
 def test_a_rejoin_that_fails_its_update_leaves_the_server_out_and_the_run_going():

@@ -37,8 +37,8 @@ def _generate(shard, vocab: int, n_new: int, seed: int) -> dict:
     while shard.unfinished():
         out += shard.step()
     dt = time.monotonic() - t0
-    tokens = sum(len(ids) for _, ids, _, _ in out)
-    finite = all(torch.isfinite(torch.tensor(lps)).all() for _, _, lps, _ in out)
+    tokens = sum(len(ids) for _, ids, _, _, _ in out)  # (request id, ids, log-probs, finish reason, routes)
+    finite = all(torch.isfinite(torch.tensor(lps)).all() for _, _, lps, _, _ in out)
     return {"tokens": tokens, "seconds": round(dt, 3), "tokens_per_s": tokens / max(dt, 1e-9), "finite": finite}
 
 

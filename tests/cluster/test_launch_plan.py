@@ -164,10 +164,12 @@ def test_gloo_interface_rules():
     assert interface_for("no-such-host.invalid") is None
 
 
-def test_every_server_gets_its_own_transfer_group_and_the_same_cap_as_the_trainer():
+def test_the_plan_and_the_trainer_agree_on_transfer_ports_and_the_per_server_cap():
     """The trainer's view (its config after the plan's overrides) and each vllm serve command agree:
-    server i meets trainer rank 0 on the first trainer host at weight_sync_port + i, in a world of
-    1 + rollout_tp, and its --max-num-seqs is the trainer's per-server cap."""
+    one rendezvous port per server on the first trainer host (weight_sync_port + i: the ports the one
+    transfer group over every server is formed on in turn, rollout/weights/server_group.py), each
+    server's own rendezvous rule as vLLM computes it (rank offset 1, world 1 + rollout_tp), and its
+    --max-num-seqs is the trainer's per-server cap."""
     from pathlib import Path
 
     from megatron_sao.config import load_config

@@ -3,7 +3,7 @@
 Usage: python train_step_peak.py <recompute: none|full>   (run with MALLOC_MMAP_THRESHOLD_=65536)
 One rank, fp32, the local layer spec (what `sao plan --no-te` counts: unfused attention): a small
 Qwen3-MoE with a real-sized vocabulary, actor and critic built as the trainer builds them, then
-critic values, one critic and one actor train step on a batch of rows of max_seq_len tokens carrying
+critic values, two critic and two actor train steps on a batch of rows of max_seq_len tokens carrying
 every field the trainer's batch has. glibc serves every allocation over 64 KiB with its own mmap
 (MALLOC_MMAP_THRESHOLD_), so the resident set follows the live tensors; the figure is the peak
 resident set (ru_maxrss) minus the resident set before the engines exist. Prints one JSON line.
@@ -73,8 +73,11 @@ def main(recompute: str) -> None:
         return ((out - mb["returns"]) ** 2 * mb["action_mask"]).sum() / denom, {}
 
     critic.values(batch)
-    critic.train_step(batch, mse)
-    actor.train_step(batch, nll)
+    # Two steps each: the steady state the planner counts. With one rank the engines use Megatron's
+    # plain optimizers, whose torch Adam creates its state at the first step, after that step's peak.
+    for _ in range(2):
+        critic.train_step(batch, mse)
+        actor.train_step(batch, nll)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print("PEAK " + json.dumps({"measured_gib": (peak - base) / mem.GIB, "planned_gib": planned.trainer_peak / mem.GIB,
                                 "static_gib": planned.trainer_static / mem.GIB,

@@ -73,11 +73,11 @@ def test_leader_hands_each_engine_its_requests_and_resolves_them_with_the_versio
     (ra,) = cmd["new"][0]
     assert ra[3] == 7  # the agent loop's seed is kept; the others get one from rank 0, the same for every TP rank
     assert all(isinstance(w[3], int) for w in cmd["new"][1])
-    fin_a = (ra[0], [9, 9], [-0.5, -0.25], "stop")
+    fin_a = (ra[0], [9, 9], [-0.5, -0.25], "stop", None)  # (request, ids, log-probs, reason, routes)
     rb = cmd["new"][1][0][0]
     reports = [_report(0, 0, [fin_a]), _report(1, 0, [fin_a]),
-               _report(2, 1, [(rb, [8], [-1.0], "length")], unfinished=1),
-               _report(3, 1, [(rb, [8], [-1.0], "length")], unfinished=1)]
+               _report(2, 1, [(rb, [8], [-1.0], "length", None)], unfinished=1),
+               _report(3, 1, [(rb, [8], [-1.0], "length", None)], unfinished=1)]
     leader.collect(reports)
     L.settle()
     assert a.result().token_ids == [9, 9] and a.result().versions == [3, 3]  # tokens carry the engine's version
@@ -102,7 +102,7 @@ def test_the_phase_ends_only_after_the_engines_drained():
     L.settle()
     drain = leader.next_round()
     assert not drain["end"] and drain["new"] == {}  # no new request while draining; the held one finishes
-    leader.collect([_report(0, 0, [(rid, [5], [-0.1], "stop")])])
+    leader.collect([_report(0, 0, [(rid, [5], [-0.1], "stop", None)])])
     assert leader.next_round() == {"end": True, "error": None}
     L.settle()
     assert first.done() and not later.done() and hub.waiting() == 1
@@ -116,7 +116,8 @@ def test_diverged_tp_ranks_are_an_error_not_a_silent_sample():
                          heartbeat_s=60)
     rid = leader.next_round()["new"][0][0][0]
     with pytest.raises(EngineDiverged, match="ranks 0 and 1 disagree"):
-        leader.collect([_report(0, 0, [(rid, [5], [-0.1], "stop")]), _report(1, 0, [(rid, [6], [-0.1], "stop")])])
+        leader.collect([_report(0, 0, [(rid, [5], [-0.1], "stop", None)]),
+                        _report(1, 0, [(rid, [6], [-0.1], "stop", None)])])
 
 
 def test_an_idle_leader_sends_heartbeat_rounds():

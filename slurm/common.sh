@@ -286,7 +286,8 @@ sao_supervise_servers() {
                     continue
                 fi
                 delay=$((SAO_RESTART_BACKOFF_S * (1 << (n - 1)))); ((delay > 300)) && delay=300
-                restarts[i]=$n; due[i]=$((SECONDS + delay))
+                # SECONDS counts whole seconds: +1 so that at least `delay` seconds pass, never delay - 1.
+                restarts[i]=$n; due[i]=$((SECONDS + delay + 1))
                 sao_log "$name exited with $rc before the trainer finished; restart $n of $SAO_SERVER_RESTARTS in ${delay}s (log $log)"
             fi
             if [[ -z "${SAO_PIDS[i]}" ]] && ((due[i] >= 0 && SECONDS >= due[i])); then

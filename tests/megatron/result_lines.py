@@ -9,7 +9,12 @@ and under load.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def parse_tagged(out: str) -> dict[str, object]:
@@ -22,3 +27,17 @@ def parse_untagged(out: str) -> list:
     """Every `RESULT <json>` (no tag) anywhere in ``out``, in order."""
     dec = json.JSONDecoder()
     return [dec.raw_decode(out, m.end())[0] for m in re.finditer(r"RESULT (?=[\[{])", out)]
+
+
+def run_worker(worker: str, *args: str, done: str, timeout: int = 400) -> dict[str, object]:
+    """Run a one-process Megatron worker script (a fresh interpreter: ensure_cpu_compat patches torch
+    process-wide) outside any torchrun environment; check it exited 0 and printed ``done``; return
+    its `RESULT <tag> <json>` lines by tag."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, worker, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert done in proc.stdout, proc.stdout[-3000:]
+    return parse_tagged(proc.stdout)

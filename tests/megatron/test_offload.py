@@ -5,14 +5,11 @@ One subprocess (ensure_cpu_compat patches torch process-wide) runs workers/offlo
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from result_lines import run_worker
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "offload_roundtrip.py")
 
 pytestmark = pytest.mark.slow  # one Megatron worker subprocess for all the tests
@@ -20,15 +17,7 @@ pytestmark = pytest.mark.slow  # one Megatron worker subprocess for all the test
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, WORKER, str(tmp_path_factory.mktemp("offload"))], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "OFFLOAD DONE" in proc.stdout
-    return {tag: json.loads(payload) for tag, payload in
-            (line.split(" ", 2)[1:] for line in proc.stdout.splitlines() if line.startswith("RESULT "))}
+    return run_worker(WORKER, str(tmp_path_factory.mktemp("offload")), done="OFFLOAD DONE")
 
 
 @pytest.mark.parametrize("tag", ["fp32_actor", "bf16_actor", "frozen_critic"])

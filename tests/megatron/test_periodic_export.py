@@ -4,13 +4,10 @@ ensure_cpu_compat patches torch process-wide), and the actor step's entropy agai
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
-from result_lines import parse_tagged
+from result_lines import run_worker
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "periodic_export.py")
 
 pytestmark = pytest.mark.slow  # one Megatron worker subprocess for all the tests
@@ -18,14 +15,7 @@ pytestmark = pytest.mark.slow  # one Megatron worker subprocess for all the test
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, WORKER, str(tmp_path_factory.mktemp("export"))], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "EXPORT DONE" in proc.stdout
-    return parse_tagged(proc.stdout)
+    return run_worker(WORKER, str(tmp_path_factory.mktemp("export")), done="EXPORT DONE")
 
 
 @pytest.mark.parametrize("step", [1, 2, 3])

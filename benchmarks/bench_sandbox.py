@@ -58,10 +58,11 @@ def _interpreter_for(uid: int) -> str | None:
     return None
 
 
-def run_mode(mode: str, n: int, concurrency: int) -> dict:
+def run_child(mode: str, child_args: list[str], repo: Path = REPO) -> dict:
+    """Run a benchmark's ``--child`` in a fresh interpreter as the mode asks (root, or nobody through
+    setpriv; an interpreter a private uid can read); its last stdout line is its JSON result."""
     as_root, pool_args = MODES[mode]
-    args = ["-B", __file__, "--child", json.dumps(pool_args), "--n", str(n), "--concurrency", str(concurrency)]
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     if as_root and os.geteuid() != 0:
         return {"skipped": "needs root"}
     interp = sys.executable
@@ -69,13 +70,19 @@ def run_mode(mode: str, n: int, concurrency: int) -> dict:
         interp = _interpreter_for(65534)  # a private uid / nobody must be able to read the interpreter
         if interp is None:
             return {"skipped": "no interpreter readable by other users"}
-    cmd = [interp, *args]
+    cmd = [interp, *child_args]
     if not as_root and os.geteuid() == 0:
         cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200, cwd="/tmp")
     if p.returncode != 0:
         return {"skipped": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}"}
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def run_mode(mode: str, n: int, concurrency: int) -> dict:
+    pool_args = MODES[mode][1]
+    return run_child(mode, ["-B", __file__, "--child", json.dumps(pool_args), "--n", str(n),
+                            "--concurrency", str(concurrency)])
 
 
 def main() -> None:

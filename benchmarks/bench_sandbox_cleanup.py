@@ -16,7 +16,6 @@ the clean-up moved off the loop: it has no clean-up coroutine to time), interlea
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_sandbox import MODES, _interpreter_for  # noqa: E402
+from bench_sandbox import MODES, run_child  # noqa: E402
 
 TICK_S = 0.005
 # The control: the same 5 ms ticker in a process of its own, until stdin closes.
@@ -106,23 +105,9 @@ async def measure(pool_args: dict, n: int, files: int) -> dict:
 
 
 def run_mode(mode: str, n: int, files: int, repo: Path = REPO) -> dict:
-    as_root, pool_args = MODES[mode]
-    args = ["-B", __file__, "--child", json.dumps(pool_args), "--n", str(n), "--files", str(files)]
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
-    if as_root and os.geteuid() != 0:
-        return {"skipped": "needs root"}
-    interp = sys.executable
-    if as_root and pool_args.get("isolation") == "process" or not as_root and os.geteuid() == 0:
-        interp = _interpreter_for(65534)
-        if interp is None:
-            return {"skipped": "no interpreter readable by other users"}
-    cmd = [interp, *args]
-    if not as_root and os.geteuid() == 0:
-        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200, cwd="/tmp")
-    if p.returncode != 0:
-        return {"skipped": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}"}
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    pool_args = MODES[mode][1]
+    return run_child(mode, ["-B", __file__, "--child", json.dumps(pool_args), "--n", str(n), "--files", str(files)],
+                     repo)
 
 
 def main() -> None:

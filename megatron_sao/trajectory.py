@@ -426,20 +426,26 @@ def collate_padded(trajs: Sequence[Trajectory], pad_id: int = 0, pad_to_multiple
 
 def collate_routes(trajs: Sequence[Trajectory], width: int) -> torch.Tensor | None:
     """[B, width, layers, topk] expert id + 1 (0 = no route), or None when no trajectory has routes."""
-    routed = [t.routed_experts for t in trajs if t.routed_experts is not None]
+    return stack_routes([t.routed_experts for t in trajs], width)
+
+
+def stack_routes(rows: Sequence[torch.Tensor | None], width: int) -> torch.Tensor | None:
+    """The batch's ``routes`` field from per-row [R, layers, topk] expert ids (None: a row without
+    routes): [B, width, layers, topk] expert id + 1 (0 = no route), or None when no row has routes."""
+    routed = [r for r in rows if r is not None]
     if not routed:
         return None
     shapes = {tuple(r.shape[1:]) for r in routed}
     if len(shapes) != 1:
-        raise ValueError(f"collate_padded: trajectories route with different [layers, topk]: {sorted(shapes)}")
+        raise ValueError(f"routes of one batch have different [layers, topk]: {sorted(shapes)}")
     (layers, topk), = shapes
     top = max(int(r.max()) if r.numel() else 0 for r in routed) + 1  # the largest value stored
     # The widest per-token field of a batch (Qwen3-30B-A3B: 48 layers x top-8), so the smallest dtype.
     dtype = torch.uint8 if top <= 255 else (torch.int16 if top <= torch.iinfo(torch.int16).max else torch.int32)
-    out = torch.zeros((len(trajs), width, layers, topk), dtype=dtype)
-    for i, t in enumerate(trajs):
-        if t.routed_experts is not None:
-            out[i, :t.routed_experts.shape[0]] = t.routed_experts.to(dtype) + 1
+    out = torch.zeros((len(rows), width, layers, topk), dtype=dtype)
+    for i, r in enumerate(rows):
+        if r is not None:
+            out[i, :r.shape[0]] = r.to(dtype) + 1
     return out
 
 

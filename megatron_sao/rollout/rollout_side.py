@@ -32,7 +32,7 @@ from megatron_sao.rollout.engines.protocol import RolloutEngine, WeightBucket
 from megatron_sao.rollout.episode_driver import EpisodeDriver
 from megatron_sao.rollout.prompts import PromptStream, Unit
 from megatron_sao.rollout.server_pool import ServerPool
-from megatron_sao.rollout.weights.sync import SyncMetrics, WeightSync, WeightSyncError
+from megatron_sao.rollout.weights.sync import SyncMetrics, WeightSync, WeightSyncError, check_due
 from megatron_sao.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -116,11 +116,17 @@ class RolloutSide:
 
     # ------------------------------------------------------------------ weights
     def push_weights(self, buckets: Iterable[WeightBucket], version: int, *, check_tokens: list[int] | None = None,
-                     check_prompt_len: int = 1, reference_logprobs: list[float] | None = None) -> SyncMetrics:
+                     check_prompt_len: int = 1, reference_logprobs: list[float] | None = None,
+                     routed_reference: Callable[[dict[int, Any]], dict[int, list[float]]] | None = None
+                     ) -> SyncMetrics:
         """Stream ``buckets`` (pulled here, on the caller's thread) to every live server as ``version``.
 
         The generator is always iterated to the end, even after a failure: on the trainer it runs
-        collectives that every rank must pair.
+        collectives that every rank must pair. The weight check compares every server's log-probs of
+        ``check_tokens`` with ``reference_logprobs``; under routing replay with ``routed_reference``
+        instead: the servers return their routes of the check tokens with their log-probs, and
+        ``routed_reference({server index: routes})`` (called here, on the trainer thread: it runs the
+        trainer's forward on every rank) gives each server's reference, computed with its routes.
         """
         live, rejoin = self.pool.update_members()  # rejoin: dead servers that answer again (server_pool)
         if not live and not rejoin:
@@ -143,9 +149,15 @@ class RolloutSide:
                     break
                 in_flight = self.driver.submit(self.sync.send_bucket(bucket))
                 bucket = None  # the sender holds it until sent, not us
+            routed = routed_reference is not None and self.sync.check and check_due(version, self.sync.check_every)
             metrics = self.driver.call(self.sync.finish(version, check_tokens=check_tokens,
                                                         check_prompt_len=check_prompt_len,
-                                                        reference_logprobs=reference_logprobs), timeout=wait_s)
+                                                        reference_logprobs=reference_logprobs,
+                                                        routed_check=routed), timeout=wait_s)
+            if routed:
+                scored = self.driver.call(self.sync.score_routed(check_tokens, check_prompt_len), timeout=wait_s)
+                routes = {i: got[1] for i, got in scored.items() if not isinstance(got, BaseException)}
+                self.sync.judge(metrics, scored, routed_reference(routes) if routes else {}, check_prompt_len)
         except BaseException:
             for _ in it:  # keep the trainer ranks' collectives paired
                 pass

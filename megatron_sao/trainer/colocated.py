@@ -35,9 +35,10 @@ import torch
 
 from megatron_sao.config import ConfigError, SAOConfig
 from megatron_sao.distributed.gated import GatedCollectives
+from megatron_sao.rollout.weights.check import check_tokens
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.stopping import TrainingStopped
-from megatron_sao.trainer.weight_push import NoWeightPush, WeightPush, check_tokens
+from megatron_sao.trainer.weight_push import NoWeightPush, WeightPush
 
 
 def is_colocated(cfg: SAOConfig) -> bool:

@@ -19,15 +19,11 @@ from collections import deque
 
 import torch
 
+from megatron_sao.rollout.weights.check import check_reference, check_tokens
 from megatron_sao.rollout.weights.sync import check_due
 from megatron_sao.trainer.stopping import TrainingStopped
 
 logger = logging.getLogger(__name__)
-
-
-def check_tokens(vocab: int) -> list[int]:
-    """rollout.weight_sync_check: the fixed tokens every engine must score like the actor after an update."""
-    return torch.randint(1, vocab, (24,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
 class WeightPush:
@@ -70,7 +66,14 @@ class WeightPush:
         return version, iter(snapshot)
 
     def _send(self, buckets, version: int, step: int) -> None:
-        check = self._check_reference() if self.check and check_due(version, self.check_every) else {}
+        due = self.check and check_due(version, self.check_every)
+        tokens = check_tokens(self.actor.spec.vocab_size)
+        check = {}
+        if due and self.actor.replay_routes:  # the reference needs the servers' routes: after the push
+            check = {"check_tokens": tokens, "check_prompt_len": 1, "routed_reference": self._routed_reference}
+        elif due:
+            check = {"check_tokens": tokens, "check_prompt_len": 1,
+                     "reference_logprobs": check_reference(self.actor, tokens)[0]}
         error = None
         if self.rollout is not None:
             try:
@@ -80,22 +83,28 @@ class WeightPush:
                             ", ".join(f"{k} {v:.3f}s" for k, v in m.phase_seconds.items()))
             except Exception as e:  # every rank must learn it, or they wait forever
                 error = f"{type(e).__name__}: {e}"
+            self.collectives.broadcast(("done", error), "the end of the weight push")
         else:
             for _ in buckets:  # the export's collectives pair with rank 0's
                 pass
-        error = self.collectives.broadcast(error)
+            while True:  # rank 0 may first ask for the check's forward with the servers' routes
+                what, payload = self.collectives.broadcast(None, "the end of the weight push")
+                if what == "done":
+                    error = payload
+                    break
+                check_reference(self.actor, tokens, payload)
         if error is not None:
             # No checkpoint here: the actor has stepped but no server holds its weights; the last
             # checkpoint (and the post-resume push) is the consistent state to go back to.
             raise TrainingStopped(f"weight sync v{version} failed at step {step}: {error}")
 
-    def _check_reference(self) -> dict:
-        """The actor's log-probs of the check tokens (all ranks: a forward), which every server must
-        reproduce after the update (WeightSync.verify)."""
-        tokens = torch.tensor([check_tokens(self.actor.spec.vocab_size)])
-        lp = self.actor.logprobs({"tokens": tokens, "attention_mask": torch.ones_like(tokens, dtype=torch.bool)})
-        return {"check_tokens": tokens[0].tolist(), "check_prompt_len": 1,
-                "reference_logprobs": lp[0, 1:].float().cpu().tolist()}
+    def _routed_reference(self, routes: dict[int, torch.Tensor]) -> dict[int, list[float]]:
+        """Rank 0, inside the push: every server's reference log-probs, the actor's forward with that
+        server's routes of the check tokens replayed (the other ranks join it from ``_send``)."""
+        servers = sorted(routes)
+        per_server = [routes[i] for i in servers]
+        self.collectives.broadcast(("check", per_server), "the end of the weight push")
+        return dict(zip(servers, check_reference(self.actor, check_tokens(self.actor.spec.vocab_size), per_server)))
 
 
 class NoWeightPush:

@@ -15,7 +15,11 @@ and training take turns on the same GPUs; one trainer step is
     wake KV           engine.wake(["kv_cache"])
 
 so no phase holds the trainer's optimizer state next to the engine's weights, or the engine's KV
-cache next to any trainer state. The peak is the load phase: the actor's params, the engine's
+cache next to any trainer state. The weight check (``rollout.weight_sync_check``) compares each
+engine's log-probs of fixed tokens with the actor's forward, computed between load and params offload;
+under routing replay that forward needs the engine's routes of those tokens, which it gives only awake,
+so after wake KV the engine sleeps at level 1 around the forward and wakes again (``_routed_check``).
+The peak is the load phase: the actor's params, the engine's
 weights and two buckets. Each call is timed and its memory recorded (``probe.py``): rank 0's figures
 go to metrics as ``colocate/<phase>_s`` / ``..._device_used_bytes`` (``..._rss_bytes`` on a CPU
 build), and every rank's records to ``<run>/colocate_trace.jsonl``. At start the trainer is
@@ -33,13 +37,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-import torch
 import torch.distributed as dist
 
 from megatron_sao.rollout.colocate.hub import LockstepEngine, RequestHub
 from megatron_sao.rollout.colocate.layout import EngineLayout
 from megatron_sao.rollout.colocate.lockstep import PhaseStats, RoundLeader, serve_phase
 from megatron_sao.rollout.colocate.probe import PhaseProbe, phase_metrics
+from megatron_sao.rollout.weights.check import check_reference
 
 logger = logging.getLogger(__name__)
 
@@ -151,17 +155,20 @@ class ColocatedRollout:
         self._call("load_weights", "engine.load_weights(actor.export_hf_weights_every_rank)",
                    lambda: self._load(actor, version, bucket_bytes), models)
         reference = None
-        if check_tokens is not None:
+        routed = check_tokens is not None and actor.replay_routes  # the reference needs the engines' routes
+        if check_tokens is not None and not routed:
             reference = self._call("weight_check", "actor.logprobs(check tokens)",
-                                   lambda: self._reference(actor, check_tokens), models)
+                                   lambda: check_reference(actor, check_tokens)[0], models)
         self._offload(actor, ("params",), models, phase="params_offload")
         self._call("wake_kv", "engine.wake(['kv_cache'])", lambda: self.shard.wake(["kv_cache"]), models)
         self.version = version
         for e in self.engines:
             e.version = version
         out = dict(self.shard.last_update)
-        if reference is not None:
-            out["weight_check_max_abs_diff"] = self._check(check_tokens, reference, atol)
+        if routed:
+            out["weight_check_max_abs_diff"] = self._routed_check(actor, check_tokens, atol, models)
+        elif reference is not None:
+            out["weight_check_max_abs_diff"] = self._check(self.shard.score(check_tokens, 1), reference, atol)
         return out
 
     def _load(self, actor, version: int, bucket_bytes: int) -> dict:
@@ -174,14 +181,27 @@ class ColocatedRollout:
             del bucket
         return {**self.shard.finish_update(version), "buckets": buckets, "bytes": n_bytes}
 
-    def _reference(self, actor, tokens: list[int]) -> list[float]:
-        t = torch.tensor([tokens], dtype=torch.long)
-        lp = actor.logprobs({"tokens": t, "attention_mask": torch.ones_like(t, dtype=torch.bool)})
-        return lp[0, 1:].float().cpu().tolist()
+    def _routed_check(self, actor, tokens: list[int], atol: float, models: Sequence) -> float:
+        """The weight check under routing replay: each engine's log-probs of ``tokens`` against the actor's
+        forward with that engine's routes replayed. An engine gives its routes only awake (with its KV
+        cache), and its KV cache never shares the device with trainer state: for the forward it sleeps at
+        level 1 (weights kept on the host, as for a checkpoint) while the actor's params are back."""
+        got, routes = self.shard.score_routed(tokens, 1)
+        everyone = [None] * self.layout.world
+        dist.all_gather_object(everyone, (self.layout.engine, routes), group=self.group)
+        by_engine = dict(everyone)  # the ranks of one engine hold the same routes (lockstep)
+        engines = sorted(by_engine)
+        self._call("sleep", "engine.sleep(level=1) for the weight check", lambda: self.shard.sleep(1), models)
+        self._onload(actor, ("params",), models)
+        reference = self._call("weight_check", "actor.logprobs(check tokens, each engine's routes replayed)",
+                               lambda: check_reference(actor, tokens, [by_engine[e] for e in engines]), models)
+        self._offload(actor, ("params",), models, phase="params_offload")
+        self._call("wake_weights", "engine.wake(['weights'])", lambda: self.shard.wake(["weights"]), models)
+        self._call("wake_kv", "engine.wake(['kv_cache'])", lambda: self.shard.wake(["kv_cache"]), models)
+        return self._check(got, reference[engines.index(self.layout.engine)], atol)
 
-    def _check(self, tokens: list[int], reference: list[float], atol: float) -> float:
-        """Every engine's log-probs of ``tokens`` against the actor's; every rank raises on a mismatch."""
-        got = self.shard.score(tokens, 1)
+    def _check(self, got: list[float], reference: list[float], atol: float) -> float:
+        """This rank's engine log-probs against the actor's; every rank raises on a mismatch anywhere."""
         mine = max(abs(a - b) for a, b in zip(got, reference))
         everyone = [None] * self.layout.world
         dist.all_gather_object(everyone, mine, group=self.group)

@@ -40,7 +40,7 @@ from megatron_sao.distributed import collective_guard
 from megatron_sao.rollout.colocate import vllm_cpu
 from megatron_sao.rollout.colocate.layout import EngineLayout
 from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams, WeightBucket
-from megatron_sao.rollout.engines.routes import num_experts_of, packed_routes
+from megatron_sao.rollout.engines.routes import num_experts_of, packed_routes, routes_tensor
 
 # request id, token ids, log-probs, finish reason, routes (routing replay: packed_routes, else None)
 Finished = tuple[str, list[int], list[float], str, "tuple | None"]
@@ -188,22 +188,41 @@ class VLLMShard:
             out.append((o.request_id, ids, lps, c.finish_reason or "stop", routes))
         return out
 
-    @_in_vllm
     def score(self, token_ids: list[int], start: int) -> list[float]:
         """Log-probs (T=1, raw) of ``token_ids[start:]`` under the loaded weights (weight-sync check)."""
+        return self._score(token_ids, start, routes=False)[0]
+
+    def score_routed(self, token_ids: list[int], start: int) -> tuple[list[float], torch.Tensor]:
+        """``score`` and the experts every token of ``token_ids`` was routed to ([T, layers, topk]), for the
+        weight-sync check under routing replay."""
+        if not self.cfg.return_routes:
+            raise ValueError(f"engine {self.layout.engine}: score_routed needs EngineConfig.return_routes")
+        lps, routes = self._score(token_ids, start, routes=True)
+        if routes.shape[0] != len(token_ids):
+            raise RuntimeError(f"engine {self.layout.engine}: routed_experts of a scored prompt cover "
+                               f"{routes.shape[0]} tokens, expected {len(token_ids)}")
+        return lps, routes
+
+    @_in_vllm
+    def _score(self, token_ids: list[int], start: int, routes: bool) -> tuple[list[float], torch.Tensor | None]:
         from vllm import SamplingParams as VSamplingParams
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         rid = f"score-{time.monotonic_ns()}"
         params = VSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, seed=0,
-                                 output_kind=RequestOutputKind.FINAL_ONLY)
+                                 output_kind=RequestOutputKind.FINAL_ONLY,
+                                 **({"routed_experts_prompt_start": 0} if routes else {}))
         self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(token_ids)), params)
         while True:
             for o in self.engine.step():
                 if o.request_id == rid and o.finished:
                     plp = o.prompt_logprobs
-                    return [float(plp[i][token_ids[i]].logprob) for i in range(start, len(token_ids))]
+                    lps = [float(plp[i][token_ids[i]].logprob) for i in range(start, len(token_ids))]
+                    if not routes:
+                        return lps, None
+                    where = f"engine {self.layout.engine}"
+                    return lps, routes_tensor(o.outputs[0].routed_experts, self.num_experts, where)
 
     # ------------------------------------------------------------------ memory
     @_in_vllm

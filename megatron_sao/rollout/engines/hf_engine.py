@@ -249,14 +249,20 @@ class HFEngine(StreamedUpdate):
 
     async def score(self, token_ids: list[int], start: int) -> list[float]:
         """Log-probs (T=1) of ``token_ids[start:]`` under the current weights, for weight-sync checks."""
+        return (await self._command(lambda: self._score(token_ids, start, routes=False)))[0]
 
-        def _score() -> list[float]:
-            with torch.no_grad():
-                logits = _logits_of(self.model(self._ids([token_ids])))[0].float()
-            lp = torch.log_softmax(logits[start - 1 : -1], dim=-1)
-            return lp.gather(-1, self._ids(token_ids[start:])[:, None])[:, 0].tolist()
+    async def score_routed(self, token_ids: list[int], start: int) -> tuple[list[float], torch.Tensor]:
+        """``score`` and the experts the routers chose for every token of ``token_ids`` ([T, layers, topk]),
+        for the weight-sync check under routing replay (the trainer's reference forward replays them)."""
+        if not self._routers or not self.num_experts:
+            raise ValueError(f"{self.name}: score_routed needs a transformers MoE model (num_experts in its config)")
+        return await self._command(lambda: self._score(token_ids, start, routes=True))
 
-        return await self._command(_score)
+    def _score(self, token_ids: list[int], start: int, routes: bool) -> tuple[list[float], torch.Tensor | None]:
+        with torch.no_grad(), self._recording_routes(routes) as routed:
+            logits = _logits_of(self.model(self._ids([token_ids])))[0].float()
+        lp = torch.log_softmax(logits[start - 1 : -1], dim=-1)
+        return lp.gather(-1, self._ids(token_ids[start:])[:, None])[:, 0].tolist(), routed() if routes else None
 
     # ------------------------------------------------------------------ worker thread
     def _check_open(self) -> None:

@@ -7,7 +7,8 @@ Routes (aiohttp):
 * ``POST /inference/v1/generate``: vLLM's token-in/token-out route (``token_ids``, ``sampling_params``);
   returns ``token_ids``, ``logprobs.content[i].logprob`` and per-token ``weight_versions`` spans.
 * ``POST /v1/completions``: token-id prompt only, ``n=1``, the same output in completions shape;
-  ``prompt_logprobs`` (T=1) when asked, for weight checks. Unsupported fields (``echo``, ``best_of``,
+  ``prompt_logprobs`` (T=1) when asked, for weight checks (with ``routed_experts`` when
+  ``routed_experts_prompt_start`` is set, as vLLM does). Unsupported fields (``echo``, ``best_of``,
   penalties, text prompts...) are refused with HTTP 400 naming the field: they would change the
   sampled distribution or the output shape without the log-probs knowing.
 * ``POST /pause?mode=keep|abort|wait``, ``POST /resume``
@@ -116,6 +117,28 @@ def build_app(engine: RolloutEngine):
                   "routed_experts": _routes_b64(out.routed_experts)}
         return web.json_response({"output_mode": "tokens", "choices": [choice]})
 
+    async def score_prompt(prompt: list[int], routes_start) -> web.Response:
+        """prompt_logprobs (the weight check), with the prompt's routes from ``routes_start`` on when asked
+        (routing replay: the trainer's reference forward replays them)."""
+        routes = None
+        if routes_start is None:
+            score = getattr(engine, "score", None)
+            if score is None:
+                return bad("this engine cannot score prompts (prompt_logprobs)", 501)
+            lps = await score(prompt, 1)
+        else:
+            score = getattr(engine, "score_routed", None)
+            if score is None:
+                return bad("this engine cannot return the routes of a scored prompt", 501)
+            if not 0 <= int(routes_start) < len(prompt):
+                return bad(f"routed_experts_prompt_start must be in [0, {len(prompt) - 1}], got {routes_start}")
+            lps, routed = await score(prompt, 1)
+            routes = _routes_b64(routed[int(routes_start):])
+        plp = [None] + [{str(t): {"logprob": lp}} for t, lp in zip(prompt[1:], lps)]
+        return web.json_response({"choices": [{"index": 0, "token_ids": [], "finish_reason": "length",
+                                               "prompt_logprobs": plp, "logprobs": None,
+                                               "routed_experts": routes}]})
+
     async def completions(request: web.Request) -> web.Response:
         try:
             body = await request.json()
@@ -133,13 +156,7 @@ def build_app(engine: RolloutEngine):
             return bad("'prompt' must be a non-empty list of token ids")
         try:
             if body.get("prompt_logprobs") is not None:
-                score = getattr(engine, "score", None)
-                if score is None:
-                    return bad("this engine cannot score prompts (prompt_logprobs)", 501)
-                lps = await score(prompt, 1)
-                plp = [None] + [{str(t): {"logprob": lp}} for t, lp in zip(prompt[1:], lps)]
-                return web.json_response({"choices": [{"index": 0, "token_ids": [], "finish_reason": "length",
-                                                       "prompt_logprobs": plp, "logprobs": None}]})
+                return await score_prompt(prompt, body.get("routed_experts_prompt_start"))
             out = await engine.generate(prompt, _sampling(body))
         except ValueError as e:
             return bad(str(e))

@@ -205,6 +205,21 @@ class VLLMEngine(StreamedUpdate):
 
     async def score(self, token_ids: list[int], start: int) -> list[float]:
         """Log-probs (T=1, raw) of ``token_ids[start:]`` via ``prompt_logprobs``, for weight-sync checks."""
+        return (await self._score(token_ids, start, routes=False))[0]
+
+    async def score_routed(self, token_ids: list[int], start: int) -> tuple[list[float], torch.Tensor]:
+        """``score`` and ``RequestOutput.routed_experts`` of every token of ``token_ids`` ([T, layers, topk]:
+        routed_experts_prompt_start 0; the one sampled token has no route), for the weight-sync check under
+        routing replay."""
+        if not self.cfg.return_routes:
+            raise ValueError(f"{self.name}: score_routed needs the engine started with EngineConfig.return_routes")
+        lps, routes = await self._score(token_ids, start, routes=True)
+        if routes.shape[0] != len(token_ids):
+            raise RuntimeError(f"{self.name}: routed_experts of a scored prompt cover {routes.shape[0]} tokens, "
+                               f"expected {len(token_ids)}")
+        return lps, routes
+
+    async def _score(self, token_ids: list[int], start: int, routes: bool) -> tuple[list[float], torch.Tensor | None]:
         from vllm import SamplingParams as VSamplingParams
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -213,13 +228,17 @@ class VLLMEngine(StreamedUpdate):
             raise ValueError(f"{self.name}: score start must be in [1, {len(token_ids) - 1}], got {start}")
         await self._ensure_started()
         params = VSamplingParams(
-            max_tokens=1, prompt_logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
+            max_tokens=1, prompt_logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+            **({"routed_experts_prompt_start": 0} if routes else {}),
         )
         final = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params, str(uuid.uuid4())):
             final = out
         plp = final.prompt_logprobs  # entry i: dict for token i given tokens[:i]; entry 0 is None
-        return [float(plp[i][token_ids[i]].logprob) for i in range(start, len(token_ids))]
+        lps = [float(plp[i][token_ids[i]].logprob) for i in range(start, len(token_ids))]
+        if not routes:
+            return lps, None
+        return lps, routes_tensor(getattr(final.outputs[0], "routed_experts", None), self.num_experts, self.name)
 
     def _expand_versions(self, completion: object, n: int) -> list[int]:
         spans = getattr(completion, "weight_versions", None)

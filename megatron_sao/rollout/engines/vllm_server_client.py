@@ -182,10 +182,8 @@ class VLLMServerClient:
             body["routed_experts_prompt_start"] = sampling.routes_start
         return body
 
-    def _routes(self, choice: dict, sampling: SamplingParams, where: str) -> torch.Tensor | None:
-        """The choice's base64 routed_experts, when the request asked for them."""
-        if not sampling.return_routes:
-            return None
+    def _routes(self, choice: dict, where: str) -> torch.Tensor:
+        """The choice's base64 routed_experts (the request asked for them)."""
         if self._num_experts is None:
             self._num_experts = num_experts_of(self.cfg.model_path) if self.cfg.model_path else 0
             if not self._num_experts:
@@ -211,7 +209,7 @@ class VLLMServerClient:
         if spans is None:
             raise ServerError(f"{where}: the response has no weight_versions (vLLM without token provenance?)")
         return self._result(where, token_ids, logprobs, reason, expand_spans(spans, len(token_ids), where),
-                            self._routes(choice, sampling, where))
+                            self._routes(choice, where) if sampling.return_routes else None)
 
     async def _generate_completions(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
         where = f"POST {self.url}/v1/completions"
@@ -238,7 +236,8 @@ class VLLMServerClient:
                               "inflight_policy='abort'")
         else:
             versions = [start_version] * len(token_ids)
-        return self._result(where, token_ids, logprobs, reason, versions, self._routes(choice, sampling, where))
+        return self._result(where, token_ids, logprobs, reason, versions,
+                            self._routes(choice, where) if sampling.return_routes else None)
 
     @staticmethod
     def _result(where: str, token_ids: list[int], logprobs: list[float], reason: str,
@@ -252,14 +251,32 @@ class VLLMServerClient:
 
     async def score(self, token_ids: list[int], start: int) -> list[float]:
         """Log-probs (T=1) of ``token_ids[start:]`` via ``prompt_logprobs``, for weight-sync checks."""
+        return (await self._score(token_ids, start, routes=False))[0]
+
+    async def score_routed(self, token_ids: list[int], start: int) -> tuple[list[float], torch.Tensor]:
+        """``score`` and the experts the server routed every token of ``token_ids`` to ([T, layers, topk]:
+        ``routed_experts_prompt_start`` 0; the one sampled token has no route), for the weight-sync check
+        under routing replay."""
+        lps, routes = await self._score(token_ids, start, routes=True)
+        if routes.shape[0] != len(token_ids):
+            raise ServerError(f"{self.url}: routed_experts of a scored prompt cover {routes.shape[0]} tokens, "
+                              f"expected {len(token_ids)}")
+        return lps, routes
+
+    async def _score(self, token_ids: list[int], start: int, routes: bool) -> tuple[list[float], torch.Tensor | None]:
+        where = f"POST {self.url}/v1/completions"
         body = {"prompt": list(token_ids), "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
+        if routes:
+            body["routed_experts_prompt_start"] = 0
         if self.model:
             body["model"] = self.model
         resp = await self._request("POST", "/v1/completions", json=body, timeout_s=self.cfg.request_timeout_s)
-        plp = resp["choices"][0].get("prompt_logprobs") or resp.get("prompt_logprobs")
+        choice = resp["choices"][0]
+        plp = choice.get("prompt_logprobs") or resp.get("prompt_logprobs")
         if plp is None:
             raise ServerError(f"{self.url}: response has no prompt_logprobs")
-        return [float(plp[i][str(token_ids[i])]["logprob"]) for i in range(start, len(token_ids))]
+        lps = [float(plp[i][str(token_ids[i])]["logprob"]) for i in range(start, len(token_ids))]
+        return lps, self._routes(choice, where) if routes else None
 
     # ------------------------------------------------------------------ weights (streamed)
     async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:

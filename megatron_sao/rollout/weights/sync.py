@@ -24,6 +24,10 @@ engine's log-probs of fixed tokens with reference log-probs the trainer computed
 under the same weights, and raises with the worst positions if they differ by more than ``atol``.
 ``check_every`` N (``rollout.weight_sync_check_every``) checks only the updates whose version is a
 multiple of N (``check_due``): the check costs a trainer forward and a scoring request per server.
+Under routing replay an MoE's reference depends on the experts each engine chose for the check tokens
+(a route flip between the two stacks is not a transfer error): the engines are scored first with their
+routes (``score_routed``), the trainer computes each engine's reference with its routes replayed, and
+``judge`` compares them.
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ class WeightSync:
         self._retry: set = set()  # group members that may still be sent a bucket again in this update
         self._active: list[int] | None = None  # engines in the update in progress
         self._probation: set[int] = set()  # rejoining engines: a failed check leaves them out, not the run
+        self._updated: list[int] = []  # engines that took the last finished update (the ones a check scores)
+        self._t_check = 0.0
         self._metrics: SyncMetrics | None = None
         self._t0 = 0.0
 
@@ -196,12 +202,16 @@ class WeightSync:
         phases["buckets"] = phases.get("buckets", 0.0) + time.perf_counter() - t0
 
     async def finish(self, version: int, *, check_tokens: list[int] | None = None, check_prompt_len: int = 1,
-                     reference_logprobs: list[float] | None = None) -> SyncMetrics:
-        """Make ``version`` live everywhere, check every engine reports it, verify in check mode."""
+                     reference_logprobs: list[float] | None = None, routed_check: bool = False) -> SyncMetrics:
+        """Make ``version`` live everywhere, check every engine reports it, verify in check mode.
+
+        ``routed_check`` (routing replay): the reference depends on each engine's routes, so the check
+        is the caller's next two steps: ``score_routed`` after this, then ``judge`` with the trainer's
+        log-probs computed with those routes."""
         if self._active is None or self._metrics.version != version:
             raise WeightSyncError(f"finish of weight sync v{version} without its begin")
-        if self.check and check_due(version, self.check_every) and (check_tokens is None
-                                                                    or reference_logprobs is None):
+        if self.check and check_due(version, self.check_every) and not routed_check and (
+                check_tokens is None or reference_logprobs is None):
             await self.abort()
             raise ValueError(f"WeightSync(check=True, check_every={self.check_every}).finish of v{version} needs "
                              "check_tokens and reference_logprobs")
@@ -221,21 +231,58 @@ class WeightSync:
         if m.failed and self.strict:
             raise WeightSyncError(f"weight sync v{version} failed: "
                                   + "; ".join(f"{k}: {v}" for k, v in m.failed.items()))
-        if self.check and check_tokens is not None and reference_logprobs is not None:
+        self._updated = active
+        if self.check and check_tokens is not None and reference_logprobs is not None and not routed_check:
             t0 = time.perf_counter()
-            scored = await asyncio.gather(*(self.verify(self.engines[i], check_tokens, reference_logprobs, self.atol,
-                                                        prompt_len=check_prompt_len, index=i) for i in active),
-                                          return_exceptions=True)  # every server at once
-            for i, got in zip(active, scored):
-                if not isinstance(got, BaseException):
-                    m.logprob_diff[self.labels[i]] = got
-                    continue
-                if i not in self._probation or not isinstance(got, (WeightSyncError, asyncio.TimeoutError)):
-                    raise got
-                m.failed[self.labels[i]] = f"weight check: {type(got).__name__}: {got}"
-                m.per_engine_seconds.pop(self.labels[i], None)
-            m.phase_seconds["check"] = time.perf_counter() - t0
+            diffs = await asyncio.gather(*(self.verify(self.engines[i], check_tokens, reference_logprobs, self.atol,
+                                                       prompt_len=check_prompt_len, index=i) for i in active),
+                                         return_exceptions=True)  # every server at once
+            self._settle_check(m, dict(zip(active, diffs)), time.perf_counter() - t0)
         return m
+
+    # ------------------------------------------------------------------ check mode under routing replay
+    async def score_routed(self, check_tokens: list[int], prompt_len: int = 1) -> dict[int, tuple | BaseException]:
+        """After ``finish(..., routed_check=True)``: every updated engine's (log-probs of
+        ``check_tokens[prompt_len:]``, routes [T, layers, topk] of all of ``check_tokens``), or the error it
+        raised, by engine index. The engines are scored at once, each under the timeout."""
+        async def one(i: int):
+            engine, label = self.engines[i], self.labels[i]
+            score = getattr(engine, "score_routed", None)
+            if score is None:
+                raise TypeError(f"{label} has no score_routed(token_ids, start); routing replay cannot check it")
+            return await asyncio.wait_for(score(check_tokens, prompt_len), self.timeout_s)
+
+        self._t_check = time.perf_counter()
+        got = await asyncio.gather(*(one(i) for i in self._updated), return_exceptions=True)
+        return dict(zip(self._updated, got))
+
+    def judge(self, metrics: SyncMetrics, scored: dict[int, tuple | BaseException],
+              references: dict[int, list[float]], prompt_len: int = 1) -> None:
+        """Compare each engine's log-probs from ``score_routed`` with ``references[i]``, the trainer's
+        log-probs computed with that engine's routes; the outcome as in ``finish``'s own check."""
+        diffs: dict[int, float | BaseException] = {}
+        for i, got in scored.items():
+            if isinstance(got, BaseException):
+                diffs[i] = got
+                continue
+            try:
+                diffs[i] = self._compare(engine_label(self.engines[i], i), self.engines[i].version, got[0],
+                                         references[i], prompt_len)
+            except WeightSyncError as e:
+                diffs[i] = e
+        self._settle_check(metrics, diffs, time.perf_counter() - self._t_check)
+
+    def _settle_check(self, m: SyncMetrics, diffs: dict[int, float | BaseException], seconds: float) -> None:
+        """A failed check stops the update (raises), except for a rejoining engine: that one is failed."""
+        for i, got in diffs.items():
+            if not isinstance(got, BaseException):
+                m.logprob_diff[self.labels[i]] = got
+                continue
+            if i not in self._probation or not isinstance(got, (WeightSyncError, asyncio.TimeoutError)):
+                raise got
+            m.failed[self.labels[i]] = f"weight check: {type(got).__name__}: {got}"
+            m.per_engine_seconds.pop(self.labels[i], None)
+        m.phase_seconds["check"] = seconds
 
     async def abort(self) -> None:
         """Drop the update in progress on every engine still in it (best effort, under the timeout)."""
@@ -307,14 +354,21 @@ class WeightSync:
                 f"verify: {len(reference_logprobs)} reference log-probs for {len(token_ids) - prompt_len} scored tokens"
             )
         got = await asyncio.wait_for(score(token_ids, prompt_len), self.timeout_s)
-        diffs = [abs(a - b) for a, b in zip(got, reference_logprobs)]
+        return self._compare(label, engine.version, got, reference_logprobs, prompt_len, atol)
+
+    def _compare(self, label: str, version: int, got: list[float], reference: list[float], prompt_len: int,
+                 atol: float | None = None) -> float:
+        """Max |got - reference|; WeightSyncError with the worst positions above ``atol`` (default: the sync's)."""
+        atol = self.atol if atol is None else atol
+        if len(got) != len(reference):
+            raise WeightSyncError(f"weight check on {label}: {len(got)} log-probs for {len(reference)} reference ones")
+        diffs = [abs(a - b) for a, b in zip(got, reference)]
         worst = max(diffs)
         if not worst <= atol:  # also catches NaN
             top = sorted(range(len(diffs)), key=lambda i: -diffs[i])[:3]
-            detail = ", ".join(f"pos {prompt_len + i}: engine {got[i]:.5f} vs ref {reference_logprobs[i]:.5f}"
-                               for i in top)
+            detail = ", ".join(f"pos {prompt_len + i}: engine {got[i]:.5f} vs ref {reference[i]:.5f}" for i in top)
             raise WeightSyncError(
-                f"weight check failed on {label} (version {engine.version}): "
+                f"weight check failed on {label} (version {version}): "
                 f"max |dlogprob| {worst:.3g} > atol {atol:g}; {detail}"
             )
         return worst

@@ -9,18 +9,40 @@ large and the check fails; with replay a real transfer error still fails the che
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
-from result_lines import run_worker
+from launch import torchrun_cmd
+from result_lines import parse_tagged
 
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "weight_check_replay.py")
 
-pytestmark = pytest.mark.slow  # one Megatron worker process
+pytestmark = pytest.mark.slow  # one torchrun launch of 2 ranks
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_worker(WORKER, str(tmp_path_factory.mktemp("weight_check_replay")), done="WEIGHT CHECK REPLAY DONE")
+def everyone(tmp_path_factory):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = torchrun_cmd(2, WORKER, str(tmp_path_factory.mktemp("weight_check_replay")))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "WEIGHT CHECK REPLAY DONE" in proc.stdout
+    return parse_tagged(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def results(everyone):
+    """Rank 0's results (it holds the rollout side)."""
+    return {k.removesuffix("_rank0"): v for k, v in everyone.items() if k.endswith("_rank0")}
+
+
+def test_every_rank_ran_the_replayed_forward_and_stopped_alike(everyone):
+    """Rank 1 joined each replayed check's forward (its routers counted routes) and learnt each outcome."""
+    for tag in ("replay_on", "replay_off_measured", "replay_off", "corrupt_on"):
+        r0, r1 = everyone[f"{tag}_rank0"], everyone[f"{tag}_rank1"]
+        assert ("error" in r0) == ("error" in r1), (tag, r0, r1)
+        assert r0.get("moe/routing_agreement_used") == r1.get("moe/routing_agreement_used"), (tag, r0, r1)
 
 
 def test_replayed_check_passes_at_round_off_on_every_placement_engine(results):

@@ -1,4 +1,5 @@
-"""The weight-sync check under routing replay (world size 1). Usage: python weight_check_replay.py <tmp_dir>
+"""The weight-sync check under routing replay, on 2 gloo ranks with EP=2 (rank 0 holds the rollout side,
+rank 1 joins the check's forward when rank 0 asks). Usage: torchrun --nproc_per_node 2 weight_check_replay.py <tmp_dir>
 
 The tiny Qwen3-MoE as the Megatron actor (fp32) and as two rollout engines with the same weights whose
 routers choose other experts than the actor's: a forward hook makes each HF router take its 2nd..k+1-th
@@ -63,40 +64,55 @@ def engine(hf_dir: str, name: str) -> HFEngine:
     return HFEngine(model, max_model_len=256, name=name)
 
 
-def push(tag: str, weights: WeightPush, side: RolloutSide, version: int, atol: float) -> None:
-    side.sync.atol = atol
+def push(tag: str, weights: WeightPush, side: RolloutSide | None, version: int, atol: float) -> None:
+    if side is not None:
+        side.sync.atol = atol
     weights.actor.last_routing_agreement = None  # set by a forward with routes (the replayed check's)
     out: dict = {}
     try:
         weights.push(version, step=version)
-        out["diff"] = dict(side.last_sync.logprob_diff)
+        if side is not None:
+            out["diff"] = dict(side.last_sync.logprob_diff)
     except TrainingStopped as e:
         out["error"] = str(e)
     out.update(weights.actor.last_routing_agreement or {})
-    emit(tag, out)
+    emit(f"{tag}_rank{ctx.rank}", out)
+
+
+def rollout_side(hf_dir: str):
+    """Rank 0's rollout side: the embedded engine and the HTTP client of the served one."""
+    served = engine(hf_dir, "served")
+    server_loop = asyncio.new_event_loop()  # the server lives on a loop of its own, like another process
+    threading.Thread(target=server_loop.run_forever, daemon=True).start()
+    runner, port = asyncio.run_coroutine_threadsafe(start_server(served), server_loop).result(60)
+    url = f"http://127.0.0.1:{port}"
+    client = VLLMServerClient(url, EngineConfig(backend="vllm_server", model_path=hf_dir, server_urls=(url,),
+                                                weight_transport="reload"))
+    # No episodes (0 trajectories a step): the rollout side only carries the weight updates here.
+    side = RolloutSide([engine(hf_dir, "embedded"), client], lambda task: None, PromptStream(["unused"], 0), None,
+                       AgentLoopConfig(), lambda traj: None,
+                       RolloutSideConfig(batch_size=0, ahead=0, concurrency=1, check_weights=True, check_atol=ATOL,
+                                         health_interval_s=0),
+                       labels=["embedded", "http"])
+    side.start()
+
+    def close() -> None:
+        side.close()
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), server_loop).result(60)
+        asyncio.run_coroutine_threadsafe(served.close(), server_loop).result(60)
+        server_loop.call_soon_threadsafe(server_loop.stop)
+    return side, close
 
 
 tmp = sys.argv[1]
 hf_dir = os.path.join(tmp, "hf")
+torch.distributed.init_process_group("gloo")
 spec, _ = tiny_model_dir(hf_dir)
-ctx = init_parallel(ParallelSizes())
-actor = MegatronEngine(spec, ParallelSizes(), OptimConfig(lr=1e-6), role="actor", init=InitSource.from_hf(hf_dir),
+sizes = ParallelSizes(ep=2, etp=1)
+ctx = init_parallel(sizes)
+actor = MegatronEngine(spec, sizes, OptimConfig(lr=1e-6), role="actor", init=InitSource.from_hf(hf_dir),
                        micro_batch_size=2, ctx=ctx)
-
-served = engine(hf_dir, "served")
-server_loop = asyncio.new_event_loop()  # the server lives on a loop of its own, like another process
-threading.Thread(target=server_loop.run_forever, daemon=True).start()
-runner, port = asyncio.run_coroutine_threadsafe(start_server(served), server_loop).result(60)
-url = f"http://127.0.0.1:{port}"
-client = VLLMServerClient(url, EngineConfig(backend="vllm_server", model_path=hf_dir, server_urls=(url,),
-                                            weight_transport="reload"))
-# No episodes (0 trajectories a step): the rollout side only carries the weight updates here.
-side = RolloutSide([engine(hf_dir, "embedded"), client], lambda task: None, PromptStream(["unused"], 0), None,
-                   AgentLoopConfig(), lambda traj: None,
-                   RolloutSideConfig(batch_size=0, ahead=0, concurrency=1, check_weights=True, check_atol=ATOL,
-                                     health_interval_s=0),
-                   labels=["embedded", "http"])
-side.start()
+side, close = rollout_side(hf_dir) if ctx.rank == 0 else (None, lambda: None)
 weights = WeightPush(actor, side, GatedCollectives(ctx), bucket_bytes=1 << 20, check=True)
 try:
     actor.replay_routes = True
@@ -114,8 +130,7 @@ try:
     actor.export_hf_weights = corrupted
     push("corrupt_on", weights, side, 4, ATOL)
 finally:
-    side.close()
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), server_loop).result(60)
-    asyncio.run_coroutine_threadsafe(served.close(), server_loop).result(60)
-    server_loop.call_soon_threadsafe(server_loop.stop)
-print("WEIGHT CHECK REPLAY DONE", flush=True)
+    close()
+torch.distributed.barrier()
+if ctx.rank == 0:
+    print("WEIGHT CHECK REPLAY DONE", flush=True)

@@ -176,7 +176,8 @@ class MegatronEngine:
         from megatron_sao.megatron.routing_replay import RouteSlice, RoutingReplay, install_router_replay
 
         self.routing = RoutingReplay(install_router_replay(model) if role == "actor" else [],
-                                     RouteSlice(c.tp, c.tp_rank, c.sequence_parallel))
+                                     RouteSlice(c.tp, c.tp_rank, c.sequence_parallel),
+                                     recompute=self.config.recompute_granularity is not None)
         self.replay_routes = False  # rollout.routing_replay: replay the engine's routes, not only measure
         self.last_routing_agreement: dict[str, float] | None = None  # of the latest logprobs() call with routes
         self.layout = self._rank_layout()

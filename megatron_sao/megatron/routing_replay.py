@@ -134,11 +134,13 @@ def router_targets(routes: torch.Tensor, layer: int, where: RouteSlice) -> torch
 
 
 class RoutingReplay:
-    """The actor engine's handle on its routers: set a micro-batch's targets, count agreement."""
+    """The actor engine's handle on its routers: set a micro-batch's targets, count agreement.
+    ``recompute``: the engine recomputes activations in the backward pass (the forwards are re-run)."""
 
-    def __init__(self, routers: list, where: RouteSlice) -> None:
+    def __init__(self, routers: list, where: RouteSlice, recompute: bool = False) -> None:
         self.routers = routers
         self.where = where
+        self.recompute = recompute
         self.replay = False
 
     def __bool__(self) -> bool:
@@ -162,6 +164,10 @@ class RoutingReplay:
                 r.clear_router_replay_action()
                 continue
             r.set_target_indices(router_targets(routes, layer, self.where))
+            if not (self.recompute and torch.is_grad_enabled()):
+                # Nothing re-runs this forward, and Megatron's list (set_target_indices appends) would keep
+                # every micro-batch's int64 targets to the end of the schedule: 8 bytes per token x layer x topk.
+                r.replay_backward_list.clear()
             r.set_router_replay_action(Action.REPLAY_FORWARD)
 
     def after_forward(self) -> None:

@@ -60,3 +60,13 @@ def test_recompute_replays_the_same_routes(results, layout):
     micro_batches = 2 if "dp 0/2" in r["ctx"] else 3  # 5 rows, micro-batch 2 (DP=2: 3 rows per rank -> 2)
     assert r["recomputed_forwards"] == r["local_routers"] * micro_batches, r
     assert r["recompute_loss_diff"] <= 1e-6 and r["recompute_grad_norm_diff"] <= 1e-6, r
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_targets_are_held_only_for_forwards_that_recompute_reruns(results, layout):
+    """Without recompute a router keeps one micro-batch's int64 targets (Megatron's backward list would
+    keep every one to the end of the schedule: 8 bytes per token x layer x topk); with it, the forwards
+    whose backward has not run yet (1F1B: at most the pipeline depth)."""
+    r = results[layout]
+    assert r["held_targets_max_no_recompute"] == 1, r
+    assert 1 <= r["held_targets_max_recompute"] <= (2 if layout == "pp2" else 1), r

@@ -102,6 +102,18 @@ lp_free_hf = hf_logprobs(hf, batch)
 lp_forced_hf = hf_forced_logprobs(hf, batch, forced)
 opt = OptimConfig(lr=1e-2, clip_grad=1.0)
 
+def held_targets(engine) -> list[int]:
+    """Records how many micro-batches' targets each router holds for the backward pass after each forward
+    set them (Megatron's replay_backward_list)."""
+    held = []
+    for _, rep in engine.routing.routers:
+        def set_target_indices(idx, rep=rep, own=rep.set_target_indices):
+            own(idx)
+            held.append(len(rep.replay_backward_list))
+        rep.set_target_indices = set_target_indices
+    return held
+
+
 for name in names:
     sizes = LAYOUTS[name]
     ctx = init_parallel(sizes)
@@ -112,6 +124,7 @@ for name in names:
                               ctx=ctx, config_overrides=overrides or None)
 
     a = actor()
+    held = held_targets(a)
     a.replay_routes = True
     lp_replay = a.logprobs({**batch, "routes": enc(forced)})
     out["forced_agreement_replay_on"] = a.last_routing_agreement["moe/routing_agreement"]
@@ -134,11 +147,15 @@ for name in names:
     out["train_loss"], out["train_grad_norm"] = step.loss, step.grad_norm
     out["train_loss_vs_hf_forced"] = abs(step.loss + (lp_forced_hf * batch["action_mask"]).sum().item()
                                          / batch["action_mask"].sum().item())
+    # the targets set after a set_target_indices call; grows only while the previous one is still held
+    out["held_targets_max_no_recompute"] = max(held)
     del a
     gc.collect()
     r = actor(**RECOMPUTE)
+    held_rc = held_targets(r)
     r.replay_routes = True
     step_r = r.train_step({**batch, "routes": enc(forced)}, nll_loss)
+    out["held_targets_max_recompute"] = max(held_rc)
     out["recompute_loss_diff"] = abs(step_r.loss - step.loss)
     out["recompute_grad_norm_diff"] = abs(step_r.grad_norm - step.grad_norm)
     out["recompute_grad_norm"] = step_r.grad_norm

@@ -273,7 +273,7 @@ def micro_batches(batch: Batch, plan: BatchPlan, dp_rank: int) -> list[Batch]:
             shape = (slot.height, slot.width, *value.shape[2:]) if value.dim() >= 2 else (slot.height,)
             t = torch.zeros(shape, dtype=value.dtype, device=value.device)
             if slot.rows:
-                rows = value.index_select(0, idx)
+                rows = value.index_select(0, idx.to(value.device))  # routes stay on the host (engine._local)
                 if value.dim() >= 2:
                     w = min(slot.width, value.shape[1])
                     t[:len(slot.rows), :w] = rows[:, :w]

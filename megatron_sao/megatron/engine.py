@@ -177,7 +177,7 @@ class MegatronEngine:
 
         self.routing = RoutingReplay(install_router_replay(model) if role == "actor" else [],
                                      RouteSlice(c.tp, c.tp_rank, c.sequence_parallel),
-                                     recompute=self.config.recompute_granularity is not None)
+                                     recompute=self.config.recompute_granularity is not None, device=c.device)
         self.replay_routes = False  # rollout.routing_replay: replay the engine's routes, not only measure
         self.last_routing_agreement: dict[str, float] | None = None  # of the latest logprobs() call with routes
         self.layout = self._rank_layout()
@@ -269,7 +269,10 @@ class MegatronEngine:
                     batch = {k: v for k, v in batch.items() if k != "routes"}
                 else:
                     self._check_routes(batch["routes"])
-            batch = {k: v.to(self.ctx.device) for k, v in batch.items()}
+            # Routes stay on the host; a micro-batch's go to the device for its forward only (routing_replay.py).
+            # The whole batch's would be B x T x layers x topk bytes on every rank: 6 GiB at 128 rows of 128K
+            # tokens x 48 layers x top-8.
+            batch = {k: v if k == "routes" else v.to(self.ctx.device) for k, v in batch.items()}
         b, t = batching.validate_batch(batch, required=required)
         plan = self.plan(batch)
         return plan, batching.micro_batches(batch, plan, self.ctx.dp_rank), b, t

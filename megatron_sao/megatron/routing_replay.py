@@ -135,12 +135,14 @@ def router_targets(routes: torch.Tensor, layer: int, where: RouteSlice) -> torch
 
 class RoutingReplay:
     """The actor engine's handle on its routers: set a micro-batch's targets, count agreement.
-    ``recompute``: the engine recomputes activations in the backward pass (the forwards are re-run)."""
+    ``recompute``: the engine recomputes activations in the backward pass (the forwards are re-run);
+    ``device``: where the routers run (a micro-batch's routes come from the host, see before_forward)."""
 
-    def __init__(self, routers: list, where: RouteSlice, recompute: bool = False) -> None:
+    def __init__(self, routers: list, where: RouteSlice, recompute: bool = False, device=None) -> None:
         self.routers = routers
         self.where = where
         self.recompute = recompute
+        self.device = device
         self.replay = False
 
     def __bool__(self) -> bool:
@@ -159,6 +161,9 @@ class RoutingReplay:
         """Targets of this micro-batch (REPLAY_FORWARD), or free routing when it has no routes."""
         _, Action = _router_replay_types()
         routes = mb.get("routes")
+        if routes is not None and self.device is not None:
+            # The batch's routes are kept on the host; this micro-batch's go over now, in their compact dtype.
+            routes = routes.to(self.device)
         for layer, r in self.routers:
             if routes is None:
                 r.clear_router_replay_action()

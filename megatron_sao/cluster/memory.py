@@ -240,6 +240,36 @@ def batch_bytes(rows: int, s: int, dp: int) -> float:
     return rows * s * (BATCH_BYTES_PER_TOKEN + OUTPUT_BYTES_PER_TOKEN) + -(-rows // dp) * s * BATCH_BYTES_PER_TOKEN
 
 
+# ------------------------------------------------------------------------------- routing replay
+
+INT64 = 8
+# int64 [tokens, topk] temporaries of one router's replay at a time (megatron/routing_replay.py: the target's
+# conversion, its own top-k, the chosen set, and the sorted copies the agreement counts compare)
+REPLAY_TEMPORARIES = 5
+
+
+def route_id_bytes(num_experts: int) -> int:
+    """Bytes of one expert id + 1 in the batch's ``routes`` (trajectory.stack_routes: the smallest integer type)."""
+    return 1 if num_experts <= 255 else (2 if num_experts <= 32767 else 4)
+
+
+def replay_routes_bytes(b: float, s: int, *, layers: int, stage_layers: int, topk: int, num_experts: int,
+                        router_tokens: float, held: int) -> float:
+    """Routing replay (or rollout.record_routes) on one GPU of the actor, while a forward sets its targets:
+    the micro-batch's routes [b, s, layers, topk], moved from the host for that forward, and the int64
+    targets of the stage's routers ([router_tokens, topk] each: a TP rank's chunk of the micro-batch under
+    SP), kept for ``held`` micro-batches (1; with full recompute the forwards whose backward has not run
+    yet: 1F1B's in-flight count), plus one router's temporaries."""
+    return (b * s * layers * topk * route_id_bytes(num_experts)
+            + (held * stage_layers + REPLAY_TEMPORARIES) * router_tokens * topk * INT64)
+
+
+def host_routes_bytes(rows: int, s: int, dp: int, *, layers: int, topk: int, num_experts: int) -> float:
+    """The batch's routes each trainer rank holds in host memory (they never go to the device whole): the
+    [rows, s, layers, topk] batch and this rank's micro-batches cut from it (about rows/dp)."""
+    return (rows + -(-rows // dp)) * s * layers * topk * route_id_bytes(num_experts)
+
+
 # ------------------------------------------------------------------------------- KV cache
 
 

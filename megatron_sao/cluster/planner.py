@@ -80,10 +80,17 @@ class RoleMemory:
     activations: float  # no recompute
     activations_recompute: float  # full recompute
     logits: float
+    routes: float = 0.0  # routing replay (actor): a micro-batch's routes and its routers' int64 targets
+    routes_recompute: float = 0.0  # the same with full recompute (targets of the forwards in flight)
 
     def total(self, recompute: bool) -> float:
-        act = self.activations_recompute if recompute else self.activations
-        return self.weights_grads_optimizer + act + self.logits
+        return self.weights_grads_optimizer + self.step(recompute)
+
+    def step(self, recompute: bool) -> float:
+        """What the model's step adds to its static bytes: activations, logits, routes."""
+        if recompute:
+            return self.activations_recompute + self.logits + self.routes_recompute
+        return self.activations + self.logits + self.routes
 
 
 @dataclass
@@ -113,6 +120,7 @@ class Plan:
     options: PlanOptions
     problems: list[LayoutIssue] = field(default_factory=list)
     colocated: mem.ColocatedPhases | None = None  # per-phase bytes of a colocated step
+    routes_host: float = 0.0  # routing replay: the batch's routes in each trainer rank's host memory
 
     @property
     def fits(self) -> bool:
@@ -189,7 +197,14 @@ def _role_memory(spec: ModelSpec, layout: Layout, cfg: SAOConfig, opts: PlanOpti
     # Full recompute keeps each layer's input and rebuilds one layer's activations in backward.
     act_rc = held * mem.recompute_layer_bytes(spec.hidden_size, s, b, tp, sp, nbytes_el) + per_layer
     logits = mem.logits_bytes(padded_vocab_size(spec.vocab_size, tp), s, b, tp, nbytes_el) if role == "actor" else 0.0
-    return RoleMemory(trainable, frozen, nbytes, act, act_rc, logits)
+    routes = routes_rc = 0.0
+    if role == "actor" and spec.is_moe and cfg.rollout.returns_routes:  # the critic routes by itself
+        def replay(held: int) -> float:
+            return mem.replay_routes_bytes(b, s, layers=spec.num_layers, stage_layers=layers, topk=spec.moe_topk,
+                                           num_experts=spec.num_experts, router_tokens=b * s / (tp if sp else 1),
+                                           held=held)
+        routes, routes_rc = replay(1), replay(min(pp, n_micro))
+    return RoleMemory(trainable, frozen, nbytes, act, act_rc, logits, routes, routes_rc)
 
 
 def plan(cfg: SAOConfig, hf_config: str | Mapping[str, Any] | ModelSpec | None = None,
@@ -212,8 +227,11 @@ def plan(cfg: SAOConfig, hf_config: str | Mapping[str, Any] | ModelSpec | None =
     budget = opts.gpu_mem_gib * mem.GIB
     buffers = (mem.batch_bytes(cfg.buffer.batch_size, cfg.model.max_seq_len, layout.dp)
                + mem.rope_cache_bytes(spec.head_dim, cfg.model.max_seq_len))
-    peak_plain = static + buffers + max(m.activations + m.logits for m in models)
-    peak_recompute = static + buffers + max(m.activations_recompute + m.logits for m in models)
+    routes_host = (mem.host_routes_bytes(cfg.buffer.batch_size, cfg.model.max_seq_len, layout.dp,
+                                         layers=spec.num_layers, topk=spec.moe_topk, num_experts=spec.num_experts)
+                   if spec.is_moe and cfg.rollout.returns_routes else 0.0)
+    peak_plain = static + buffers + max(m.step(False) for m in models)
+    peak_recompute = static + buffers + max(m.step(True) for m in models)
     recompute = cfg.parallel.recompute == "full"
     recompute_needed = peak_plain > budget
     peak = peak_recompute if recompute else peak_plain
@@ -254,7 +272,7 @@ def plan(cfg: SAOConfig, hf_config: str | Mapping[str, Any] | ModelSpec | None =
                 attention=attention_kernel(cfg.model.dtype, opts.transformer_engine), recompute=recompute,
                 padded_vocab=padded_vocab_size(spec.vocab_size, layout.tp), rollout_weights=weights,
                 rollout_kv_budget=kv_budget, kv_bytes_per_token=per_token, full_sequences_per_server=full,
-                options=opts, problems=problems, colocated=phases)
+                options=opts, problems=problems, colocated=phases, routes_host=routes_host)
 
 
 def _colocated_phases(cfg: SAOConfig, spec: ModelSpec, layout: Layout, opts: PlanOptions, actor: RoleMemory,
@@ -309,6 +327,9 @@ def render(p: Plan, cfg: SAOConfig) -> str:
             f"  {name:6s} activations             {g(m.activations)}  (full recompute: {g(m.activations_recompute)})",
             f"  {name:6s} logits                  {g(m.logits)}",
         ]
+        if m.routes:
+            lines.append(f"  {name:6s} routes (routing replay) {g(m.routes)}  (full recompute: "
+                         f"{g(m.routes_recompute)}; host per rank {g(p.routes_host)})")
     lines += [
         f"  batch, outputs, RoPE cache     {g(p.step_buffers)}",
         f"  overhead                       {g(p.options.overhead_gib * mem.GIB)}",

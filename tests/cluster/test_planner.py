@@ -72,6 +72,29 @@ def test_aime_memory_by_hand(qwen_long):
     assert p.kv_bytes_per_token == 24576
 
 
+def test_routing_replay_routes_by_hand(qwen_long):
+    """rollout.routing_replay: the routes of one 131072-token micro-batch (48 layers x top-8 in uint8: 128
+    experts) go to the GPU for its forward; each of the 48 routers keeps int64 targets of its TP rank's
+    chunk (SP: s/4 tokens x 8), plus one router's 5 temporaries; the whole batch's routes stay on the host."""
+    off = plan(load_config(AIME), qwen_long)
+    on = plan(load_config(AIME, ["rollout.routing_replay=true"]), qwen_long)
+    s = 131072
+    device = s * 48 * 8 * 1 + (48 + 5) * (s / 4) * 8 * 8
+    assert on.actor.routes == on.actor.routes_recompute == pytest.approx(device)  # pp=1: one forward in flight
+    assert on.trainer_peak - off.trainer_peak == pytest.approx(device)
+    assert on.critic.routes == 0 and off.actor.routes == 0 and off.routes_host == 0
+    assert on.routes_host == pytest.approx((128 + 16) * s * 48 * 8)  # batch + this rank's micro-batches
+    assert on.fits
+    # record_routes carries the same routes (measured, not replayed); a pipeline holds more in flight
+    assert plan(load_config(AIME, ["rollout.record_routes=true"]), qwen_long).actor.routes == on.actor.routes
+    pp = plan(load_config(AIME, ["rollout.routing_replay=true", "parallel.pp=2", "parallel.ep=16"]), qwen_long)
+    assert pp.actor.routes_recompute - pp.actor.routes == pytest.approx(24 * (s / 4) * 8 * 8)  # 2 in flight
+
+
+def test_route_ids_take_the_smallest_integer_type():
+    assert [mem.route_id_bytes(n) for n in (8, 128, 255, 256, 32767, 32768)] == [1, 1, 1, 2, 2, 4]
+
+
 @pytest.mark.parametrize("overrides,field,fragment", [
     (["parallel.tp=3"], "parallel.tp", "num_attention_heads"),
     (["parallel.tp=8"], "parallel.tp", "num_key_value_heads"),

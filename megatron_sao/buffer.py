@@ -227,10 +227,12 @@ class TrajectoryBuffer:
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ resume
-    def restore(self, covered: dict[str, int] | None = None) -> list[Trajectory]:
+    def restore(self, covered: dict[str, int] | None = None,
+                unusable: Callable[[Trajectory], str | None] | None = None) -> list[Trajectory]:
         """Resume: reload the trajectory files left in the directory into the ready queue (finish
         order), except those the checkpoint covers (`covered`: traj_id -> step that trained it),
-        which are consumed whatever state their files are in and are only kept for release.
+        which are consumed whatever state their files are in and are only kept for release, and
+        those `unusable` gives a reason for (the trainer's: routes of another model), set aside.
         Idempotent: later calls return the first call's list."""
         if self.dir is None:
             return []
@@ -248,6 +250,10 @@ class TrajectoryBuffer:
                     self._consumed.append((covered[traj_id], _Entry(seq, None, path, traj_id)))
                     continue
                 traj = _load_one(path)
+                why = unusable(traj) if traj is not None and unusable is not None else None
+                if why is not None:
+                    _set_aside(path, f"cannot be trained on ({why})")
+                    traj = None
                 if traj is not None:
                     self._ready[traj.traj_id] = _Entry(seq, traj, path, traj.traj_id)
                     restored.append(traj)

@@ -172,6 +172,19 @@ class Trajectory:
         elif n and (r.to(torch.int64) < 0).any():
             self._fail("routed_experts has negative expert ids")
 
+    def routes_problem(self, layers: int, topk: int, num_experts: int) -> str | None:
+        """Why these routes cannot be replayed by an MoE of ``layers`` layers routing top-``topk`` over
+        ``num_experts`` experts (a buffer file from another model), or None (they can, or there are none)."""
+        r = self.routed_experts
+        if r is None:
+            return None
+        if tuple(r.shape[1:]) != (layers, topk):
+            return (f"its routes are [tokens, {r.shape[1]}, {r.shape[2]}] (layers, topk); this actor routes "
+                    f"[tokens, {layers}, {topk}]")
+        if r.numel() and int(r.max()) >= num_experts:
+            return f"its routes name expert {int(r.max())}; this actor has {num_experts} experts"
+        return None
+
     def _validate_spans(self, T: int) -> None:
         if not self.spans:
             self._fail("spans is empty")

@@ -332,10 +332,16 @@ class SAOTrainer:
         if state.get("rng") is not None:
             set_rng_state(state["rng"])
         if self.rank0:
-            self.buffer.restore({tid: step for tid, step in state.get("covered") or []})
+            self.buffer.restore({tid: step for tid, step in state.get("covered") or []}, unusable=self._unusable)
         self.run_dir.truncate_logs(self.step)
         logger.info("resumed from %s at step %d (policy version %d)", ckpt, self.step, self.version)
         return state
+
+    def _unusable(self, traj) -> str | None:
+        """Why a restored trajectory cannot be trained on by this actor: routes of another model (a
+        buffer file of another run), which the train step would refuse; the buffer sets it aside."""
+        s = self.actor.spec
+        return traj.routes_problem(s.num_layers, s.moe_topk, s.num_experts) if s.is_moe else None
 
     def _checkpoint_damage(self, ckpt: Path) -> str | None:
         """Agreed by all ranks: rank 0 checks the manifest and trainer state, every rank its own shards."""

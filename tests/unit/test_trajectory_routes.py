@@ -183,3 +183,23 @@ def test_buffer_resume_restores_routes_and_sets_aside_a_damaged_route_file(tmp_p
         assert TrajectoryBuffer(batch_size=1, max_staleness=4, directory=tmp_path / "buffer").restore() == []
     assert not path.exists() and (tmp_path / "buffer" / "set_aside" / path.name).exists()
     assert path.name in caplog.text and "must cover every token before the last action token" in caplog.text
+
+
+def test_resume_sets_aside_routes_this_actor_cannot_replay(tmp_path, caplog):
+    """Routes of another model (other [layers, topk], or experts this actor does not have) in a restored buffer
+    file: the trainer's check names what differs and the file is set aside, instead of the train step
+    refusing the batch; fitting routes and unrouted trajectories are restored."""
+    from megatron_sao.buffer import TrajectoryBuffer
+
+    traj = two_turns()  # [R, 2 layers, top-2], experts < 8
+    assert traj.routes_problem(2, 2, 8) is None
+    assert "[tokens, 2, 2] (layers, topk); this actor routes [tokens, 4, 2]" in traj.routes_problem(4, 2, 8)
+    top = int(traj.routed_experts.max())
+    assert f"its routes name expert {top}; this actor has {top} experts" in traj.routes_problem(2, 2, top)
+    buf = TrajectoryBuffer(batch_size=1, max_staleness=4, directory=tmp_path / "buffer")
+    buf.put(traj)
+    with caplog.at_level("WARNING", logger="megatron_sao.buffer"):
+        restored = TrajectoryBuffer(batch_size=1, max_staleness=4, directory=tmp_path / "buffer").restore(
+            unusable=lambda t: t.routes_problem(4, 2, 8))
+    assert restored == [] and len(list((tmp_path / "buffer" / "set_aside").glob("*.safetensors"))) == 1
+    assert "cannot be trained on" in caplog.text and "this actor routes [tokens, 4, 2]" in caplog.text

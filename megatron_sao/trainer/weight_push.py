@@ -7,6 +7,12 @@ for Qwen3-30B-A3B would not fit beside the trainer state); the other ranks drain
 their collectives pair with rank 0's. A failure on rank 0 is broadcast, so every rank stops at the
 same point instead of waiting in the next collective.
 
+The weight check (``rollout.weight_sync_check``) needs the actor's log-probs of fixed tokens, a
+forward on every rank. Without routing replay it runs before the push. With it, the reference
+depends on each server's routes of those tokens, known only after the update: rank 0 broadcasts
+``("check", routes)`` from inside the push and every rank runs the forward with them, then rank 0
+broadcasts ``("done", error)``; the other ranks answer each message until "done".
+
 The colocated placement loads weights in-process on every rank instead (``trainer/colocated.py``),
 and replay runs have no engine: both use ``NoWeightPush``.
 """
@@ -103,7 +109,7 @@ class WeightPush:
         server's routes of the check tokens replayed (the other ranks join it from ``_send``)."""
         servers = sorted(routes)
         per_server = [routes[i] for i in servers]
-        self.collectives.broadcast(("check", per_server), "the end of the weight push")
+        self.collectives.broadcast(("check", per_server), "the weight check's forward")
         return dict(zip(servers, check_reference(self.actor, check_tokens(self.actor.spec.vocab_size), per_server)))
 
 

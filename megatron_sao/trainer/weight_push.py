@@ -72,14 +72,14 @@ class WeightPush:
         return version, iter(snapshot)
 
     def _send(self, buckets, version: int, step: int) -> None:
-        due = self.check and check_due(version, self.check_every)
-        tokens = check_tokens(self.actor.spec.vocab_size)
         check = {}
-        if due and self.actor.replay_routes:  # the reference needs the servers' routes: after the push
-            check = {"check_tokens": tokens, "check_prompt_len": 1, "routed_reference": self._routed_reference}
-        elif due:
-            check = {"check_tokens": tokens, "check_prompt_len": 1,
-                     "reference_logprobs": check_reference(self.actor, tokens)[0]}
+        if self.check and check_due(version, self.check_every):
+            tokens = check_tokens(self.actor.spec.vocab_size)
+            if self.actor.replay_routes:  # the reference needs the servers' routes: after the push
+                check = {"check_tokens": tokens, "check_prompt_len": 1, "routed_reference": self._routed_reference}
+            else:
+                check = {"check_tokens": tokens, "check_prompt_len": 1,
+                         "reference_logprobs": check_reference(self.actor, tokens)[0]}
         error = None
         if self.rollout is not None:
             try:
@@ -98,7 +98,7 @@ class WeightPush:
                 if what == "done":
                     error = payload
                     break
-                check_reference(self.actor, tokens, payload)
+                check_reference(self.actor, check_tokens(self.actor.spec.vocab_size), payload)
         if error is not None:
             # No checkpoint here: the actor has stepped but no server holds its weights; the last
             # checkpoint (and the post-resume push) is the consistent state to go back to.

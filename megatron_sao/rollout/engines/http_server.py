@@ -8,7 +8,7 @@ Routes (aiohttp):
   returns ``token_ids``, ``logprobs.content[i].logprob`` and per-token ``weight_versions`` spans.
 * ``POST /v1/completions``: token-id prompt only, ``n=1``, the same output in completions shape;
   ``prompt_logprobs`` (T=1) when asked, for weight checks (with ``routed_experts`` when
-  ``routed_experts_prompt_start`` is set, as vLLM does). Unsupported fields (``echo``, ``best_of``,
+  ``routed_experts_prompt_start`` asks for them). Unsupported fields (``echo``, ``best_of``,
   penalties, text prompts...) are refused with HTTP 400 naming the field: they would change the
   sampled distribution or the output shape without the log-probs knowing.
 * ``POST /pause?mode=keep|abort|wait``, ``POST /resume``

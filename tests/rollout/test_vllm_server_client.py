@@ -285,3 +285,14 @@ def test_an_aborted_vllm_update_leaves_the_session_so_the_server_can_take_the_ne
     assert version == 2 and [p for p, _ in rules.calls] == ["/pause", "/start_weight_update", "/update_weights",
                                                              "/finish_weight_update", "/resume"]
     assert rules.calls[3][1] == {"weight_version": "2"} and not rules.active
+
+
+def test_routes_from_a_dense_model_path_fail_with_the_same_clear_error_every_time(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # no expert count
+    url = "http://127.0.0.1:1"
+    client = VLLMServerClient(url, _client_cfg(url, model_path=str(tmp_path)))
+    for _ in range(2):  # a failed lookup is not cached as "0 experts" (which read as "experts outside 0..-1")
+        with pytest.raises(ServerError, match="Mixture-of-Experts model"):
+            client._routes({"routed_experts": "AAAA"}, "test")

@@ -184,11 +184,12 @@ class VLLMServerClient:
 
     def _routes(self, choice: dict, where: str) -> torch.Tensor:
         """The choice's base64 routed_experts (the request asked for them)."""
-        if self._num_experts is None:
-            self._num_experts = num_experts_of(self.cfg.model_path) if self.cfg.model_path else 0
-            if not self._num_experts:
+        if self._num_experts is None:  # cached only once found: a failed lookup says the same every time
+            found = num_experts_of(self.cfg.model_path) if self.cfg.model_path else 0
+            if not found:
                 raise ServerError(f"{where}: routes need EngineConfig.model_path of a Mixture-of-Experts model "
                                   "(its config.json names the expert count)")
+            self._num_experts = found
         return decode_b64_routes(choice.get("routed_experts"), self._num_experts, where)
 
     async def _generate_tokens(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:

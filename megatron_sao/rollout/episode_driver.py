@@ -157,6 +157,12 @@ class EpisodeDriver:
         """No server in service, and a dead one answers again: it needs the current weights now."""
         return self.error is None and not self.pool.alive() and bool(self.pool.rejoinable())
 
+    @property
+    def awaiting_server(self) -> bool:
+        """No server in service and ``server_deadline_s`` not yet passed: a batch may still come once
+        one is back (restarted by its node), so the trainer's batch wait must not give up meanwhile."""
+        return self.error is None and self._all_dead_since is not None and not self.pool.alive()
+
     def _admit(self) -> bool:
         return (bool(self.pool.alive()) and len(self.in_flight) < self.concurrency
                 and self.started < (self.steps_done + self.ahead + 1) * self.batch_size)

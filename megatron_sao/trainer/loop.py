@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,20 @@ __all__ = ["SAOTrainer", "TrainingInterrupted", "TrainingStopped"]
 
 logger = logging.getLogger(__name__)
 
+
+
+def take_batch(buffer, step: int, version: int, timeout: float, should_stop: Callable[[], bool],
+               awaiting_server: Callable[[], bool]):
+    """Rank 0's batch wait: ``buffer.take`` for up to ``timeout`` (rollout.timeout_s), None once
+    ``should_stop()``. The timeout does not run out while ``awaiting_server()`` (no rollout server in
+    service, rollout.server_deadline_s pending): a batch comes once one is back, and past the deadline
+    the rollout side's error is what stops the wait."""
+    while True:
+        batch = buffer.take(step, version, timeout=timeout, should_stop=should_stop)
+        if batch is not None or timeout <= 0 or should_stop() or not awaiting_server():
+            return batch
+        logger.warning("step %d: no batch within rollout.timeout_s=%gs while no rollout server is in service "
+                       "(rollout.server_deadline_s pending): waiting on", step, timeout)
 
 class SAOTrainer:
     """Holds the run: actor, critic, buffer, rollout side, step and policy version (module docstring)."""
@@ -187,7 +202,7 @@ class SAOTrainer:
         take = None
         if self.rank0:
             def take(timeout: float):
-                return self.buffer.take(self.step, self.version, timeout=timeout, should_stop=should_stop)
+                return take_batch(self.buffer, self.step, self.version, timeout, should_stop, self._awaiting_server)
 
         def should_stop() -> bool:
             return (self.rank0 and (self.rollout.error is not None or self._rejoin_due())) or self._stop_requested
@@ -222,6 +237,9 @@ class SAOTrainer:
 
     def _rejoin_due(self) -> bool:
         return bool(getattr(self.rollout, "needs_rejoin", False))
+
+    def _awaiting_server(self) -> bool:
+        return bool(getattr(self.rollout, "awaiting_server", False))
 
     # ------------------------------------------------------------------ rollouts
     def _start_rollouts(self, state: dict | None) -> None:

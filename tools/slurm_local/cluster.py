@@ -68,7 +68,8 @@ def ensure_hosts(path: str = "/etc/hosts") -> None:
 
 def slurm_conf(d: Path, ctl_port: int, node_ports: dict[str, int], cpus: int, user: str) -> str:
     """slurm.conf of the one-machine cluster (every path inside ``d``). cred_expire=30: a requeued job
-    may start again 30 s after its last attempt ended (SLURM's default, 120 s, is also the delay)."""
+    may start again 30 s after its last attempt ended (SLURM's default, 120 s, is also the delay); the
+    schedulers look at pending jobs every 2 s (SLURM's 60 s and 30 s would add up to a minute to it)."""
     nodes = "\n".join(f"NodeName={n} NodeAddr={a} Port={node_ports[n]} CPUs={cpus} RealMemory=1000 State=UNKNOWN"
                       for n, a in NODES.items())
     return f"""\
@@ -101,6 +102,7 @@ ReturnToService=2
 MpiDefault=none
 SwitchType=switch/none
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
 JobRequeue=1
 KillWait=60
 MinJobAge=3600

@@ -4,9 +4,10 @@ rollout server is in service and rollout.server_deadline_s is pending; otherwise
 import threading
 import time
 
+from test_buffer import traj
+
 from megatron_sao.buffer import TrajectoryBuffer
 from megatron_sao.trainer.loop import take_batch
-from test_buffer import traj
 
 
 def test_the_wait_outlasts_the_timeout_while_a_server_is_awaited():

@@ -60,16 +60,30 @@ logger = logging.getLogger(__name__)
 
 def take_batch(buffer, step: int, version: int, timeout: float, should_stop: Callable[[], bool],
                awaiting_server: Callable[[], bool]):
-    """Rank 0's batch wait: ``buffer.take`` for up to ``timeout`` (rollout.timeout_s), None once
-    ``should_stop()``. The timeout does not run out while ``awaiting_server()`` (no rollout server in
-    service, rollout.server_deadline_s pending): a batch comes once one is back, and past the deadline
-    the rollout side's error is what stops the wait."""
+    """Rank 0's batch wait: ``buffer.take`` until ``timeout`` (rollout.timeout_s) passed, None once
+    ``should_stop()``. While ``awaiting_server()`` (no rollout server in service, rollout.server_deadline_s
+    pending) the timeout does not run: it counts from when a server is back, and past the deadline the
+    rollout side's error is what stops the wait."""
+    if timeout <= 0:
+        return buffer.take(step, version, timeout=timeout, should_stop=should_stop)
+    deadline = time.monotonic() + timeout
+    awaiting = warned = False
     while True:
-        batch = buffer.take(step, version, timeout=timeout, should_stop=should_stop)
-        if batch is not None or timeout <= 0 or should_stop() or not awaiting_server():
+        left = deadline - time.monotonic()
+        batch = buffer.take(step, version, timeout=min(max(left, 0.0), 1.0), should_stop=should_stop)
+        if batch is not None or should_stop():
             return batch
-        logger.warning("step %d: no batch within rollout.timeout_s=%gs while no rollout server is in service "
-                       "(rollout.server_deadline_s pending): waiting on", step, timeout)
+        if awaiting_server():
+            awaiting = True
+            if not warned:
+                logger.warning("step %d: no rollout server in service; the batch wait goes on until one is back "
+                               "(rollout.server_deadline_s), then rollout.timeout_s=%gs", step, timeout)
+                warned = True
+        elif awaiting:  # a server is back: the whole timeout from now
+            awaiting, deadline = False, time.monotonic() + timeout
+        elif time.monotonic() >= deadline:
+            return None
+
 
 class SAOTrainer:
     """Holds the run: actor, critic, buffer, rollout side, step and policy version (module docstring)."""

@@ -1,5 +1,5 @@
-"""The trainer's batch wait (trainer/loop.py::take_batch): rollout.timeout_s does not end it while no
-rollout server is in service and rollout.server_deadline_s is pending; otherwise it does."""
+"""The trainer's batch wait (trainer/loop.py::take_batch): rollout.timeout_s does not run while no
+rollout server is in service (rollout.server_deadline_s pending) and counts from when one is back."""
 
 import threading
 import time
@@ -22,6 +22,16 @@ def test_the_wait_outlasts_the_timeout_while_a_server_is_awaited():
     threading.Timer(1.0, server_back).start()
     batch = take_batch(buf, 0, 0, 0.2, lambda: False, awaited.is_set)
     assert batch is not None and [t.prompt_id for t in batch] == ["p0", "p1"]
+
+
+def test_the_timeout_counts_from_when_a_server_is_back():
+    buf = TrajectoryBuffer(batch_size=2, max_staleness=4)
+    awaited = threading.Event()
+    awaited.set()
+    threading.Timer(1.0, awaited.clear).start()  # a server back in service, but no batch from it
+    t0 = time.monotonic()
+    assert take_batch(buf, 0, 0, 0.5, lambda: False, awaited.is_set) is None
+    assert time.monotonic() - t0 >= 1.5  # 1 s without a server, then the whole 0.5 s timeout
 
 
 def test_the_timeout_ends_the_wait_when_servers_are_in_service():

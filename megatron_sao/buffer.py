@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ from megatron_sao.faults import fault_point
 from megatron_sao.trajectory import Trajectory, TrajectoryFileError, load_trajectories, save_trajectories
 
 logger = logging.getLogger(__name__)
+STOP_POLL_S = 0.5  # take(): how often should_stop is asked while no trajectory arrives
 
 
 @dataclass
@@ -171,7 +173,10 @@ class TrajectoryBuffer:
 
     def take(self, step: int, current_version: int, timeout: float | None = None,
              should_stop: Callable[[], bool] | None = None) -> list[Trajectory] | None:
-        """Block until a batch of the oldest ready trajectories is available; None on timeout/stop."""
+        """Block until a batch of the oldest ready trajectories is available; None once ``timeout``
+        seconds have passed since the call or ``should_stop()`` is true (asked at least every
+        STOP_POLL_S: a stop request or a server to readmit comes with no trajectory to wake the wait)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
                 self._drop_stale(current_version)
@@ -180,8 +185,10 @@ class TrajectoryBuffer:
                     break
                 if self._closed or (should_stop is not None and should_stop()):
                     return None
-                if not self._cond.wait(timeout=timeout if timeout is not None else 1.0) and timeout is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
                     return None
+                self._cond.wait(timeout=STOP_POLL_S if left is None else min(left, STOP_POLL_S))
             batch = []
             hist: dict[int, int] = {}
             for tid in chosen:

@@ -157,6 +157,12 @@ class EpisodeDriver:
         """No server in service, and a dead one answers again: it needs the current weights now."""
         return self.error is None and not self.pool.alive() and bool(self.pool.rejoinable())
 
+    @property
+    def awaiting_server(self) -> bool:
+        """No server in service and ``server_deadline_s`` not yet passed: a batch may still come once
+        one is back (restarted by its node), so the trainer's batch wait must not give up meanwhile."""
+        return self.error is None and self._all_dead_since is not None and not self.pool.alive()
+
     def _admit(self) -> bool:
         return (bool(self.pool.alive()) and len(self.in_flight) < self.concurrency
                 and self.started < (self.steps_done + self.ahead + 1) * self.batch_size)
@@ -259,25 +265,36 @@ class EpisodeDriver:
         self.call(go())
 
     async def _monitor_health(self) -> None:
-        while not self._stop.is_set():
-            await asyncio.sleep(self.health_interval_s)
-            live = self.pool.alive()
-            # Dead servers too, at the same time: one that answers again may rejoin at the next weight
-            # update (server_pool). Live results are acted on first, whatever a hung dead one does.
-            dead = [s for s in self.pool.slots if not s.alive and s.rejoin_refused is None]
-            dead_ok = asyncio.gather(*(self.pool.check(s, self.health_timeout_s) for s in dead))
-            ok = await asyncio.gather(*(self.pool.check(s, self.health_timeout_s) for s in live))
-            for slot, healthy in zip(live, ok):
-                if not healthy:
-                    await self._server_failed(slot, f"health check failed (every {self.health_interval_s:g}s)")
-            for slot, healthy in zip(dead, await dead_ok):
-                if slot.alive or slot.rejoin_refused is not None:
-                    continue  # revived or refused by a weight update meanwhile
-                if healthy and not slot.healthy_again:
-                    logger.info("rollout server %s answers its health check again; it rejoins at the next "
-                                "weight update", slot.label)
-                slot.healthy_again = healthy
-            self._check_deadline()
+        # Dead servers are checked too, each in its own task: one that answers again may rejoin at the
+        # next weight update (server_pool), and a hung one (a frozen `vllm serve`, its check running out
+        # health_timeout_s) must not hold back the rounds that would see another answer again.
+        rechecks: dict[int, asyncio.Task] = {}
+        try:
+            while not self._stop.is_set():
+                await asyncio.sleep(self.health_interval_s)
+                for slot in self.pool.slots:
+                    if not slot.alive and slot.rejoin_refused is None and (
+                            slot.index not in rechecks or rechecks[slot.index].done()):
+                        rechecks[slot.index] = asyncio.create_task(self._recheck_dead(slot))
+                live = self.pool.alive()
+                ok = await asyncio.gather(*(self.pool.check(s, self.health_timeout_s) for s in live))
+                for slot, healthy in zip(live, ok):
+                    if not healthy:
+                        await self._server_failed(slot, f"health check failed (every {self.health_interval_s:g}s)")
+                self._check_deadline()
+        finally:
+            for t in rechecks.values():
+                t.cancel()
+            await asyncio.gather(*rechecks.values(), return_exceptions=True)
+
+    async def _recheck_dead(self, slot: ServerSlot) -> None:
+        healthy = await self.pool.check(slot, self.health_timeout_s)
+        if slot.alive or slot.rejoin_refused is not None:
+            return  # revived or refused by a weight update meanwhile
+        if healthy and not slot.healthy_again:
+            logger.info("rollout server %s answers its health check again; it rejoins at the next weight update",
+                        slot.label)
+        slot.healthy_again = healthy
 
     async def _check_failing(self, traj: Trajectory) -> None:
         """Stop instead of spinning when episodes keep failing: a dead engine would otherwise turn

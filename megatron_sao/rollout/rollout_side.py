@@ -82,6 +82,11 @@ class RolloutSide:
         return self.driver.needs_rejoin
 
     @property
+    def awaiting_server(self) -> bool:
+        """No server in service, ``rollout.server_deadline_s`` pending (``EpisodeDriver.awaiting_server``)."""
+        return self.driver.awaiting_server
+
+    @property
     def finished(self) -> int:
         return self.driver.finished
 

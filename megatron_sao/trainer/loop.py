@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,34 @@ from megatron_sao.trajectory import collate_padded
 __all__ = ["SAOTrainer", "TrainingInterrupted", "TrainingStopped"]
 
 logger = logging.getLogger(__name__)
+
+
+
+def take_batch(buffer, step: int, version: int, timeout: float, should_stop: Callable[[], bool],
+               awaiting_server: Callable[[], bool]):
+    """Rank 0's batch wait: ``buffer.take`` until ``timeout`` (rollout.timeout_s) passed, None once
+    ``should_stop()``. While ``awaiting_server()`` (no rollout server in service, rollout.server_deadline_s
+    pending) the timeout does not run: it counts from when a server is back, and past the deadline the
+    rollout side's error is what stops the wait."""
+    if timeout <= 0:
+        return buffer.take(step, version, timeout=timeout, should_stop=should_stop)
+    deadline = time.monotonic() + timeout
+    awaiting = warned = False
+    while True:
+        left = deadline - time.monotonic()
+        batch = buffer.take(step, version, timeout=min(max(left, 0.0), 1.0), should_stop=should_stop)
+        if batch is not None or should_stop():
+            return batch
+        if awaiting_server():
+            awaiting = True
+            if not warned:
+                logger.warning("step %d: no rollout server in service; the batch wait goes on until one is back "
+                               "(rollout.server_deadline_s), then rollout.timeout_s=%gs", step, timeout)
+                warned = True
+        elif awaiting:  # a server is back: the whole timeout from now
+            awaiting, deadline = False, time.monotonic() + timeout
+        elif time.monotonic() >= deadline:
+            return None
 
 
 class SAOTrainer:
@@ -187,7 +216,7 @@ class SAOTrainer:
         take = None
         if self.rank0:
             def take(timeout: float):
-                return self.buffer.take(self.step, self.version, timeout=timeout, should_stop=should_stop)
+                return take_batch(self.buffer, self.step, self.version, timeout, should_stop, self._awaiting_server)
 
         def should_stop() -> bool:
             return (self.rank0 and (self.rollout.error is not None or self._rejoin_due())) or self._stop_requested
@@ -222,6 +251,9 @@ class SAOTrainer:
 
     def _rejoin_due(self) -> bool:
         return bool(getattr(self.rollout, "needs_rejoin", False))
+
+    def _awaiting_server(self) -> bool:
+        return bool(getattr(self.rollout, "awaiting_server", False))
 
     # ------------------------------------------------------------------ rollouts
     def _start_rollouts(self, state: dict | None) -> None:

@@ -247,3 +247,21 @@ def test_every_server_dead_past_the_deadline_stops_the_driver_naming_each():
     # Nothing is recorded as failed while no server can run it: every started unit is queued for a resume.
     assert not done and len(drv.state()["queued"]) >= 1
     assert pool.metrics()["rollout/episodes_rerun"] >= 1 and pool.metrics()["rollout/servers_alive"] == 0
+
+
+def test_the_driver_awaits_a_server_until_the_deadline_then_stops():
+    """`awaiting_server` is what keeps the trainer's batch wait going past rollout.timeout_s: true only
+    while no server is in service and the deadline is pending."""
+    drv, done, engines, pool = make_pool_driver(n_servers=2, concurrency=4, batch_size=4, delay=0.05,
+                                                health_interval_s=0.05, health_timeout_s=1.0, server_deadline_s=3.0)
+    drv.start()
+    try:
+        assert wait_for(lambda: len(done) >= 1) and not drv.awaiting_server  # serving
+        for e in engines:
+            e.down = True
+        assert wait_for(lambda: not pool.alive())
+        assert drv.awaiting_server and drv.error is None
+        assert wait_for(lambda: drv.error is not None)
+        assert not drv.awaiting_server  # past the deadline the error stops the wait instead
+    finally:
+        drv.stop()

@@ -6,6 +6,9 @@ real. What a 32-GPU job meets and the one-server demo never does: a `vllm serve`
 or comes back from an overload mid-run. Before this, such a server stayed out for the rest of the run.
 """
 
+import asyncio
+import time
+
 import torch
 from engine_fixtures import answering
 from test_episode_driver import ThreeTurns, wait_for
@@ -30,12 +33,13 @@ def scripted_server(formatter, name: str, **kw):
     return answering(formatter, name=name, delay=0.02, scores=REFERENCE, **kw)
 
 
-def make_side(n=2, check=False, server_deadline_s=300.0):
+def make_side(n=2, check=False, server_deadline_s=300.0, health_timeout_s=1.0):
     fmt = ChatFormatter(build_char_tokenizer())
     servers = [scripted_server(fmt, f"http://srv{i}") for i in range(n)]
     done = []
     cfg = RolloutSideConfig(batch_size=4, ahead=0, concurrency=4, sync_timeout_s=5.0, check_weights=check,
-                            health_interval_s=0.05, health_timeout_s=1.0, server_deadline_s=server_deadline_s)
+                            health_interval_s=0.05, health_timeout_s=health_timeout_s,
+                            server_deadline_s=server_deadline_s)
     side = RolloutSide(servers, lambda task: ThreeTurns(), PromptStream(ToyToolTasks(80, seed=0), seed=0), fmt,
                        AgentLoopConfig(max_turns=5, max_total_tokens=512, max_new_tokens_per_turn=32,
                                        sampling=SamplingParams(max_new_tokens=32)),
@@ -114,6 +118,29 @@ def test_with_no_server_in_service_a_restarted_one_gets_the_current_weights_at_o
     assert side.error is None and all(t.trainable for t in done)
     assert sorted(t.info["data_pos"] for t in done) == list(range(8))  # re-run, not lost
     assert side.metrics()["rollout/server_revivals"] == 1
+
+
+def test_a_hung_server_does_not_delay_the_readmission_of_a_restarted_one():
+    """srv0 hangs (a frozen `vllm serve`: its health call never answers), srv1 is restarted: srv1 is
+    ready to rejoin as soon as it answers, not once srv0's check ran out its health_timeout_s."""
+    side, servers, done = make_side(n=2, health_timeout_s=60.0)
+
+    async def hang() -> bool:
+        await asyncio.sleep(3600)
+        return True
+    side.start()
+    try:
+        assert wait_for(lambda: servers[1].answered >= 1)
+        for s in servers:
+            s.down = True
+        assert wait_for(lambda: not side.pool.alive())
+        servers[0].health = hang
+        time.sleep(0.2)  # health rounds start on the hung server
+        servers[1].down = False
+        assert wait_for(lambda: side.needs_rejoin, timeout=10)  # not after 60 s
+        assert [s.index for s in side.pool.rejoinable()] == [1]
+    finally:
+        side.close()
 
 
 def test_a_rejoin_that_fails_its_update_leaves_the_server_out_and_the_run_going():

@@ -1,6 +1,7 @@
 """TrajectoryBuffer: oldest-first batches, staleness policies, groups, persistence across a crash."""
 
 import threading
+import time
 
 import pytest
 
@@ -147,3 +148,14 @@ def test_files_a_checkpoint_covers_are_never_trained_again_whatever_the_release_
     assert again.release_consumed(0) == 2
     assert len(list(tmp_path.glob("*.safetensors"))) == 4
     assert sorted(tid for tid, _ in again.covered()) == sorted([ts[2].traj_id, ts[3].traj_id])
+
+
+def test_a_stop_request_ends_the_wait_though_no_trajectory_wakes_it():
+    """A stop signal or a restarted server to readmit arrives with no trajectory (no server in
+    service): the wait must see it within a poll, not after the whole timeout."""
+    buf = TrajectoryBuffer(batch_size=2, max_staleness=4)
+    stop = threading.Event()
+    threading.Timer(0.1, stop.set).start()
+    t0 = time.monotonic()
+    assert buf.take(step=0, current_version=0, timeout=60, should_stop=stop.is_set) is None
+    assert time.monotonic() - t0 < 10  # not the 60 s timeout

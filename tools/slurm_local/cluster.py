@@ -68,7 +68,8 @@ def ensure_hosts(path: str = "/etc/hosts") -> None:
 
 def slurm_conf(d: Path, ctl_port: int, node_ports: dict[str, int], cpus: int, user: str) -> str:
     """slurm.conf of the one-machine cluster (every path inside ``d``). cred_expire=30: a requeued job
-    may start again 30 s after its last attempt ended (SLURM's default, 120 s, is also the delay)."""
+    may start again 30 s after its last attempt ended (SLURM's default, 120 s, is also the delay); the
+    schedulers look at pending jobs every 2 s (SLURM's 60 s and 30 s would add up to a minute to it)."""
     nodes = "\n".join(f"NodeName={n} NodeAddr={a} Port={node_ports[n]} CPUs={cpus} RealMemory=1000 State=UNKNOWN"
                       for n, a in NODES.items())
     return f"""\
@@ -101,6 +102,7 @@ ReturnToService=2
 MpiDefault=none
 SwitchType=switch/none
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
 JobRequeue=1
 KillWait=60
 MinJobAge=3600
@@ -196,13 +198,13 @@ class SlurmCluster:
                 parts.append(f"--- {f.name}\n{f.read_text(errors='replace')[-chars:]}")
         return "\n".join(parts)
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """Cancel what is still queued or running, then stop the daemons (slurmd, slurmctld, munged)."""
+    def stop(self, grace_s: float = 15.0, jobs_grace_s: float = 90.0) -> None:
+        """Cancel what is still queued or running and wait for its processes to end (at most
+        ``jobs_grace_s``: KillWait's SIGTERM -> SIGKILL and the epilog), then stop the daemons
+        (slurmd, slurmctld, munged). Stopping slurmd under a running job would leave its processes
+        (a trainer, vLLM servers) running with nobody to end them."""
         if any(n == "slurmctld" and p.poll() is None for n, p in self.procs):
-            try:
-                self._run("scancel", "--full", f"--partition={PARTITION}")
-            except (OSError, subprocess.TimeoutExpired):
-                pass
+            cancel_jobs(self.env(), jobs_grace_s)
         for name, p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -212,6 +214,28 @@ class SlurmCluster:
                     p.kill()
                     p.wait(5)
         self.procs = []
+
+
+def cancel_jobs(env: dict[str, str], timeout_s: float) -> list[str]:
+    """scancel every job of the partition and wait until none is left in squeue (a completing job
+    stays listed until its steps' processes ended). Returns the jobs still listed at the timeout."""
+    left: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        subprocess.run(["scancel", "--full", f"--partition={PARTITION}"], capture_output=True, env=env, timeout=30)
+        while True:
+            q = subprocess.run(["squeue", "-h", f"--partition={PARTITION}", "-o", "%i %T"], capture_output=True,
+                               text=True, env=env, timeout=30)
+            left = q.stdout.split("\n") if q.returncode == 0 else []
+            left = [line for line in left if line.strip()]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+    except (OSError, subprocess.TimeoutExpired):  # the controller no longer answers: nothing to wait for
+        return left
+    if left:
+        print(f"slurm_local: jobs still ending after {timeout_s:g}s: {'; '.join(left)}", file=sys.stderr)
+    return left
 
 
 def _pid_alive(pid: int) -> bool:
@@ -239,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if not pids.exists():
         print(f"no cluster recorded in {d}", file=sys.stderr)
         return 1
-    subprocess.run(["scancel", "--full", f"--partition={PARTITION}"], capture_output=True,
-                   env={**os.environ, "SLURM_CONF": str(d / "slurm.conf")})
+    cancel_jobs({**os.environ, "SLURM_CONF": str(d / "slurm.conf")}, 90.0)
     for pid in reversed([int(x) for x in pids.read_text().split()]):
         if _pid_alive(pid):
             os.kill(pid, signal.SIGTERM)

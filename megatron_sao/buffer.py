@@ -173,11 +173,12 @@ class TrajectoryBuffer:
 
     def take(self, step: int, current_version: int, timeout: float | None = None,
              should_stop: Callable[[], bool] | None = None) -> list[Trajectory] | None:
-        """Block until a batch of the oldest ready trajectories is available; None once ``timeout``
-        seconds have passed since the call or ``should_stop()`` is true (asked at least every
-        STOP_POLL_S: a stop request or a server to readmit comes with no trajectory to wake the wait)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Block until a batch of the oldest ready trajectories is available. None once ``timeout``
+        seconds pass with no trajectory arriving (a liveness bound, not a batch deadline: a batch of long
+        trajectories that keep arriving waits as long as it needs), or once ``should_stop()`` is true
+        (asked at least every STOP_POLL_S: a stop request or a server to readmit wakes no wait)."""
         with self._cond:
+            received, quiet_since = self.stats.received, time.monotonic()
             while True:
                 self._drop_stale(current_version)
                 chosen = self._select()
@@ -185,7 +186,9 @@ class TrajectoryBuffer:
                     break
                 if self._closed or (should_stop is not None and should_stop()):
                     return None
-                left = None if deadline is None else deadline - time.monotonic()
+                if self.stats.received != received:
+                    received, quiet_since = self.stats.received, time.monotonic()
+                left = None if timeout is None else quiet_since + timeout - time.monotonic()
                 if left is not None and left <= 0:
                     return None
                 self._cond.wait(timeout=STOP_POLL_S if left is None else min(left, STOP_POLL_S))

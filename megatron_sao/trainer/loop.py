@@ -60,19 +60,24 @@ logger = logging.getLogger(__name__)
 
 def take_batch(buffer, step: int, version: int, timeout: float, should_stop: Callable[[], bool],
                awaiting_server: Callable[[], bool]):
-    """Rank 0's batch wait: ``buffer.take`` until ``timeout`` (rollout.timeout_s) passed, None once
-    ``should_stop()``. While ``awaiting_server()`` (no rollout server in service, rollout.server_deadline_s
-    pending) the timeout does not run: it counts from when a server is back, and past the deadline the
-    rollout side's error is what stops the wait."""
+    """Rank 0's batch wait: ``buffer.take`` until ``timeout`` (rollout.timeout_s) passes with no
+    trajectory arriving, None once ``should_stop()``. The timeout is a liveness bound, not a batch
+    deadline: a batch of 128K-token trajectories may take longer than it to fill, and every arrival shows
+    the rollouts are alive. While ``awaiting_server()`` (no rollout server in service,
+    rollout.server_deadline_s pending) it does not run at all: it counts from when a server is back, and
+    past the deadline the rollout side's error is what stops the wait."""
     if timeout <= 0:
         return buffer.take(step, version, timeout=timeout, should_stop=should_stop)
     deadline = time.monotonic() + timeout
+    received = buffer.stats.received
     awaiting = warned = False
     while True:
         left = deadline - time.monotonic()
         batch = buffer.take(step, version, timeout=min(max(left, 0.0), 1.0), should_stop=should_stop)
         if batch is not None or should_stop():
             return batch
+        if buffer.stats.received != received:  # a trajectory arrived: the whole timeout from now
+            received, deadline = buffer.stats.received, time.monotonic() + timeout
         if awaiting_server():
             awaiting = True
             if not warned:

@@ -47,3 +47,19 @@ def test_a_stop_ends_the_wait_while_a_server_is_awaited():
     threading.Timer(0.5, stop.set).start()  # the driver's deadline passed (its error), or a signal
     assert take_batch(buf, 0, 0, 0.1, stop.is_set, lambda: True) is None
     assert stop.is_set()
+
+
+def test_the_timeout_is_a_liveness_bound_not_a_batch_deadline():
+    """A batch that fills more slowly than rollout.timeout_s (long trajectories) is not abandoned while
+    trajectories keep arriving; only rollout.timeout_s with no arrival ends the wait."""
+    buf = TrajectoryBuffer(batch_size=4, max_staleness=4)
+    for i in range(3):  # one trajectory every 0.4 s: the batch is complete 1.6 s in, the timeout is 0.9 s
+        threading.Timer(0.4 * (i + 1), buf.put, args=(traj(f"p{i}"),)).start()
+    threading.Timer(1.6, buf.put, args=(traj("p3"),)).start()
+    t0 = time.monotonic()
+    batch = take_batch(buf, 0, 0, 0.9, lambda: False, lambda: False)
+    assert batch is not None and [t.prompt_id for t in batch] == ["p0", "p1", "p2", "p3"]
+    assert time.monotonic() - t0 >= 1.5
+    t0 = time.monotonic()
+    assert buf.take(1, 0, timeout=0.5) is None  # no arrival: the bound holds
+    assert 0.45 <= time.monotonic() - t0 < 10

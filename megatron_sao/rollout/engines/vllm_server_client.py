@@ -318,6 +318,13 @@ class VLLMServerClient:
             raise ServerError(f"{self.url}: receive_bucket outside begin/finish_weight_update")
         await self._control("POST", "/update_weights", json={"update_info": update_info})
 
+    async def reopen_update(self) -> None:
+        """After a failed receive, let this server's update take a bucket again (vLLM ends a worker's
+        update session on a receive error; ``vllm_worker/extension.py::sao_reopen_weight_update``)."""
+        if self._update_version is None:
+            raise ServerError(f"{self.url}: reopen_update outside begin/finish_weight_update")
+        await self._control("POST", "/collective_rpc", json={"method": "sao_reopen_weight_update"})
+
     async def push_weight_bucket(self, bucket: WeightBucket) -> None:
         if self._update_version is None:
             raise ServerError(f"{self.url}: push_weight_bucket outside begin/finish_weight_update")

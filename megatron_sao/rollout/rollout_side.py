@@ -137,16 +137,20 @@ class RolloutSide:
         if not live and not rejoin:
             raise RuntimeError(f"no rollout server left to update: {self.pool.describe_dead()}")
         wait_s = self.cfg.sync_timeout_s + 60.0  # each step is bounded per server inside WeightSync
-        it = iter(buckets)
+        it, begun = iter(buckets), None
         produce_s = wait_s_total = 0.0  # the overlap: producing bucket k+1 (the export's gathers) vs
         try:                            # waiting for bucket k to reach every server
-            self.driver.call(self.sync.begin(version, live + rejoin, probation=rejoin), timeout=wait_s)
+            # The servers pause and open the update while the first bucket is produced.
+            begun = self.driver.submit(self.sync.begin(version, live + rejoin, probation=rejoin))
             in_flight = None
             while True:  # bucket k+1 is produced here while bucket k is on its way
                 t0 = time.perf_counter()
                 bucket = next(it, None)
                 t1 = time.perf_counter()
                 produce_s += t1 - t0
+                if begun is not None:
+                    begun.result(wait_s)
+                    begun = None
                 if in_flight is not None:
                     in_flight.result(wait_s)  # bucket k reached every server before k+2 is produced
                     wait_s_total += time.perf_counter() - t1
@@ -167,6 +171,8 @@ class RolloutSide:
             for _ in it:  # keep the trainer ranks' collectives paired
                 pass
             try:
+                if begun is not None:  # the update is opened before it is aborted
+                    concurrent.futures.wait([begun], wait_s)
                 self.driver.call(self.sync.abort(), timeout=wait_s)
             except Exception:  # already failing
                 pass

@@ -36,6 +36,7 @@ import torch
 from megatron_sao.config import ConfigError, SAOConfig
 from megatron_sao.distributed.gated import GatedCollectives
 from megatron_sao.rollout.weights.check import check_tokens
+from megatron_sao.rollout.weights.sync import check_due
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.stopping import TrainingStopped
 from megatron_sao.trainer.weight_push import NoWeightPush, WeightPush
@@ -249,8 +250,10 @@ class ColocatedPlacement(Placement):
         """Trainer offloaded, the actor's weights loaded into every shard, KV cache back."""
         self.cycle.mark_train(train_s, self.models)
         t0 = time.monotonic()
+        # rollout.weight_sync_check_every: every rank decides alike, by version (the check is collective)
+        checked = self.check_tokens if check_due(version, self.cfg.rollout.weight_sync_check_every) else None
         update = self.cycle.refresh(self.actor, self.models, version=version, bucket_bytes=self.bucket_bytes,
-                                    check_tokens=self.check_tokens, atol=self.atol)
+                                    check_tokens=checked, atol=self.atol)
         return {"time/weight_sync_s": time.monotonic() - t0,
                 **{f"colocate/update_{k}": v for k, v in update.items() if isinstance(v, (int, float))}}
 

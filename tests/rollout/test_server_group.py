@@ -11,6 +11,7 @@ runs on CPU) in threads of this process, driven through the calls the HTTP route
 from __future__ import annotations
 
 import asyncio
+import time
 import types
 
 import pytest
@@ -51,7 +52,9 @@ class ThreadServer:
                                     torch.device("cpu"), Model()))
         self.dead = False
         self.die_on_receive = False  # the process dies as the next bucket starts (its connections close)
+        self.refuse_once_after_s: float | None = None  # the next receive is refused after this delay
         self.inits: list[dict] = []
+        self.reopened = 0  # updates reopened for a second try (a receive failed)
 
     def start_update(self) -> None:  # what start_weight_update resets (without vLLM's layerwise reload)
         for e in self.engines:
@@ -72,7 +75,16 @@ class ThreadServer:
             raise ConnectionError(f"{self.name} died")
         if self.dead:
             raise ConnectionError(f"{self.name} is dead")
+        if self.refuse_once_after_s is not None:
+            delay, self.refuse_once_after_s = self.refuse_once_after_s, None
+            await asyncio.sleep(delay)
+            raise RuntimeError(f"{self.name} refused the bucket")
         await asyncio.gather(*(asyncio.to_thread(e.update_weights, update_info) for e in self.engines))
+
+    async def reopen_update(self) -> None:  # vLLM's worker session is not modelled here
+        if self.dead:
+            raise ConnectionError(f"{self.name} is dead")
+        self.reopened += 1
 
     async def health(self) -> bool:
         return not self.dead
@@ -164,6 +176,31 @@ def test_a_server_that_dies_mid_update_is_dropped_and_the_others_load_every_tens
     finally:
         group.close()
     assert servers[0].loaded() == [names * 4] and servers[1].loaded()[0][-len(names):] == names
+
+
+def test_the_broadcast_waits_for_every_receiver_and_a_late_refusal_hangs_nothing():
+    """Rank 0 broadcasts a bucket when every worker said it receives it: a receive refused after a
+    moment (here 0.5 s, longer than any fixed wait would be) fails that member at once instead of
+    leaving a broadcast too large for the socket buffers blocked on it until the timeout; the member,
+    still healthy, gets the bucket again over a re-formed group."""
+    servers = [ThreadServer("a"), ThreadServer("b", tp=2)]
+    group = ServerTransferGroup("127.0.0.1", [free_port(), free_port()], "gloo", timeout_s=60)
+    big = [[("big", torch.arange(4 << 20, dtype=torch.float32))], *buckets(1)]  # 16 MiB: beyond a socket buffer
+    names = [n for b in big for n, _ in b]
+    try:
+        assert run_update(group, servers, big) == {}
+        servers[1].refuse_once_after_s = 0.5
+        t0 = time.monotonic()
+        assert run_update(group, servers, big) == {}
+        elapsed = time.monotonic() - t0
+    finally:
+        group.close()
+    assert elapsed < 30, elapsed  # not the 60 s timeout of a broadcast to a worker that never receives
+    assert group.formations == 2  # re-formed once, for the refused member's second try
+    assert [s.reopened for s in servers] == [1, 1]  # the group broke for both: both sessions reopened
+    for s in servers:
+        assert s.loaded() == [names * 2] * s.transfer_world_size  # every tensor, once per update
+    assert torch.equal(dict(servers[1].engines[1].model.loads)["big"], big[0][0][1])
 
 
 def test_a_server_that_cannot_join_is_left_out_and_the_group_forms_over_the_rest():

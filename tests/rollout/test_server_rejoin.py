@@ -203,3 +203,33 @@ def test_an_evaluation_on_a_hung_server_times_out_and_frees_its_slots():
         side.close()
     assert "evaluation of 6 tasks did not finish within 0.5s (run.eval_timeout_s)" in msg
     assert len(hung.calls) >= 8 and side.error is None  # 4 training + 4 evaluation requests were sent
+
+
+def test_the_servers_open_the_update_while_the_first_bucket_is_produced():
+    """push_weights asks every server to pause and open the update, then produces the first bucket (the
+    export's gathers) while they do, instead of one after the other: a server's begin here waits for
+    the first bucket's production to start, which it never sees when the two run in turn."""
+    import threading
+
+    side, servers, done = make_side()
+    producing, seen = threading.Event(), []
+    for s in servers:
+        plain = s.begin_weight_update
+
+        async def begin(version, plain=plain):
+            import asyncio
+
+            seen.append(await asyncio.to_thread(producing.wait, 3.0))
+            await plain(version)
+        s.begin_weight_update = begin
+
+    def slow_export():
+        producing.set()
+        yield from buckets()
+    side.start()
+    try:
+        assert wait_for(lambda: len(done) >= 1)
+        m = side.push_weights(slow_export(), 1)
+    finally:
+        side.close()
+    assert seen == [True, True] and not m.failed and [s.version for s in servers] == [1, 1]

@@ -20,7 +20,9 @@ Weights are streamed bucket by bucket (``begin_weight_update`` / ``push_weight_b
   of the transfer group, ``/finish_weight_update`` with the version label, ``/resume``. The group is
   one for every server of the update (``rollout/weights/server_group.py``, formed by ``WeightSync``
   through ``join_transfer_group``: ``/init_weight_transfer_engine`` with this server's rank offset);
-  a client used on its own (``update_weights``) forms a group of its own server at its own port. The
+  a client used on its own (``update_weights``) forms a group of its own server at its own port. A
+  bucket sent again after a failed receive is preceded by ``/collective_rpc``
+  ``sao_reopen_weight_update`` (vLLM ends a worker's update session on a receive error). The
   server's TP*PP is checked against ``GET /get_world_size`` at connect.
 * ``reload``: each bucket POSTed as safetensors bytes to ``rollout/engines/http_server.py``'s ``/sao/`` routes.
 
@@ -335,6 +337,13 @@ class VLLMServerClient:
         if self._update_version is None:
             raise ServerError(f"{self.url}: receive_bucket outside begin/finish_weight_update")
         await self._control("POST", "/update_weights", json={"update_info": update_info})
+
+    async def reopen_update(self) -> None:
+        """After a failed receive, let this server's update take a bucket again (vLLM ends a worker's
+        update session on a receive error; ``vllm_worker/extension.py::sao_reopen_weight_update``)."""
+        if self._update_version is None:
+            raise ServerError(f"{self.url}: reopen_update outside begin/finish_weight_update")
+        await self._control("POST", "/collective_rpc", json={"method": "sao_reopen_weight_update"})
 
     async def push_weight_bucket(self, bucket: WeightBucket) -> None:
         if self._update_version is None:

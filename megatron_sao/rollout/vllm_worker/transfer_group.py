@@ -28,6 +28,7 @@ import torch
 
 TransferBackend = Literal["nccl", "gloo"]
 STORE_PREFIX = "sao-weight-transfer/"  # gloo's keys in the shared store, apart from vLLM's
+READY_PREFIX = "sao-receiving/"  # the receivers' per-bucket readiness counters (GlooGroup.mark_receiving)
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,36 @@ class TransferGroup(Protocol):
 
 
 class GlooGroup:
-    """A gloo ProcessGroup joined through a vLLM ``StatelessProcessGroup`` store."""
+    """A gloo ProcessGroup joined through a vLLM ``StatelessProcessGroup`` store.
+
+    The store also carries the receivers' readiness: before a bucket's broadcast each receiving worker
+    adds 1 to the bucket's counter (``mark_receiving``) and rank 0 sends once the counter reaches the
+    number of workers (``wait_receiving``). A receive refused at once (no update session, a bad
+    update_info) then shows as a failed receive call instead of a broadcast waiting for a worker that
+    never joins it, without a fixed wait on every bucket."""
 
     def __init__(self, pg) -> None:
         self.pg = pg
         self.store_group = None  # the StatelessProcessGroup whose store the group met on (join_group)
+        self.ready_store = None  # the same store under READY_PREFIX (join_group)
+        self._ready_keys = 0
+
+    def next_ready_key(self) -> str:
+        """A fresh counter name for one bucket (rank 0)."""
+        self._ready_keys += 1
+        return str(self._ready_keys)
+
+    def mark_receiving(self, key: str) -> None:
+        """A receiver: this worker posts the bucket's receive next."""
+        self.ready_store.add(key, 1)
+
+    def receiving(self, key: str) -> int:
+        """Rank 0: how many workers said they receive the bucket ``key``."""
+        return int(self.ready_store.add(key, 0))
+
+    def forget(self, key: str) -> None:
+        """Rank 0: drop a bucket's counter once its broadcast is done."""
+        self.ready_store.delete_key(key)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, timeout_s: float | None = None) -> None:
         work = self.pg.broadcast(tensor, src)
@@ -102,7 +128,7 @@ class GlooGroup:
         # Dropping the process group closes its connections, so a peer blocked on it fails at once;
         # dropping the store lets the next group's rendezvous use the port again.
         self.pg = None
-        self.store_group = None
+        self.store_group = self.ready_store = None
 
 
 class NcclGroup:
@@ -147,6 +173,7 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
                                  timeout=timedelta(seconds=timeout_s))
     group = GlooGroup(pg)
     group.store_group = spg  # keep the store (rank 0 hosts it) alive as long as the group
+    group.ready_store = PrefixStore(READY_PREFIX, spg.store)
     return group
 
 
@@ -194,20 +221,49 @@ def broadcast_bucket(group: TransferGroup, tensors: list[torch.Tensor], timeout_
     return len(sent)
 
 
-async def send_bucket(group: TransferGroup, tensors: list[torch.Tensor], receive) -> None:
+async def wait_receiving(group: GlooGroup, key: str, workers: int, receives: list, timeout_s: float) -> bool:
+    """Rank 0, before broadcasting bucket ``key``: wait until ``workers`` receivers said they receive it
+    (True), or one of the ``receives`` (the futures of the calls that make them receive) failed first
+    (False); ``TimeoutError`` after ``timeout_s``. Polls the store (a local round trip) with a short
+    backoff: what it waits for is the receivers' own arrival, never a fixed delay."""
+    import asyncio
+    import time
+
+    deadline, pause = time.monotonic() + timeout_s, 0.0002
+    while True:
+        if any(f.done() and (f.cancelled() or f.exception() is not None) for f in receives):
+            return False
+        if group.receiving(key) >= workers:
+            return True
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{workers} receiver(s) of bucket {key} did not all arrive in {timeout_s:.0f}s")
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, 0.005)
+
+
+async def send_bucket(group: TransferGroup, tensors: list[torch.Tensor], receive, ready_key: str | None = None,
+                      workers: int = 0, timeout_s: float = 300.0) -> None:
     """Broadcast one bucket while ``receive`` (the awaitable that makes the workers receive it: an
     HTTP ``/update_weights`` or AsyncLLM's ``update_weights``) runs; return when both are done.
 
     A receive refused at once (bad names, no update session, a worker error) must not leave this
-    process broadcasting to workers that will never join: it gets a moment to fail first (vLLM's own
-    trainer example does the same)."""
+    process broadcasting to workers that will never join. On gloo (``ready_key``: the counter the
+    ``workers`` receivers increment, ``GlooGroup.mark_receiving``) the broadcast starts when every
+    worker is receiving; vLLM's NCCL engine does not say so, so there the receive gets a moment to
+    fail first (vLLM's own trainer example does the same)."""
     import asyncio
 
     recv = asyncio.ensure_future(receive)
-    await asyncio.wait({recv}, timeout=0.05)
-    if recv.done() and recv.exception() is not None:
-        raise recv.exception()
+    if ready_key is not None:
+        ready = await wait_receiving(group, ready_key, workers, [recv], timeout_s)
+    else:
+        await asyncio.wait({recv}, timeout=0.05)
+        ready = not (recv.done() and recv.exception() is not None)
+    if not ready:
+        await recv  # raises the refusal
     try:
         await asyncio.to_thread(broadcast_bucket, group, tensors)
     finally:
         await recv
+        if ready_key is not None:
+            group.forget(ready_key)

@@ -7,7 +7,11 @@ sent once by rank 0 while every member's ``/update_weights`` receives it: on glo
 bucket packed into one byte buffer (``init_info.packed``, which our ``sao_gloo`` engine unpacks), on
 NCCL one broadcast per tensor (vLLM's NCCL engine as it is), so what rank 0 does per update does not
 grow with the server count (on NCCL the collective's ring/tree moves the bytes; gloo's broadcast is
-its own algorithm over TCP).
+its own algorithm over TCP). On gloo rank 0 starts a bucket's broadcast when every worker has said it
+is receiving it (a counter in the group's store, ``transfer_group.wait_receiving``), so a receive
+refused at once or late fails that member instead of leaving the broadcast blocked on it, and no
+fixed wait is paid; vLLM's NCCL engine does not say so, so on NCCL the first bucket of an update
+gives refusals a short window (50 ms) first.
 
 The group is formed once and reused: it is re-formed only when the set of servers in the update
 changes (a server left the pool, a restarted one is readmitted) or after a failure broke it. Forming
@@ -50,6 +54,8 @@ class GroupMember(Protocol):
     async def join_transfer_group(self, init_info: dict) -> None: ...
 
     async def receive_bucket(self, update_info: dict) -> None: ...
+
+    async def reopen_update(self) -> None: ...
 
     async def health(self) -> bool: ...
 
@@ -98,7 +104,7 @@ class ServerTransferGroup:
         self.formations = 0
         self.formation_seconds = 0.0  # the last formation's wall time
         self._group = None
-        self._proven = False  # a bucket of this update went through this group: no refusal window needed
+        self._proven = False  # NCCL: a bucket of this update went through this group, no refusal window needed
 
     # ------------------------------------------------------------------ formation
     async def ensure(self, members: Sequence[GroupMember]) -> dict:
@@ -155,7 +161,7 @@ class ServerTransferGroup:
         return {}
 
     def new_update(self) -> None:
-        """A new update starts: its first bucket gets the refusal window again (``_send_once``)."""
+        """A new update starts: on NCCL its first bucket gets the refusal window again (``_send_once``)."""
         self._proven = False
 
     def close(self) -> None:
@@ -187,7 +193,16 @@ class ServerTransferGroup:
             retry.discard(m)
         survivors = [m for m in members if m not in dropped]
         dropped.update(await self.ensure(survivors))
-        if again and self._group is not None:
+        # A worker whose receive failed left its update session (vLLM's Worker.update_weights ends it on
+        # any error): reopened, it takes the bucket again and keeps what it loaded before.
+        reopened = await asyncio.gather(*(asyncio.wait_for(m.reopen_update(), self.timeout_s) for m in again),
+                                        return_exceptions=True)
+        lost = {m: f"reopening its update failed: {_why(r)}" for m, r in zip(again, reopened)
+                if isinstance(r, BaseException)}
+        if lost:
+            dropped.update(lost)
+            dropped.update(await self.ensure([m for m in survivors if m not in dropped]))
+        if any(m not in dropped for m in again) and self._group is not None:
             dropped.update(await self.send_bucket(bucket, retry))
         return dropped
 
@@ -198,24 +213,37 @@ class ServerTransferGroup:
             return False
 
     async def _send_once(self, bucket) -> dict:
-        from megatron_sao.rollout.vllm_worker.transfer_group import broadcast_bucket
+        from megatron_sao.rollout.vllm_worker.transfer_group import broadcast_bucket, wait_receiving
 
         info = bucket_update_info(bucket)
-        members = self.members
+        members, group, ready_key = self.members, self._group, None
+        if self.backend == "gloo":
+            info["ready_key"] = ready_key = group.next_ready_key()
         recvs = [asyncio.ensure_future(asyncio.wait_for(m.receive_bucket(info), self.timeout_s)) for m in members]
-        # A receive refused at once (bad names, no update session) would leave the broadcast waiting for
-        # a worker that never joins it: give the refusals a moment to show first, on the first bucket of
-        # an update or of a new group (a later bucket meets the same sessions and names).
-        if not self._proven:
-            await asyncio.wait(recvs, timeout=0.05)
-        refused = any(f.done() and f.exception() is not None for f in recvs)
-        sender_error = None
+        # A receive refused at once (no update session, a bad update_info) would leave the broadcast
+        # waiting for a worker that never joins it. On gloo every worker says when it is receiving
+        # (transfer_group.wait_receiving); vLLM's NCCL engine does not, so there the refusals get a
+        # moment to show first, on the first bucket of an update or of a new group (a later bucket meets
+        # the same sessions).
+        refused, sender_error = False, None
+        if ready_key is not None:
+            try:
+                refused = not await wait_receiving(group, ready_key, sum(m.transfer_world_size for m in members),
+                                                   recvs, self.timeout_s)
+            except TimeoutError as e:
+                refused, sender_error = True, _why(e)
+        else:
+            if not self._proven:
+                await asyncio.wait(recvs, timeout=0.05)
+            refused = any(f.done() and f.exception() is not None for f in recvs)
         if not refused:
             tensors = [t for _, t in bucket]
             self.bucket_sends += 1
             try:
-                self.broadcasts += await asyncio.to_thread(broadcast_bucket, self._group, tensors, self.timeout_s,
+                self.broadcasts += await asyncio.to_thread(broadcast_bucket, group, tensors, self.timeout_s,
                                                            self.packed)
+                if ready_key is not None:
+                    group.forget(ready_key)
             except Exception as e:  # a peer died or hung: every member's receive below says which
                 # Only its text is kept: the failed call's frames hold the gloo work, which keeps the
                 # group's connections open, and the receivers must see them close.

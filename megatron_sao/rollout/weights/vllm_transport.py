@@ -152,8 +152,12 @@ class GroupTransport(WeightTransport):
         from megatron_sao.rollout.vllm_worker.transfer_group import send_bucket
 
         await self._start(llm)
+        info, ready = bucket_update_info(bucket), {}
+        if self.backend == "gloo":  # the workers say when they receive (transfer_group.wait_receiving)
+            info["ready_key"] = self._group.next_ready_key()
+            ready = dict(ready_key=info["ready_key"], workers=self.cfg.tensor_parallel_size)
         await send_bucket(self._group, [t for _, t in bucket],
-                          llm.update_weights(WeightTransferUpdateRequest(update_info=bucket_update_info(bucket))))  # type: ignore[attr-defined]
+                          llm.update_weights(WeightTransferUpdateRequest(update_info=info)), **ready)  # type: ignore[attr-defined]
         return bucket_bytes(bucket)
 
     async def finish(self, llm: object, version: int) -> None:

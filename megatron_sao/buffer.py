@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,8 @@ from typing import Callable
 
 from megatron_sao.faults import fault_point
 from megatron_sao.trajectory import Trajectory, TrajectoryFileError, load_trajectories, save_trajectories
+
+STOP_POLL_S = 0.5  # how often a waiting take() asks should_stop()
 
 logger = logging.getLogger(__name__)
 
@@ -171,8 +174,11 @@ class TrajectoryBuffer:
 
     def take(self, step: int, current_version: int, timeout: float | None = None,
              should_stop: Callable[[], bool] | None = None) -> list[Trajectory] | None:
-        """Block until a batch of the oldest ready trajectories is available; None on timeout/stop."""
+        """Block until a batch of the oldest ready trajectories is available; None once ``timeout``
+        seconds pass without a trajectory arriving, or once ``should_stop()``. ``should_stop`` is polled
+        every STOP_POLL_S: what it watches (a dead rollout driver, a signal) does not notify the buffer."""
         with self._cond:
+            quiet_since = time.monotonic()
             while True:
                 self._drop_stale(current_version)
                 chosen = self._select()
@@ -180,8 +186,14 @@ class TrajectoryBuffer:
                     break
                 if self._closed or (should_stop is not None and should_stop()):
                     return None
-                if not self._cond.wait(timeout=timeout if timeout is not None else 1.0) and timeout is not None:
-                    return None
+                wait_s = STOP_POLL_S
+                if timeout is not None:
+                    left = timeout - (time.monotonic() - quiet_since)
+                    if left <= 0:
+                        return None
+                    wait_s = min(left, wait_s) if should_stop is not None else left
+                if self._cond.wait(timeout=wait_s):
+                    quiet_since = time.monotonic()
             batch = []
             hist: dict[int, int] = {}
             for tid in chosen:

@@ -40,8 +40,9 @@ lint: venv
 slurm-tools:
 	bash tools/slurm_local/install.sh
 
+# --durations: every CI log lists the slowest tests (where the suite's time goes).
 test: lint system-deps slurm-tools
-	$(BIN)/pytest -q -p no:cacheprovider tests
+	$(BIN)/pytest -q -p no:cacheprovider --durations=40 tests
 
 # Single-process tests only (the multi-process and integration ones are marked slow).
 test-fast: lint system-deps

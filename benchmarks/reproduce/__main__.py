@@ -10,6 +10,7 @@ from pathlib import Path
 from benchmarks.reproduce import ablations, main_comparison, online, staleness, throughput
 from benchmarks.reproduce.experiment import Settings
 from benchmarks.reproduce.runner import ROOT
+from benchmarks.reproduce.starts import build_all
 
 EXPERIMENTS = {"main": main_comparison, "ablations": ablations, "staleness": staleness, "online": online,
                "throughput": throughput}
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     out_root = Path(args.out or (work / "quick_results" if args.quick else ROOT / "results" / "reproduce")).resolve()
     names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
     command = "sao bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    if args.experiment == "all":
+        s = Settings("starts", args.quick, seeds, args.jobs, out_root, work, args.fresh, command)
+        build_all(args.quick, work, s.budget.eval_size, s.log)
     rc = 0
     for name in names:
         s = Settings(name, args.quick, seeds, args.jobs, out_root / name, work, args.fresh, command)

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,10 +70,11 @@ class Start:
         return res
 
 
-def _build(name: str, config: str, overrides: tuple[str, ...], work: Path, log=print) -> Start:
+def _build(name: str, config: str, overrides: tuple[str, ...], work: Path, log=print,
+           threads: int | None = None) -> Start:
     key = Run(name, 1, config, overrides, stage="sft").key()
     d = work / "starts" / f"{name}-{key}"
-    threads = os.cpu_count() or 1
+    threads = threads or os.cpu_count() or 1
     wall = 0.0
     for stage in ("sft", "value-pretrain"):
         res = execute(Run(name, 1, config, overrides, stage=stage, run_dir=str(d)), work, threads=threads, log=log)
@@ -82,11 +84,25 @@ def _build(name: str, config: str, overrides: tuple[str, ...], work: Path, log=p
     return Start(name, config, d, overrides, wall)
 
 
-def toy_start(quick: bool, work: Path, log=print) -> Start:
+def toy_start(quick: bool, work: Path, log=print, threads: int | None = None) -> Start:
     """The toy multi-turn calculator task (examples/tiny_cpu.yaml: the `make demo` recipe)."""
-    return _build("toy", TOY_QUICK_CONFIG if quick else TOY_CONFIG, (), work, log)
+    return _build("toy", TOY_QUICK_CONFIG if quick else TOY_CONFIG, (), work, log, threads)
 
 
-def style_start(quick: bool, work: Path, log=print) -> Start:
+def style_start(quick: bool, work: Path, log=print, threads: int | None = None) -> Start:
     """The online style-shift task (examples/style_shift_cpu.yaml)."""
-    return _build("style", STYLE_CONFIG, STYLE_QUICK_OVERRIDES if quick else (), work, log)
+    return _build("style", STYLE_CONFIG, STYLE_QUICK_OVERRIDES if quick else (), work, log, threads)
+
+
+def build_all(quick: bool, work: Path, eval_size: int, log=print) -> None:
+    """Both starting points and the toy SFT model's eval, the two chains side by side (`bench all`).
+
+    They are independent, and each stage is mostly one process's single-threaded start-up, so one
+    after the other they would leave a core idle. The experiments then find them in the cache; they
+    must not run while a chain is still building (two `sao sft` in one directory)."""
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    with ThreadPoolExecutor(2) as pool:
+        toy = pool.submit(lambda: toy_start(quick, work, log, threads).evaluate_sft(eval_size, log))
+        style = pool.submit(style_start, quick, work, log, threads)
+        toy.result()
+        style.result()

@@ -3,8 +3,9 @@
 The toy calculator's tool calls wait `latency * X` seconds, X ~ Pareto(1.5) (capped), so a few
 trajectories take far longer than the rest: a synchronous batch waits for its slowest member, the
 asynchronous trainer takes whichever trajectories finished. Runs go one at a time (never two in
-parallel, which would make them compete for the cores). Trajectories/s count trained trajectories
-per second of training wall time, the first step (start-up) excluded.
+parallel, which would make them compete for the cores), except with --quick, whose numbers mean
+nothing anyway. Trajectories/s count trained trajectories per second of training wall time, the
+first step (start-up) excluded.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def run(s: Settings) -> int:
     start = toy_start(s.quick, s.work, s.log)
     runs = [rl_run(s, start, mode, seed, "sao", (f"trainer.mode={mode}", *LATENCY), budget=b)
             for seed in s.seeds for mode in ("sync", "async")]
-    results = execute_all(runs, s.work, jobs=1, fresh=s.fresh, log=s.log)
+    jobs = s.jobs if s.quick else 1
+    results = execute_all(runs, s.work, jobs=jobs, fresh=s.fresh, log=s.log)
     per = {(r.run.label, r.run.seed): throughput(r, b.batch) for r in results if r.ok}
     rows, data = [], {}
     for mode in ("sync", "async"):
@@ -61,7 +63,7 @@ def run(s: Settings) -> int:
     png = save_fig(fig, s.out / "throughput.png")
     md = header("Throughput: asynchronous vs synchronous SAO (heavy-tailed tool latency)", s.command, s.seeds,
                 s.elapsed_s, f"- {b.steps} steps x {b.batch} trajectories per run, tool latency 0.05 s x Pareto(1.5); "
-                f"starting point `{start.dir.name}`; runs one at a time")
+                f"starting point `{start.dir.name}`; {'runs one at a time' if jobs == 1 else f'{jobs} runs at a time'}")
     md += md_table(["mode", "trajectories / s: mean ± std (per seed)", "trainer idle fraction",
                     "rollout idle fraction"], rows)
     md += f"\n\n![throughput]({png})\n"

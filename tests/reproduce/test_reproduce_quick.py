@@ -2,7 +2,9 @@
 
 The quick budgets are far too small for the numbers to mean anything; this checks the pipeline:
 starting points (sft -> value-pretrain), every method and variant as a real `sao train`, the
-reports (results.md with a row per method, summary.json, PNG figures), and the run cache.
+reports (results.md with a row per method, summary.json, PNG figures), and the run cache. Its runs
+are also the suite's `sao train` runs of GRPO, the running-mean baseline, step-level GAE and an
+unfrozen critic attention: what each switch changes in the run's records is checked here.
 """
 
 from __future__ import annotations
@@ -51,7 +53,34 @@ def test_all_experiments_quick(tmp_path):
     ablation_runs = json.loads((out / "ablations" / "summary.json").read_text())["runs"]
     assert main_runs["sao/s1"] == ablation_runs["sao/s1"]
     assert len({d.name for d in (work / "runs").iterdir() if d.name.startswith("sao-s1-")}) == 2  # + online's
+    _check_algorithm_switches(main_runs, ablation_runs)
     # A second invocation reuses every finished run instead of training again.
     p2 = subprocess.run([*cmd[:4], "main", *cmd[5:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p2.returncode == 0, p2.stderr[-3000:]
     assert "start train" not in p2.stdout and "start sft" not in p2.stdout
+
+
+def _lines(run_dir: str, name: str) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / name).read_text().splitlines()]
+
+
+def _check_algorithm_switches(main_runs: dict, ablation_runs: dict) -> None:
+    """What each algorithm switch changes in a real `sao train` (these runs are the suite's only ones of
+    GRPO, the running-mean baseline and an unfrozen critic attention)."""
+    grpo = main_runs["grpo/s1"]  # whole groups: 2 prompts x 4 rollouts, PPO clip loss, no critic
+    rows = _lines(grpo, "metrics.jsonl")
+    assert [r["version"] for r in rows] == [0, 1]
+    for b in _lines(grpo, "batches.jsonl"):
+        assert sorted(b["prompt_ids"].count(p) for p in set(b["prompt_ids"])) == [4, 4]
+    assert "actor/clip_fraction" in rows[-1] and "critic/loss" not in rows[-1]
+    rows = _lines(ablation_runs["running_mean/s1"], "metrics.jsonl")
+    assert [r["version"] for r in rows] == [0, 1]
+    assert "baseline" in rows[-1] and "critic/loss" not in rows[-1]
+    assert rows[0]["baseline"] == 0.0
+    # Step-level GAE trains (SAO's warm-up step, then one actor step); attention left out of the
+    # frozen set gets gradient, the reference's frozen attention none.
+    rows = _lines(ablation_runs["step_gae_avg/s1"], "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1] and "actor/loss" not in rows[0]
+    assert "actor/loss" in rows[1] and "critic/loss" in rows[1]
+    assert _lines(ablation_runs["attention_trained/s1"], "metrics.jsonl")[-1]["critic/grad_norm/attention"] > 0.0
+    assert _lines(ablation_runs["sao/s1"], "metrics.jsonl")[-1]["critic/grad_norm/attention"] == 0.0

@@ -29,6 +29,29 @@ def test_oldest_first_and_blocking_take():
     assert [t.prompt_id for t in buf.take(step=1, current_version=0, timeout=5)] == ["p2", "p3"]
 
 
+def test_take_stops_when_should_stop_turns_true_without_a_trajectory_arriving():
+    """A dead rollout driver or a signal does not notify the buffer: take polls should_stop instead of
+    sleeping out its whole timeout (the run would stop only after rollout.timeout_s)."""
+    buf = TrajectoryBuffer(batch_size=2, max_staleness=4)
+    buf.put(traj("p0"))
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    t0 = time.monotonic()
+    assert buf.take(step=0, current_version=0, timeout=60, should_stop=stop.is_set) is None
+    assert time.monotonic() - t0 < 30  # polled: about 0.2 s + STOP_POLL_S; before, the full 60 s
+
+
+def test_take_timeout_counts_from_the_last_arrival():
+    """rollout.timeout_s bounds a wait without progress: an arrival that does not complete the batch
+    restarts it, and polling should_stop does not shorten it."""
+    buf = TrajectoryBuffer(batch_size=3, max_staleness=4)
+    buf.put(traj("p0"))
+    threading.Timer(1.3, lambda: buf.put(traj("p1"))).start()
+    threading.Timer(2.6, lambda: buf.put(traj("p2"))).start()
+    batch = buf.take(step=0, current_version=0, timeout=2.0, should_stop=lambda: False)
+    assert [t.prompt_id for t in batch] == ["p0", "p1", "p2"]  # 2.6 s in all, never 2 s without one
+
+
 def test_failed_trajectories_are_counted_not_trained():
     buf = TrajectoryBuffer(batch_size=1, max_staleness=4)
     buf.put(traj("bad", status="failed"))

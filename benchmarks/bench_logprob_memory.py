@@ -70,9 +70,11 @@ def child(variant: str, seq: int, vocab: int, tp: int) -> dict:
     seconds = time.perf_counter() - t0
     peak = _rss_peak()
     from megatron_sao.cluster.memory import logits_bytes
+    from megatron_sao.megatron.logprobs import chunk_tokens_for
 
+    chunk = chunk_tokens_for(logits.device, per_rank)  # the chunk this CPU ran, not a GPU's
     return {"variant": variant, "seq": seq, "vocab": vocab, "tp": tp, "logits_gib": logits.numel() * 2 / GIB,
-            "planned_gib": logits_bytes(padded, seq, 1, tp, dtype_bytes=2) / GIB,
+            "planned_gib": logits_bytes(padded, seq, 1, tp, dtype_bytes=2, chunk_tokens=chunk) / GIB,
             "stage_peak_gib": (peak - base) / GIB, "stage_s": seconds, "logprob_sum": float(lp.detach().sum())}
 
 

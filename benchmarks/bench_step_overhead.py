@@ -5,12 +5,20 @@ The plain loop is what a user would write by hand: the HF model with sdpa attent
 sides train the same weights on the same batch, interleaved in one run (engine actor, plain actor,
 engine critic, plain critic, in turn), so a load change on the machine hits both alike. The figures
 are medians; `actor_ratio` / `critic_ratio` = engine step / plain step (the target is <= 1.1), with
-the forward+backward and optimizer parts of each beside them.
+the forward+backward and optimizer parts of each beside them. A step is the whole `train_step` call
+(engine) or loop body (plain); its forward+backward part is Megatron's schedule (engine) or the
+micro-batch loop (plain), its optimizer part the rest: clipping and the update, and on the engine's
+side also its batch plan and metric reduction.
+
+`--clock cpu` counts the process's CPU seconds (time.process_time) instead of wall seconds: on a
+machine shared with other jobs the wall clock also counts the time spent waiting for a core, which
+hits the two sides unequally however they are interleaved. It needs `--threads 1` (OpenMP's idle
+workers spin, and their CPU time would count).
 
 Commands (the figures in the README):
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_step_overhead.py --threads 2            # auto model
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_step_overhead.py --model smollm2-shape \\
-        --batch 16 --seq 140 --threads 2 --steps 3 --json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_step_overhead.py --model smollm2-shape \\
+        --batch 8 --seq 140 --threads 1 --clock cpu --steps 3 --json
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_step_overhead.py --threads 2            # auto model, wall
 
 --model: `auto` (default) uses runs/smollm2/hf when it exists (make smollm2), else the tiny Llama
 preset; `tiny`; `smollm2-shape` (SmolLM2-135M's config with random weights: the timing is the
@@ -33,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 EPS_LOW, EPS_HIGH, LR, CLIP = 0.3, 5.0, 1e-6, 1.0
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def smollm2_shape_config():
@@ -99,23 +108,43 @@ def plain_critic_loss(model, mb, denom):
     return (0.5 * torch.where(mb["action_mask"], (v - mb["returns"]) ** 2, 0.0)).sum() / denom
 
 
-def plain_step(model, opt, loss_fn, batch, micro: int) -> tuple[float, float]:
+def plain_step(model, opt, loss_fn, batch, micro: int, clock) -> tuple[float, float]:
     """(fwd+bwd seconds, optimizer seconds) of one step over the batch's micro-batches."""
+    t0 = clock()
     denom = batch["action_mask"].sum().clamp(min=1).float()
-    t0 = time.perf_counter()
     opt.zero_grad(set_to_none=True)
     for i in range(0, batch["tokens"].shape[0], micro):
         loss_fn(model, {k: v[i:i + micro] for k, v in batch.items()}, denom).backward()
-    t1 = time.perf_counter()
+    t1 = clock()
     torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     opt.step()
-    return t1 - t0, time.perf_counter() - t1
+    return t1 - t0, clock() - t1
 
 
 # ---------------------------------------------------------------------------------------------- the engine
-def engine_step(engine, loss_fn, batch) -> tuple[float, float]:
-    m = engine.train_step(batch, loss_fn).metrics
-    return m["time/fwd_bwd_s"], m["time/optimizer_s"]
+class ScheduleClock:
+    """Times Megatron's forward-backward schedule inside `train_step` (the engine calls it as
+    `forward.run_schedule`), so the engine's step splits like the plain loop's on either clock."""
+
+    def __init__(self, clock) -> None:
+        from megatron_sao.megatron import forward
+
+        self.clock, self.seconds, self._run = clock, 0.0, forward.run_schedule
+        forward.run_schedule = self
+
+    def __call__(self, *args, **kwargs):
+        t0 = self.clock()
+        try:
+            return self._run(*args, **kwargs)
+        finally:
+            self.seconds = self.clock() - t0
+
+
+def engine_step(engine, loss_fn, batch, schedule: ScheduleClock) -> tuple[float, float]:
+    t0 = schedule.clock()
+    engine.train_step(batch, loss_fn)
+    total = schedule.clock() - t0
+    return schedule.seconds, total - schedule.seconds
 
 
 def main() -> None:
@@ -126,9 +155,15 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5, help="measured steps per side (after one warm-up)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall seconds, or the process's CPU seconds (needs --threads 1; see the docstring)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error(f"--clock cpu needs --threads 1 (got {args.threads}): idle OpenMP workers spin and their "
+                 f"CPU seconds would count")
     torch.set_num_threads(args.threads)
+    clock = CLOCKS[args.clock]
 
     from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
 
@@ -161,11 +196,12 @@ def main() -> None:
     opt_critic = torch.optim.AdamW(hf_critic.parameters(), **adamw)
     policy_loss, value_loss = policy_loss_fn(AlgorithmConfig(name="sao")), critic_loss_fn()
     mb = args.micro_batch_size
+    schedule = ScheduleClock(clock)
     sides = {
-        "engine_actor": lambda: engine_step(actor, policy_loss, batch),
-        "plain_actor": lambda: plain_step(hf_actor, opt_actor, plain_actor_loss, batch, mb),
-        "engine_critic": lambda: engine_step(critic, value_loss, batch),
-        "plain_critic": lambda: plain_step(hf_critic, opt_critic, plain_critic_loss, batch, mb),
+        "engine_actor": lambda: engine_step(actor, policy_loss, batch, schedule),
+        "plain_actor": lambda: plain_step(hf_actor, opt_actor, plain_actor_loss, batch, mb, clock),
+        "engine_critic": lambda: engine_step(critic, value_loss, batch, schedule),
+        "plain_critic": lambda: plain_step(hf_critic, opt_critic, plain_critic_loss, batch, mb, clock),
     }
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
     for rep in range(args.steps + 1):  # interleaved; the first round is the warm-up
@@ -179,7 +215,8 @@ def main() -> None:
         return statistics.median(sum(t) if part is None else t[part] for t in times[name])
 
     out = {"model": desc, "params": sum(p.numel() for p in hf_actor.parameters()), "batch": args.batch,
-           "seq": args.seq, "micro_batch_size": mb, "threads": args.threads, "steps": args.steps}
+           "seq": args.seq, "micro_batch_size": mb, "threads": args.threads, "clock": args.clock,
+           "steps": args.steps}
     for role in ("actor", "critic"):
         e, p = f"engine_{role}", f"plain_{role}"
         out[f"{e}_s"], out[f"{p}_s"] = med(e), med(p)
@@ -191,7 +228,7 @@ def main() -> None:
         print(json.dumps(out))
         return
     print(f"model {desc} ({out['params']:,} params), batch {args.batch} x {args.seq}, micro-batch {mb}, "
-          f"threads {args.threads}, {args.steps} interleaved steps per side (medians)")
+          f"threads {args.threads}, {args.clock} clock, {args.steps} interleaved steps per side (medians)")
     for role in ("actor", "critic"):
         e, p = f"engine_{role}", f"plain_{role}"
         print(f"{role:6s}: engine {med(e):.3f} s (fwd+bwd {med(e, 0):.3f}, optimizer {med(e, 1):.3f})  "

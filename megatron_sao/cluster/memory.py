@@ -205,14 +205,17 @@ def recompute_layer_bytes(hidden: int, s: int, b: int, tp: int = 1, sequence_par
 def logits_bytes(vocab: int, s: int, b: int, tp: int = 1, dtype_bytes: int = BF16,
                  chunk_tokens: int | None = None) -> float:
     """The actor's log-prob stage (megatron/logprobs.py): the LM head's vocab-parallel logits in the
-    training dtype (their storage later holds their gradient), one fp32 chunk of `chunk_tokens` rows
-    the log-softmax works on, and per token the fp32 log-prob and log-sum-exp plus the int64 label
-    index. `vocab` is the padded row count the model is built with (models/vocab.py)."""
-    if chunk_tokens is None:
-        from megatron_sao.megatron.logprobs import DEFAULT_CHUNK_TOKENS as chunk_tokens
-    per_token_vectors = 2 * FP32 + 8 + 1  # logp, lse; the local label (int64) and whether this rank owns it
+    training dtype (their storage later holds their gradient), the fp32 buffers of one chunk of
+    `chunk_tokens` rows the log-softmax works on (y and exp(y)), and per token the fp32 log-prob,
+    log-sum-exp, entropy and three row sums plus the int64 label index and whether this rank owns it.
+    `vocab` is the padded row count the model is built with (models/vocab.py)."""
+    from megatron_sao.megatron.logprobs import DEFAULT_CHUNK_TOKENS, FP32_CHUNK_BUFFERS
+
+    chunk = DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
+    per_token_vectors = 6 * FP32 + 8 + 1
     shard = vocab / tp
-    return s * b * shard * dtype_bytes + min(chunk_tokens, s * b) * shard * FP32 + s * b * per_token_vectors
+    return (s * b * shard * dtype_bytes + FP32_CHUNK_BUFFERS * min(chunk, s * b) * shard * FP32
+            + s * b * per_token_vectors)
 
 
 # Megatron-core's RotaryEmbedding.forward is an lru_cache of 32 entries (shared by every model in the

@@ -4,18 +4,29 @@ The LM head's output is [b, s, V/TP] in the training dtype; at 128K tokens and T
 bf16. The obvious route (an fp32 copy, the padded vocabulary masked with ``masked_fill``, then
 megatron-core's ``vocab_parallel_cross_entropy``, which keeps its fp32 exp-logits for the backward
 pass) holds three more tensors of that size in fp32: 46 GiB for that micro-batch. Here the log-softmax
-is taken ``chunk_tokens`` rows at a time: each chunk is cast to fp32, its padding columns set to -inf
-in place, and reduced over the TP group (max, sum of exp, the target's logit) into two fp32 numbers
-per token; the backward pass recomputes each chunk's softmax from the saved logits and writes the
-gradient into the logits' own storage, as megatron-core's cross entropy writes it into its fp32 copy.
-So beyond the logits themselves the stage holds one fp32 chunk ([chunk_tokens, V/TP]) and [b, s]
-vectors. Liger-Kernel's and verl's chunked log-prob losses rest on the same identity,
-grad_logits = g * (softmax - onehot(target)) with g = -dL/dlogp.
+is taken a chunk of rows at a time, in two passes over the logits:
+1. the row maxima over this rank's real vocabulary columns (the padded rows of the vocabulary,
+   models/vocab.py, are left out, not masked), all-reduced (MAX) over the TP group;
+2. per chunk, y = logit - max in fp32 (the cast is the subtraction's, no copy of the chunk first) and
+   e = exp(y), reduced into the sum of e and, for the entropy, the sum of e * y; with the target's logit
+   these are all-reduced (SUM) once for the whole micro-batch.
+So a micro-batch costs two all-reduces whatever its chunk count, and beyond the logits themselves the
+stage holds two fp32 chunk buffers ([chunk, V/TP], reused by every chunk) and [b, s] vectors. The
+backward pass recomputes each chunk's softmax from the saved logits and writes the gradient into the
+logits' own storage, as megatron-core's cross entropy writes it into its fp32 copy. Liger-Kernel's and
+verl's chunked log-prob losses rest on the same identity, grad_logits = g * (softmax - onehot(target))
+with g = -dL/dlogp.
 
 The policy's entropy over the vocabulary, a metric (no gradient flows through it), comes out of the
-same chunk loop when asked for: with e = exp(logit - max) and S = sum e over every TP rank,
-H = log S - sum(e * log e) / S, where e * log e is taken in place on the chunk's exp (``xlogy``, 0 for
-the -inf padding), so it costs one more pass over the chunk and no memory.
+same chunk loop when asked for: with S = sum e over every TP rank, H = log S - sum(e * y) / S. The
+product e * y is taken in place on the chunk's exp; it is why the forward keeps y beside e (a second
+buffer) instead of e * log e, whose log costs more than the rest of the pass on a CPU.
+
+The chunk: on CUDA, `DEFAULT_CHUNK_TOKENS` rows (few launches; the caching allocator recycles the
+buffers). On a CPU each chunk is a few passes of memory-bound elementwise work, fast only while the
+chunk stays in the cache and its buffers are recycled heap, not fresh pages: `CPU_CHUNK_BYTES` of
+fp32 per buffer (SmolLM2's 49K vocabulary: 21 rows; on 1120 x 49152 fp32 logits, one thread, the
+pass's forward and backward took 0.12 CPU s at 21 rows and 0.19 s at 341).
 
 The logits passed in must not be read after the backward pass (their storage holds the gradient
 then); the engine's forward has no other reader.
@@ -26,9 +37,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# 1024 x 151936/TP fp32 = 0.58 GiB at TP 1; two small all-reduces a chunk (256 for a 128K-token
-# micro-batch, of 1024 and 2-3 x 1024 floats: microseconds beside the forward of 128K tokens)
-DEFAULT_CHUNK_TOKENS = 1024
+# 512 x 151936/TP fp32 = 0.29 GiB per buffer at TP 1, two buffers; a 128K-token micro-batch is 256
+# chunks of a few kernels each, and still two all-reduces
+DEFAULT_CHUNK_TOKENS = 512
+FP32_CHUNK_BUFFERS = 2  # y and exp(y) in the forward; the backward's fp32 chunk (bf16 logits) is one
+CPU_CHUNK_BYTES = 4 << 20
+
+
+def chunk_tokens_for(device: torch.device, columns: int) -> int:
+    """Rows of one chunk of a [N, columns] logits shard on `device` (module docstring)."""
+    if device.type == "cpu":
+        return max(1, CPU_CHUNK_BYTES // (4 * max(1, columns)))
+    return DEFAULT_CHUNK_TOKENS
 
 
 def _tp_group():
@@ -51,32 +71,36 @@ class _ChunkedLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, vocab_start: int, valid: int, chunk: int, group, with_entropy: bool):
         n, vl = logits.shape
-        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)  # log-sum-exp over the whole vocab
-        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
+        f32 = dict(dtype=torch.float32, device=logits.device)
+        real = logits[:, :valid]  # the forward never writes the caller's logits
         local = labels - vocab_start
         own = (local >= 0) & (local < valid)  # the target's logit lives on this TP rank
         local = local.clamp(0, vl - 1)
-        for i in range(0, n, chunk):
-            x = logits[i:i + chunk].to(torch.float32, copy=True)  # the forward never writes the caller's logits
-            if valid < vl:
-                x[:, valid:] = float("-inf")  # the padded vocabulary rows are not tokens (models/vocab.py)
-            # rows: sum of exp, the target's logit (and sum of e log e): one all-reduce for all of them
-            sums = torch.empty(3 if with_entropy else 2, x.shape[0], dtype=torch.float32, device=x.device)
-            sums[1] = torch.where(own[i:i + chunk], x.gather(1, local[i:i + chunk, None]).squeeze(1), 0.0)
-            m = x.max(dim=1).values
-            _all_reduce(m, dist.ReduceOp.MAX, group)
-            x.sub_(m[:, None]).exp_()
-            sums[0] = x.sum(dim=1)
+        lse = torch.full((n,), float("-inf"), **f32)  # the row max first; the log-sum-exp in the end
+        if valid:  # a TP rank whose shard is all padding keeps -inf: the other ranks' maxima win
+            for i in range(0, n, chunk):
+                lse[i:i + chunk] = real[i:i + chunk].amax(dim=1)
+        _all_reduce(lse, dist.ReduceOp.MAX, group)
+        # rows: sum of e, the target's logit (and sum of e * y): one all-reduce for the micro-batch
+        sums = torch.zeros(3 if with_entropy else 2, n, **f32)
+        sums[1] = torch.where(own, logits.gather(1, local[:, None]).squeeze(1).float(), 0.0)
+        y_buf = torch.empty(min(chunk, n), valid, **f32)
+        e_buf = torch.empty_like(y_buf) if with_entropy else None
+        for i in range(0, n if valid else 0, chunk):
+            rows = min(chunk, n - i)
+            y = torch.sub(real[i:i + rows], lse[i:i + rows, None], out=y_buf[:rows])
             if with_entropy:
-                sums[2] = x.xlogy_(x).sum(dim=1)  # e log e, with log e = logit - max exactly where e > 0
-            _all_reduce(sums, dist.ReduceOp.SUM, group)
-            log_sum_exp = sums[0].log()
-            lse[i:i + chunk] = m + log_sum_exp
-            logp[i:i + chunk] = sums[1] - lse[i:i + chunk]
-            if with_entropy:
-                entropy[i:i + chunk] = log_sum_exp - sums[2] / sums[0]
-            del x
+                e = torch.exp(y, out=e_buf[:rows])
+                torch.sum(e, dim=1, out=sums[0, i:i + rows])
+                torch.sum(e.mul_(y), dim=1, out=sums[2, i:i + rows])
+            else:
+                torch.sum(y.exp_(), dim=1, out=sums[0, i:i + rows])
+        del y_buf, e_buf
+        _all_reduce(sums, dist.ReduceOp.SUM, group)
+        log_sum_exp = sums[0].log()
+        entropy = (log_sum_exp - sums[2] / sums[0]) if with_entropy else torch.empty(0, **f32)
+        lse.add_(log_sum_exp)
+        logp = sums[1] - lse
         ctx.save_for_backward(logits, lse, local, own)
         ctx.valid, ctx.chunk = valid, chunk
         ctx.mark_non_differentiable(entropy)
@@ -87,28 +111,31 @@ class _ChunkedLogprob(torch.autograd.Function):
         logits, lse, local, own = ctx.saved_tensors
         n, vl = logits.shape
         g = grad_logp.float()
+        # fp32 logits are turned into their gradient in place; other dtypes go through one fp32 buffer
+        buf = None if logits.dtype == torch.float32 else torch.empty(min(ctx.chunk, n), vl, dtype=torch.float32,
+                                                                      device=logits.device)
         for i in range(0, n, ctx.chunk):
-            # softmax of the chunk; fp32 logits are turned into it in place (their storage takes the gradient)
-            p = logits[i:i + ctx.chunk].float().sub_(lse[i:i + ctx.chunk, None]).exp_()
+            rows = min(ctx.chunk, n - i)
+            p = logits[i:i + rows] if buf is None else buf[:rows].copy_(logits[i:i + rows])
+            p.sub_(lse[i:i + rows, None]).exp_()  # the chunk's softmax
             if ctx.valid < vl:
                 p[:, ctx.valid:] = 0.0
-            rows = torch.arange(p.shape[0], device=p.device)
-            p[rows, local[i:i + ctx.chunk]] -= own[i:i + ctx.chunk].float()
-            p.mul_(-g[i:i + ctx.chunk, None])  # d logp / d logits = onehot - softmax
-            if p.dtype != logits.dtype:  # fp32 logits: p is already their slice, written in place
-                logits[i:i + ctx.chunk] = p  # the logits are not read again (module docstring)
-            del p
+            p[torch.arange(rows, device=p.device), local[i:i + rows]] -= own[i:i + rows].float()
+            p.mul_(-g[i:i + rows, None])  # d logp / d logits = onehot - softmax
+            if buf is not None:
+                logits[i:i + rows] = p  # the logits are not read again (module docstring)
         return logits, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None,
-                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, *, with_entropy: bool = False):
+                            chunk_tokens: int | None = None, *, with_entropy: bool = False):
     """log softmax(logits)[label] for every position: logits [..., V/TP] (this TP rank's shard of a
     vocabulary padded to V/TP * TP columns), labels [...] global ids -> fp32 [...].
 
     `vocab_size` (the real vocabulary) keeps the padding columns out of the normaliser; None: every
-    column is a token. `with_entropy`: return (log-probs, entropy of each position's distribution
-    over the real vocabulary, fp32 [...], no gradient)."""
+    column is a token. `chunk_tokens`: rows of one chunk (None: `chunk_tokens_for` the logits' device).
+    `with_entropy`: return (log-probs, entropy of each position's distribution over the real
+    vocabulary, fp32 [...], no gradient)."""
     group, rank = _tp_group()
     vl = logits.shape[-1]
     start = rank * vl
@@ -116,8 +143,8 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_si
     flat = logits.reshape(-1, vl)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    logp, entropy = _ChunkedLogprob.apply(flat, labels.reshape(-1), start, valid, max(1, chunk_tokens), group,
-                                          with_entropy)
+    chunk = chunk_tokens_for(flat.device, vl) if chunk_tokens is None else max(1, chunk_tokens)
+    logp, entropy = _ChunkedLogprob.apply(flat, labels.reshape(-1), start, valid, chunk, group, with_entropy)
     if with_entropy:
         return logp.view(labels.shape), entropy.view(labels.shape)
     return logp.view(labels.shape)

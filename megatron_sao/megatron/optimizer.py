@@ -179,6 +179,19 @@ def group_grad_norms(optimizer, param_names: dict[int, str], groups: dict[str, l
     return {g: math.sqrt(total[i]) for i, g in enumerate(names)}
 
 
+def clip_grads_in_place(optimizer, max_norm: float, total_norm: float) -> None:
+    """Megatron's `clip_grad_by_total_norm_fp32` (scale every gradient by max_norm / (norm + 1e-6) when
+    that is below 1) as one in-place `torch._foreach_mul_`: without TE or apex (the CPU build) Megatron
+    falls back to `local_multi_tensor_scale`, which copies each gradient through a temporary of its
+    size (0.11 s against 0.02 s over 135M fp32 gradients on one CPU thread)."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff >= 1.0:
+        return
+    grads = [p.grad for opt in sub_optimizers(optimizer) for p in opt.get_parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, coeff)
+
+
 @dataclass(frozen=True)
 class OptimStepOutcome:
     grad_norm: float
@@ -201,8 +214,6 @@ def safe_optimizer_step(
     is global by construction, so every rank takes the same branch and no collective is left
     unmatched.
     """
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
     found_inf = bool(optimizer.prepare_grads())
     group_norms = group_grad_norms(optimizer, param_names, norm_groups) if norm_groups else {}
     grad_norm = float(optimizer.get_grad_norm())
@@ -210,10 +221,7 @@ def safe_optimizer_step(
         optimizer.zero_grad()
         return OptimStepOutcome(grad_norm=grad_norm, skipped=True, group_norms=group_norms)
     if clip_grad > 0:
-        for opt in sub_optimizers(optimizer):
-            params = opt.get_parameters()
-            if params:
-                clip_grad_by_total_norm_fp32(params, max_norm=clip_grad, total_norm=grad_norm)
+        clip_grads_in_place(optimizer, clip_grad, grad_norm)
     if not optimizer.step_with_ready_grads():
         raise RuntimeError("Megatron optimizer reported an unsuccessful update with finite gradients")
     return OptimStepOutcome(grad_norm=grad_norm, skipped=False, group_norms=group_norms)

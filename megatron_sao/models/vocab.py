@@ -10,7 +10,7 @@ Where the padding lives (so that nothing outside the model sees it):
 * `checkpoint.sharding.shard_tensor` pads the full (HF-sized) tensor with zero rows before slicing
   it, and `unshard_tensor` strips them again, so HF checkpoints, the offline Megatron format's
   full tensors, HF export and weight sync all carry exactly V rows;
-* `megatron.logprobs.vocab_parallel_logprobs` sets the padding logits to -inf in the vocab-parallel
+* `megatron.logprobs.vocab_parallel_logprobs` leaves the padding columns out of the vocab-parallel
   log-softmax, so they never enter a log-prob (and get no gradient: the rows stay zero).
 """
 

@@ -143,7 +143,7 @@ class RunDir:
         self.scalars = ScalarSinks([self._tb] if self._tb else [])
         if wandb.project is not None and self.is_writer:
             require_wandb()
-            self.scalars.add(WandbSink(wandb, self.path, name, config))
+            self.scalars.add(WandbSink(wandb, self.path, name, config, group=name, job_type="train"))
 
     def log_metrics(self, record: dict[str, Any]) -> None:
         """One step's record: a line of metrics.jsonl, and its scalars to every sink (scalar_sinks.py)."""

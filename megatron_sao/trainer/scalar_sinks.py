@@ -4,21 +4,29 @@
 keeps the finite numbers, and hands the same dict to every sink, so TensorBoard and W&B always show
 the same scalars. Each sink opens lazily on its first write (rank 0 only: RunDir is the writer).
 
+Every stage logs through it: `sao train` (RunDir.configure_scalars: `<run>/tensorboard`, `<run>/wandb`)
+and the stages before RL (`stage_sinks`: `sao sft` under `<run>/sft/`, `sao value-pretrain` under
+`<run>/value_pretrain/`). Each stage is its own W&B run, named `<run.name>-<stage>` except the RL run
+(`<run.name>`), with job_type the stage and group `run.name`, so one experiment's stages sit together.
+
 Resume: TensorBoard's writer opens with `purge_step` (the events of steps after the checkpoint are
 dropped). W&B keeps one run per run directory (its id in `<run>/wandb/run_id`, resumed with
 resume="allow"); W&B cannot drop logged steps, and it ignores a step it already holds, so the steps
-logged after the checkpoint and before a crash keep their first values there.
+logged after the checkpoint and before a crash keep their first values there. The stages before RL
+do not resume: each invocation starts over, its TensorBoard directory emptied as its metrics are,
+and is a new W&B run (an earlier one's files stay: an offline run may not be synced yet).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
-from megatron_sao.config import WandbConfig
+from megatron_sao.config import RunConfig, WandbConfig
 from megatron_sao.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -76,15 +84,20 @@ def require_wandb() -> None:
 
 
 class WandbSink:
-    """One W&B run per run directory: `run.wandb` (project, entity, mode), named after `run.name`,
-    with the resolved config; files under `<run>/wandb/`."""
+    """One W&B run of one stage: `run.wandb` (project, entity, mode), the resolved config, files under
+    `<directory>/wandb/`. `resume`: one run per directory across invocations (`sao train`), else a new
+    run each time."""
 
-    def __init__(self, cfg: WandbConfig, run_dir: Path, name: str, config: dict[str, Any]):
-        self.cfg, self.run_dir, self.name, self.config = cfg, run_dir, name, config
+    def __init__(self, cfg: WandbConfig, directory: Path, name: str, config: dict[str, Any], *, group: str,
+                 job_type: str, resume: bool = True):
+        self.cfg, self.directory, self.name, self.config = cfg, directory, name, config
+        self.group, self.job_type, self.resume = group, job_type, resume
         self._run = None
 
     def _run_id(self) -> str:
-        f = self.run_dir / "wandb" / "run_id"
+        if not self.resume:
+            return uuid.uuid4().hex[:12]
+        f = self.directory / "wandb" / "run_id"
         if f.is_file():
             return f.read_text().strip()
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -96,9 +109,11 @@ class WandbSink:
         if self._run is None:
             import wandb
 
+            (self.directory / "wandb").mkdir(parents=True, exist_ok=True)
             self._run = wandb.init(project=self.cfg.project, entity=self.cfg.entity, mode=self.cfg.mode,
-                                   name=self.name, id=self._run_id(), resume="allow", dir=str(self.run_dir),
-                                   config=self.config)
+                                   name=self.name, id=self._run_id(), resume="allow" if self.resume else None,
+                                   dir=str(self.directory), config=self.config, group=self.group,
+                                   job_type=self.job_type)
         self._run.log(scalars, step=step)
 
     def close(self) -> None:
@@ -126,3 +141,19 @@ class ScalarSinks:
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+def stage_sinks(run: RunConfig, stage: str, directory: Path, config: dict[str, Any], is_writer: bool) -> ScalarSinks:
+    """The sinks of a stage before RL (`sao sft`, `sao value-pretrain`) writing under `directory`:
+    TensorBoard (`run.tensorboard`) and W&B (`run.wandb`), on the writing rank only (module docstring)."""
+    sinks = ScalarSinks()
+    if not is_writer:
+        return sinks
+    if run.tensorboard:
+        shutil.rmtree(directory / "tensorboard", ignore_errors=True)
+        sinks.add(TensorBoardSink(directory / "tensorboard"))
+    if run.wandb.project is not None:
+        require_wandb()
+        sinks.add(WandbSink(run.wandb, directory, f"{run.name}-{stage}", config, group=run.name, job_type=stage,
+                            resume=False))
+    return sinks

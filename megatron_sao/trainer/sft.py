@@ -15,11 +15,12 @@ from pathlib import Path
 
 import torch
 
-from megatron_sao.config import OptimSection, SAOConfig, load_config
+from megatron_sao.config import OptimSection, SAOConfig, load_config, to_dict
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.hf_export import export_hf_model
 from megatron_sao.trainer.losses import sft_loss_fn
+from megatron_sao.trainer.scalar_sinks import stage_sinks
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ def run_sft(cfg: SAOConfig) -> Path:
         raise ValueError("sft: no demonstration fits model.max_seq_len")
     s = cfg.sft
     optim = OptimSection(lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps, clip_grad=1.0)
+    sinks = stage_sinks(cfg.run, "sft", run.path / "sft", to_dict(cfg), ctx.rank == 0)  # W&B missing: said now
     actor = C.build_actor(cfg, model_dir, ctx=ctx, optim=optim, total_steps=s.steps, init=str(model_dir))
     rng = random.Random(cfg.run.seed)
     console = Console(cfg.run.console if ctx.rank == 0 else "none", total=s.steps, title="sao sft")
@@ -104,18 +106,22 @@ def run_sft(cfg: SAOConfig) -> Path:
         metrics_path.write_text("")
     loss_fn = sft_loss_fn()
     t_start = time.monotonic()
-    for step in range(s.steps):
-        rows = sorted((kept[rng.randrange(len(kept))] for _ in range(s.batch_size)), key=lambda e: len(e[0]))
-        # Sorted by length, each micro-batch trims to its own longest row (see forward.trim_columns).
-        batch = pad_examples(rows, formatter.pad_token_id)
-        res = actor.train_step(batch, loss_fn)
-        if ctx.rank == 0:
-            m = {"step": step, "loss": res.loss, "grad_norm": res.grad_norm, "lr": res.metrics.get("lr"),
-                 "skipped": res.skipped, "elapsed_s": time.monotonic() - t_start}
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(m) + "\n")
-            console.update({"step": step, "loss": res.loss})
-    console.close()
+    try:
+        for step in range(s.steps):
+            rows = sorted((kept[rng.randrange(len(kept))] for _ in range(s.batch_size)), key=lambda e: len(e[0]))
+            # Sorted by length, each micro-batch trims to its own longest row (see forward.trim_columns).
+            batch = pad_examples(rows, formatter.pad_token_id)
+            res = actor.train_step(batch, loss_fn)
+            if ctx.rank == 0:
+                m = {"step": step, "loss": res.loss, "grad_norm": res.grad_norm, "lr": res.metrics.get("lr"),
+                     "skipped": res.skipped, "elapsed_s": time.monotonic() - t_start}
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(m) + "\n")
+                sinks.write(m, step)
+                console.update({"step": step, "loss": res.loss})
+    finally:
+        sinks.close()
+        console.close()
     out = run.path / "sft_model"
     export_hf_model(actor, model_dir, out)
     if ctx.rank == 0 and s.eval:

@@ -6,6 +6,8 @@ Here the SFT policy plays `value_pretrain.rollouts` episodes (temperature 1.0), 
 regresses onto their Monte Carlo returns (skip-observation GAE with lambda = 1, bootstrapping
 truncated episodes from the critic itself). The critic is written as an HF directory
 `<run>/critic_pretrained` (value head as `score.weight`), which `sao train` loads by default.
+Each step's scalars go to `<run>/value_pretrain_metrics.jsonl` and, through the one fan-out
+(trainer/scalar_sinks.py), to TensorBoard and W&B under `<run>/value_pretrain/`.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import random
 from pathlib import Path
 
 from megatron_sao.algorithms import explained_variance
-from megatron_sao.config import SAOConfig, load_config
+from megatron_sao.config import SAOConfig, load_config, to_dict
 from megatron_sao.distributed.gated import GatedCollectives
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.hf_export import export_hf_model
 from megatron_sao.trainer.losses import critic_loss_fn
+from megatron_sao.trainer.scalar_sinks import stage_sinks
 from megatron_sao.trainer.targets import critic_targets
 from megatron_sao.trajectory import collate_padded, save_trajectories
 
@@ -54,6 +57,14 @@ def run_value_pretrain(cfg: SAOConfig) -> Path:
         from megatron_sao.errors import MissingInputError
 
         raise MissingInputError(f"value-pretrain: no policy at {policy_dir}; run `sao sft` first or set actor.init")
+    sinks = stage_sinks(cfg.run, "value-pretrain", run.path / "value_pretrain", to_dict(cfg), ctx.rank == 0)
+    try:
+        return _collect_and_fit(cfg, ctx, run, policy_dir, sinks)
+    finally:
+        sinks.close()
+
+
+def _collect_and_fit(cfg: SAOConfig, ctx, run, policy_dir: Path, sinks) -> Path:
     v = cfg.value_pretrain
     trajs = collect_rollouts(cfg, policy_dir, v.rollouts) if ctx.rank == 0 else None
     trajs = GatedCollectives(ctx).broadcast(trajs, "the rollouts' broadcast")  # rank 0 collected them alone
@@ -79,6 +90,7 @@ def run_value_pretrain(cfg: SAOConfig) -> Path:
         res = critic.train_step(fields, loss_fn)
         ev = float(explained_variance(old_values, returns, batch.action_mask))
         log.append({"step": step, "value_loss": res.loss, "explained_variance": ev, "grad_norm": res.grad_norm})
+        sinks.write(log[-1], step)
         console.update({"step": step, "critic/loss": res.loss, "critic/explained_variance": ev})
     console.close()
     out = run.path / "critic_pretrained"

@@ -71,11 +71,11 @@ def test_qwen3_moe_layer_by_hand(spec):
 def test_recompute_and_logits():
     assert mem.recompute_layer_bytes(2048, 4096, 2) == 2 * 4096 * 2 * 2048
     assert mem.recompute_layer_bytes(2048, 4096, 2, tp=4, sequence_parallel=True) == 2 * 4096 * 2 * 2048 / 4
-    # bf16 logits, one fp32 chunk of 1024 rows, 17 bytes of per-token vectors (megatron/logprobs.py)
-    assert mem.logits_bytes(151936, 1024, 1, tp=4) == 1024 * (151936 / 4) * (2 + 4) + 1024 * 17
-    # 128K tokens: the chunk stays 1024 rows, the logits grow with the sequence
-    assert mem.logits_bytes(151936, 131072, 1, tp=4) == 131072 * (151936 / 4) * 2 + 1024 * (151936 / 4) * 4 \
-        + 131072 * 17
+    # bf16 logits, two fp32 buffers of a 512-row chunk, 33 bytes of per-token vectors (megatron/logprobs.py)
+    assert mem.logits_bytes(151936, 1024, 1, tp=4) == 1024 * (151936 / 4) * 2 + 2 * 512 * (151936 / 4) * 4 + 1024 * 33
+    # 128K tokens: the chunk stays 512 rows, the logits grow with the sequence
+    assert mem.logits_bytes(151936, 131072, 1, tp=4) == 131072 * (151936 / 4) * 2 + 2 * 512 * (151936 / 4) * 4 \
+        + 131072 * 33
 
 
 def test_kv_cache_per_token(spec):
@@ -90,7 +90,7 @@ def test_fp32_params_are_their_own_master_copy():
     assert mem.trainable_bytes_per_param(1, param_bytes=4) == 16
     assert mem.trainable_bytes_per_param(8, param_bytes=4) == 8 + 8 / 8
     assert mem.recompute_layer_bytes(2048, 1024, 1, dtype_bytes=4) == 2 * mem.recompute_layer_bytes(2048, 1024, 1)
-    assert mem.logits_bytes(1000, 10, 1, dtype_bytes=4) == 10 * 1000 * 8 + 10 * 17
+    assert mem.logits_bytes(1000, 10, 1, dtype_bytes=4) == 10 * 1000 * (4 + 2 * 4) + 10 * 33
 
 
 def test_activation_dtype_scales_everything_but_fp32_terms(spec):

@@ -58,8 +58,8 @@ def test_aime_memory_by_hand(qwen_long):
     per_layer = mem.layer_activation_bytes(mem.LayerShape.from_spec(qwen_long), s, 1, 4, True, True, 1)
     assert p.actor.activations == pytest.approx(48 * per_layer)
     assert p.actor.activations_recompute == pytest.approx(48 * 2 * s * h / 4 + per_layer)
-    # The log-prob stage: bf16 logits, one fp32 chunk of 1024 rows, 17 bytes a token (megatron/logprobs.py).
-    assert p.actor.logits == pytest.approx(s * v / 4 * 2 + 1024 * v / 4 * 4 + s * 17) and p.critic.logits == 0
+    # The log-prob stage: bf16 logits, two fp32 buffers of a 512-row chunk, 33 bytes a token (megatron/logprobs.py).
+    assert p.actor.logits == pytest.approx(s * v / 4 * 2 + 2 * 512 * v / 4 * 4 + s * 33) and p.critic.logits == 0
     assert p.recompute_needed and p.recompute  # the recipe sets parallel.recompute: full
     # The step's buffers: the batch (43 bytes a token) and its fp32 outputs (8) on the device, this rank's
     # micro-batches (1/dp of the batch), and 32 cached fp32 RoPE tables of 128 dims.

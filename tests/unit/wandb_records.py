@@ -40,8 +40,7 @@ def _payloads(data: bytes):
             pending = b""
 
 
-def history(run_dir: Path) -> dict[int, dict[str, float]]:
-    """{step: {key: value}} of every history record under `run_dir`/wandb (one offline run)."""
+def _records(run_dir: Path, kind: str):
     import wandb
     from wandb.proto import wandb_internal_pb2 as pb
 
@@ -49,13 +48,24 @@ def history(run_dir: Path) -> dict[int, dict[str, float]]:
 
     files = sorted(Path(run_dir, "wandb").glob("offline-run-*/run-*.wandb"))
     assert files, f"no offline W&B run under {run_dir}/wandb"
-    out: dict[int, dict[str, float]] = {}
     for f in files:
         for payload in _payloads(f.read_bytes()):
             rec = pb.Record()
             rec.ParseFromString(payload)
-            if rec.WhichOneof("record_type") != "history":
-                continue
-            row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
-            out.setdefault(int(rec.history.step.num), {}).update(row)
+            if rec.WhichOneof("record_type") == kind:
+                yield getattr(rec, kind)
+
+
+def history(run_dir: Path) -> dict[int, dict[str, float]]:
+    """{step: {key: value}} of every history record under `run_dir`/wandb (one offline run)."""
+    out: dict[int, dict[str, float]] = {}
+    for h in _records(run_dir, "history"):
+        row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in h.item}
+        out.setdefault(int(h.step.num), {}).update(row)
     return out
+
+
+def runs(run_dir: Path) -> list[dict[str, str]]:
+    """The id, display name, group and job type of each run record under `run_dir`/wandb."""
+    return [{"id": r.run_id, "name": r.display_name, "group": r.run_group, "job_type": r.job_type}
+            for r in _records(run_dir, "run")]

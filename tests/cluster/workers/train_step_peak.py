@@ -6,7 +6,9 @@ Qwen3-MoE with a real-sized vocabulary, actor and critic built as the trainer bu
 critic values, two critic and two actor train steps on a batch of rows of max_seq_len tokens carrying
 every field the trainer's batch has. glibc serves every allocation over 64 KiB with its own mmap
 (MALLOC_MMAP_THRESHOLD_), so the resident set follows the live tensors; the figure is the peak
-resident set (ru_maxrss) minus the resident set before the engines exist. Prints one JSON line.
+resident set (ru_maxrss) minus the resident set before the engines exist. The log-prob pass runs the
+chunk the planner counts (a GPU's, `DEFAULT_CHUNK_TOKENS` rows) instead of the CPU's cache-sized one.
+Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ ensure_cpu_compat()
 from megatron_sao.cluster import memory as mem  # noqa: E402
 from megatron_sao.cluster.planner import PlanOptions, plan  # noqa: E402
 from megatron_sao.config import config_from_dict  # noqa: E402
+from megatron_sao.megatron import logprobs  # noqa: E402
 from megatron_sao.megatron.engine import InitSource, MegatronEngine  # noqa: E402
 from megatron_sao.megatron.optimizer import OptimConfig  # noqa: E402
 from megatron_sao.megatron.parallel import init_parallel  # noqa: E402
 from megatron_sao.models.hf_config import model_spec_from_hf  # noqa: E402
 from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
 from megatron_sao.models.presets import tiny_hf_config  # noqa: E402
+from megatron_sao.models.vocab import padded_vocab_size  # noqa: E402
 from megatron_sao.trainer.components import engine_overrides  # noqa: E402
 
 SEQ, ROWS, MICRO = 1024, 4, 2
@@ -52,6 +56,7 @@ def main(recompute: str) -> None:
                                 "cluster.trainer_nodes=1", "cluster.gpus_per_node=1",
                                 f"rollout.max_total_tokens={SEQ}"])
     planned = plan(cfg, spec, PlanOptions(world=1, overhead_gib=0.0, transformer_engine=False))
+    logprobs.CPU_CHUNK_BYTES = logprobs.DEFAULT_CHUNK_TOKENS * padded_vocab_size(spec.vocab_size, 1) * 4
     ctx = init_parallel(ParallelSizes())
     g = torch.Generator().manual_seed(0)
     ones = torch.ones(ROWS, SEQ, dtype=torch.bool)

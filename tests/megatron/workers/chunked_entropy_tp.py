@@ -18,14 +18,16 @@ from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
 
 ctx = init_parallel(ParallelSizes(tp=2))
 torch.manual_seed(0)
-b, s, v_padded, vocab = 3, 29, 64, 50  # 14 padding columns, all on rank 1
-for dtype in (torch.float32, torch.bfloat16):
-    full = (torch.randn(b, s, v_padded) * 3).to(dtype)
-    labels = torch.randint(0, vocab, (b, s))
-    half = v_padded // 2
-    shard = full[..., ctx.tp_rank * half:(ctx.tp_rank + 1) * half].clone()
-    for chunk in (1, 8, 1000):
-        lp, ent = vocab_parallel_logprobs(shard, labels, vocab, chunk_tokens=chunk, with_entropy=True)
-        if ctx.rank == 0:
-            emit(f"{dtype}_{chunk}", {"logprobs": lp.tolist(), "entropy": ent.tolist(),
-                                       "full": full.float().tolist(), "labels": labels.tolist()})
+b, s, v_padded = 3, 29, 64
+# vocab 50: 14 padding columns, all on rank 1; vocab 20: rank 1's shard is all padding (no real column)
+for vocab in (50, 20):
+    for dtype in (torch.float32, torch.bfloat16):
+        full = (torch.randn(b, s, v_padded) * 3).to(dtype)
+        labels = torch.randint(0, vocab, (b, s))
+        half = v_padded // 2
+        shard = full[..., ctx.tp_rank * half:(ctx.tp_rank + 1) * half].clone()
+        for chunk in (1, 8, 1000):
+            lp, ent = vocab_parallel_logprobs(shard, labels, vocab, chunk_tokens=chunk, with_entropy=True)
+            if ctx.rank == 0:
+                emit(f"{vocab}_{dtype}_{chunk}", {"logprobs": lp.tolist(), "entropy": ent.tolist(), "vocab": vocab,
+                                                  "full": full.float().tolist(), "labels": labels.tolist()})

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,11 +117,21 @@ def execute(run: Run, work: Path, threads: int = 1, fresh: bool = False, log=pri
     return RunResult(run, d, True, wall, cached=False)
 
 
-def execute_all(runs: list[Run], work: Path, jobs: int = 1, fresh: bool = False, log=print) -> list[RunResult]:
-    """Run (or reuse) every run; `jobs` at a time, the machine's cores split between them."""
+def execute_all(runs: list[Run], work: Path, jobs: int = 1, fresh: bool = False, log=print,
+                on_done: Callable[[RunResult], None] | None = None) -> list[RunResult]:
+    """Run (or reuse) every run; `jobs` at a time, the machine's cores split between them.
+    `on_done(result)` is called as each run ends (from its worker thread), so a caller can record a
+    finished run at once rather than after the slowest one."""
     unique = list(dict.fromkeys(runs))
     threads = max(1, (os.cpu_count() or 1) // max(jobs, 1))
+
+    def one(r: Run) -> RunResult:
+        res = execute(r, work, threads, fresh, log)
+        if on_done is not None:
+            on_done(res)
+        return res
+
     with ThreadPoolExecutor(max(jobs, 1)) as pool:
-        results = list(pool.map(lambda r: execute(r, work, threads, fresh, log), unique))
+        results = list(pool.map(one, unique))
     by_run = dict(zip(unique, results))
     return [by_run[r] for r in runs]

@@ -37,7 +37,7 @@ import matplotlib.pyplot as plt
 
 from benchmarks.reproduce import run_results
 from benchmarks.reproduce.experiment import METHODS, Budget, Settings
-from benchmarks.reproduce.report import header, md_table, runs_section, save_fig, write_report
+from benchmarks.reproduce.report import git_commit, header, md_table, runs_section, save_fig, write_report
 from benchmarks.reproduce.runner import ROOT, Run, RunResult, execute, execute_all
 from benchmarks.reproduce.starts import EVAL_SEED, TOY_QUICK_CONFIG, Start
 from benchmarks.reproduce.summary import stat
@@ -129,7 +129,8 @@ def run(s: Settings) -> int:
                 "algorithm_version": run_results._algorithm_version(), "config": res.run.config,
                 "overrides": list(run_results.portable(res.run, start.dir).overrides),
                 "start": {"digest": start.digest, "accuracy": sft["accuracy"], "n": sft["n"]},
-                "batch": b.batch, **run_results.summarize(res, b.batch)}
+                "batch": b.batch, "commit": git_commit(), "run_dir": str(res.dir),
+                **run_results.summarize(res, b.batch)}
         run_results.write(paths[res.run], data)
         done[res.run] = data
         s.log(f"  result {paths[res.run]}")

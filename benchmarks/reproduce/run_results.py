@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.reproduce.runner import Run, RunResult, _algorithm_version
+from benchmarks.reproduce.runner import Run, RunResult, algorithm_version
 from benchmarks.reproduce.summary import curves_of
 
 START_PLACEHOLDER = "<start>"
@@ -57,9 +57,9 @@ def load(path: Path, key: str) -> dict | None:
     if not path.exists():
         return None
     data = json.loads(path.read_text())
-    if data.get("key") != key or data.get("algorithm_version") != _algorithm_version():
+    if data.get("key") != key or data.get("algorithm_version") != algorithm_version():
         raise ValueError(f"{path}: holds key {data.get('key')} / ALGORITHM_VERSION {data.get('algorithm_version')}, "
-                         f"its name and this code say {key} / {_algorithm_version()}; delete the file to run it again")
+                         f"its name and this code say {key} / {algorithm_version()}; delete the file to run it again")
     return data
 
 

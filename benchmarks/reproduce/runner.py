@@ -46,7 +46,7 @@ class Run:
         text = ((ROOT / self.config).read_text() if not Path(self.config).is_absolute()
                 else Path(self.config).read_text())
         h = hashlib.sha256(json.dumps([self.stage, text, sorted(self.overrides), self.seed,
-                                         _algorithm_version()]).encode())
+                                         algorithm_version()]).encode())
         return h.hexdigest()[:10]
 
     def directory(self, work: Path) -> Path:
@@ -73,7 +73,7 @@ class RunResult:
         return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
 
 
-def _algorithm_version() -> int:
+def algorithm_version() -> int:
     from megatron_sao.trainer.step import ALGORITHM_VERSION  # on use: the trainer's imports are heavy
 
     return ALGORITHM_VERSION
@@ -112,7 +112,7 @@ def execute(run: Run, work: Path, threads: int = 1, fresh: bool = False, log=pri
         shutil.rmtree(d / "checkpoints", ignore_errors=True)
     _info_path(run, d).write_text(json.dumps({"command": cmd, "t_start": t0, "wall_s": wall, "label": run.label,
                                               "seed": run.seed, "threads": threads,
-                                              "algorithm_version": _algorithm_version()}, indent=1))
+                                              "algorithm_version": algorithm_version()}, indent=1))
     log(f"  done  {run.stage:14s} {d.name} in {wall:.0f} s")
     return RunResult(run, d, True, wall, cached=False)
 

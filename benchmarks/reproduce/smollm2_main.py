@@ -38,7 +38,7 @@ import matplotlib.pyplot as plt
 from benchmarks.reproduce import run_results
 from benchmarks.reproduce.experiment import METHODS, Budget, Settings
 from benchmarks.reproduce.report import git_commit, header, md_table, runs_section, save_fig, write_report
-from benchmarks.reproduce.runner import ROOT, Run, RunResult, execute, execute_all
+from benchmarks.reproduce.runner import ROOT, Run, RunResult, algorithm_version, execute, execute_all
 from benchmarks.reproduce.starts import EVAL_SEED, TOY_QUICK_CONFIG, Start
 from benchmarks.reproduce.summary import stat
 
@@ -53,6 +53,7 @@ ROWS: dict[str, tuple[str, tuple[str, ...]]] = {
     "grpo_dis": ("grpo_dis", ()),
 }
 DEFAULT_SEEDS = [1, 2]
+GROUP = int(next(o.split("=")[1] for o in METHODS["grpo"] if o.startswith("algorithm.group_size=")))
 FIGURE = "main_smollm2.png"
 
 
@@ -126,7 +127,7 @@ def run(s: Settings) -> int:
             failed.append(res)
             return
         data = {"experiment": s.name, "label": res.run.label, "seed": res.run.seed, "key": keys[res.run],
-                "algorithm_version": run_results._algorithm_version(), "config": res.run.config,
+                "algorithm_version": algorithm_version(), "config": res.run.config,
                 "overrides": list(run_results.portable(res.run, start.dir).overrides),
                 "start": {"digest": start.digest, "accuracy": sft["accuracy"], "n": sft["n"]},
                 "batch": b.batch, "commit": git_commit(), "run_dir": str(res.dir),
@@ -188,7 +189,8 @@ def report(s: Settings, b: Budget, start: SftStart, sft: dict, runs: list[Run], 
               else f"PARTIAL: {n_done} of {len(runs)} runs finished")
     png = plot(runs, done, sft["accuracy"], s.out, f"{title}\n({status})")
     md = header(title, s.command, s.seeds, s.elapsed_s,
-                f"- budget: {b.batch} trajectories per actor step for every method (GRPO: {b.batch // 4} prompts x 4), "
+                f"- budget: {b.batch} trajectories per actor step for every method "
+                f"(GRPO: {b.batch // GROUP} prompts x {GROUP}), "
                 f"{end} per run; SAO and SAO sync spend {b.warmup} of the {b.steps} steps on critic warm-up "
                 f"({b.steps - b.warmup} actor steps), GRPO and GRPO+DIS take {b.steps} actor steps\n"
                 f"- held-out accuracy on {b.eval_size} tasks at T=1: the SFT model (0 trajectories, one `sao eval`), "

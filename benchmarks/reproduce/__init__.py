@@ -12,5 +12,5 @@
 Results (results.md, summary.json, PNG plots) go to results/reproduce/<experiment>/ (--out); run
 directories and the shared starting points to runs/reproduce/ (--work), reused when re-run.
 `--model smollm2` also keeps one result file per finished run (results/reproduce/main_smollm2/runs/)
-and skips the runs already there, so its eight runs (about 40 min each) can be spread over sessions.
+and skips the runs already there, so its eight runs (up to about 40 min each) can be spread over sessions.
 """

@@ -14,7 +14,7 @@ curves' point at 0 trajectories) and of every run after 208 and 400 trajectories
 
 Each finished run writes its result file into OUT/runs/ at once (run_results.py); an invocation
 skips the runs whose file is there for the same key (config, overrides, seed, ALGORITHM_VERSION,
-SFT weights), and `--max-runs N` trains at most N of the missing ones (about 40 min each on 2 free
+SFT weights), and `--max-runs N` trains at most N of the missing ones (up to about 40 min each on 2 free
 cores), so the eight runs can be spread over sessions. Runs go one at a time by default: each one
 peaks near 14 GiB and their wall times are only comparable on an otherwise idle machine. The report
 (results.md, summary.json, main_smollm2.png) is rebuilt from the result files on every invocation

@@ -71,10 +71,13 @@ def write(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def stale(folder: Path, current: set[Path]) -> list[str]:
-    """Result files in `folder` that no current run produces (another config, ALGORITHM_VERSION or
-    starting point)."""
-    return sorted(p.name for p in folder.glob("*.json") if p not in current) if folder.is_dir() else []
+def stale(folder: Path, current: dict[Run, Path]) -> list[str]:
+    """Result files in `folder` of these runs (by label and seed) that the current configuration does
+    not produce (another config, ALGORITHM_VERSION or starting point). Files of other seeds are not
+    this invocation's business and are not listed."""
+    names = {p.name for p in current.values()}
+    prefixes = tuple(f"{r.label}-s{r.seed}-" for r in current)
+    return sorted(p.name for p in folder.glob("*.json") if p.name.startswith(prefixes) and p.name not in names)
 
 
 def _finite(x: float) -> float | None:

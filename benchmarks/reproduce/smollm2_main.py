@@ -137,7 +137,7 @@ def run(s: Settings) -> int:
         s.log(f"  result {paths[res.run]}")
 
     execute_all(todo, s.work, jobs=s.jobs, fresh=s.fresh, log=s.log, on_done=record)
-    report(s, b, start, sft, runs, done, failed, run_results.stale(folder, set(paths.values())))
+    report(s, b, start, sft, runs, done, failed, run_results.stale(folder, paths))
     return 1 if failed else 0
 
 

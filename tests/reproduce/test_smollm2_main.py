@@ -86,7 +86,9 @@ def test_result_key_changes_with_config_algorithm_version_and_sft_weights_not_wi
     monkeypatch.setattr(step, "ALGORITHM_VERSION", step.ALGORITHM_VERSION + 1)
     new_key = run_results.result_key(run, start.dir, start.digest)
     assert new_key != key and not run_results.result_path(tmp_path, run, new_key).exists()
-    assert run_results.stale(tmp_path, {run_results.result_path(tmp_path, run, new_key)}) == [path.name]
+    assert run_results.stale(tmp_path, {run: run_results.result_path(tmp_path, run, new_key)}) == [path.name]
+    other_seed = smollm2_main.plan(start, b, [2])[0]  # not a run of this invocation: not its stale file
+    assert run_results.stale(tmp_path, {other_seed: run_results.result_path(tmp_path, other_seed, new_key)}) == []
     with pytest.raises(ValueError, match="delete the file"):  # and the old file is never read as the new one
         run_results.load(path, key)
 

@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.reproduce import ablations, main_comparison, online, staleness, throughput
+from benchmarks.reproduce import ablations, main_comparison, online, smollm2_main, staleness, throughput
 from benchmarks.reproduce.experiment import Settings
 from benchmarks.reproduce.runner import ROOT
 from benchmarks.reproduce.starts import build_all
@@ -21,14 +21,26 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", choices=[*EXPERIMENTS, "all"])
     ap.add_argument("--quick", action="store_true", help="tiny budgets, one seed: a pipeline check")
-    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="RL seeds (default 1 2 3; --quick: 1)")
-    ap.add_argument("--jobs", type=int, default=2, help="runs at once (the cores are split between them)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="RL seeds (default 1 2 3; --model smollm2: 1 2; --quick: 1)")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="runs at once, the cores split between them (default 2; --model smollm2: 1)")
+    ap.add_argument("--model", choices=["toy", "smollm2"], default="toy",
+                    help="main only: smollm2 = the comparison on SmolLM2-135M-Instruct (smollm2_main.py)")
+    ap.add_argument("--max-runs", type=int, default=None,
+                    help="--model smollm2: train at most N of the missing runs, then write the report")
     ap.add_argument("--out", default=None,
                     help="results folder (default results/reproduce, --quick: <work>/quick_results)")
     ap.add_argument("--work", default=None, help="runs and starting points (default runs/reproduce[_quick])")
     ap.add_argument("--fresh", action="store_true", help="run again even when a finished run is cached")
     args = ap.parse_args(argv)
-    seeds = args.seeds or ([1] if args.quick else [1, 2, 3])
+    smollm2 = args.model == "smollm2"
+    if smollm2 and args.experiment != "main":
+        ap.error("--model smollm2: only the main comparison runs on SmolLM2")
+    if args.max_runs is not None and not smollm2:
+        ap.error("--max-runs: only with --model smollm2 (its runs have per-run result files)")
+    seeds = args.seeds or ([1] if args.quick else smollm2_main.DEFAULT_SEEDS if smollm2 else [1, 2, 3])
+    jobs = args.jobs or (1 if smollm2 and not args.quick else 2)
     work = Path(args.work or ROOT / ("runs/reproduce_quick" if args.quick else "runs/reproduce")).resolve()
     out_root = Path(args.out or (work / "quick_results" if args.quick else ROOT / "results" / "reproduce")).resolve()
     names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
@@ -38,9 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         build_all(args.quick, work, s.budget.eval_size, s.log)
     rc = 0
     for name in names:
-        s = Settings(name, args.quick, seeds, args.jobs, out_root / name, work, args.fresh, command)
-        s.log(f"start: seeds {seeds}, {args.jobs} job(s), results in {s.out}")
-        code = EXPERIMENTS[name].run(s)
+        if smollm2:
+            name = "main_smollm2"
+        s = Settings(name, args.quick, seeds, jobs, out_root / name, work, args.fresh, command, max_runs=args.max_runs)
+        s.log(f"start: seeds {seeds}, {jobs} job(s), results in {s.out}")
+        code = (smollm2_main if smollm2 else EXPERIMENTS[name]).run(s)
         s.log(f"{'done' if code == 0 else 'FAILED runs'}: {s.out / 'results.md'}")
         rc = rc or code
     return rc

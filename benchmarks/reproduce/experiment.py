@@ -44,6 +44,7 @@ class Settings:
     work: Path  # run directories and starting points (not committed)
     fresh: bool = False
     command: str = ""
+    max_runs: int | None = None  # experiments with per-run result files: train at most this many missing runs
     t0: float = field(default_factory=time.time)
 
     @property

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,7 @@ class Run:
         text = ((ROOT / self.config).read_text() if not Path(self.config).is_absolute()
                 else Path(self.config).read_text())
         h = hashlib.sha256(json.dumps([self.stage, text, sorted(self.overrides), self.seed,
-                                         _algorithm_version()]).encode())
+                                         algorithm_version()]).encode())
         return h.hexdigest()[:10]
 
     def directory(self, work: Path) -> Path:
@@ -72,7 +73,7 @@ class RunResult:
         return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
 
 
-def _algorithm_version() -> int:
+def algorithm_version() -> int:
     from megatron_sao.trainer.step import ALGORITHM_VERSION  # on use: the trainer's imports are heavy
 
     return ALGORITHM_VERSION
@@ -111,16 +112,26 @@ def execute(run: Run, work: Path, threads: int = 1, fresh: bool = False, log=pri
         shutil.rmtree(d / "checkpoints", ignore_errors=True)
     _info_path(run, d).write_text(json.dumps({"command": cmd, "t_start": t0, "wall_s": wall, "label": run.label,
                                               "seed": run.seed, "threads": threads,
-                                              "algorithm_version": _algorithm_version()}, indent=1))
+                                              "algorithm_version": algorithm_version()}, indent=1))
     log(f"  done  {run.stage:14s} {d.name} in {wall:.0f} s")
     return RunResult(run, d, True, wall, cached=False)
 
 
-def execute_all(runs: list[Run], work: Path, jobs: int = 1, fresh: bool = False, log=print) -> list[RunResult]:
-    """Run (or reuse) every run; `jobs` at a time, the machine's cores split between them."""
+def execute_all(runs: list[Run], work: Path, jobs: int = 1, fresh: bool = False, log=print,
+                on_done: Callable[[RunResult], None] | None = None) -> list[RunResult]:
+    """Run (or reuse) every run; `jobs` at a time, the machine's cores split between them.
+    `on_done(result)` is called as each run ends (from its worker thread), so a caller can record a
+    finished run at once rather than after the slowest one."""
     unique = list(dict.fromkeys(runs))
     threads = max(1, (os.cpu_count() or 1) // max(jobs, 1))
+
+    def one(r: Run) -> RunResult:
+        res = execute(r, work, threads, fresh, log)
+        if on_done is not None:
+            on_done(res)
+        return res
+
     with ThreadPoolExecutor(max(jobs, 1)) as pool:
-        results = list(pool.map(lambda r: execute(r, work, threads, fresh, log), unique))
+        results = list(pool.map(one, unique))
     by_run = dict(zip(unique, results))
     return [by_run[r] for r in runs]

@@ -1,0 +1,109 @@
+"""Per-run result files in results/: what a finished run computed, committed with the repository so
+an experiment spread over sessions (and checkouts, whose runs/ folders are not shared) skips the
+runs already done.
+
+A run's file is `<label>-s<seed>-<key>.json`. The key hashes what the run computes: the runner's
+`Run.key` (config text, overrides, seed, stage, `ALGORITHM_VERSION`) with its starting point's
+weights by content instead of by path, since another checkout builds the same starting point
+somewhere else, and a rebuilt one that came out different must not count as the same start. A file
+whose key the current configuration does not produce is never read as a result; `stale` lists them
+so a report can say they were set aside.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+from benchmarks.reproduce.runner import Run, RunResult, algorithm_version
+from benchmarks.reproduce.summary import curves_of
+
+START_PLACEHOLDER = "<start>"
+
+
+def weights_digest(model_dir: Path) -> str:
+    """sha256 over every file of an HF model directory (names and bytes, in name order)."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in model_dir.iterdir() if p.is_file()):
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def portable(run: Run, start_dir: Path) -> Run:
+    """The run with its starting point's directory written as a placeholder: the same run, wherever
+    the starting point lies."""
+    return replace(run, overrides=tuple(o.replace(str(start_dir), START_PLACEHOLDER) for o in run.overrides))
+
+
+def result_key(run: Run, start_dir: Path, start_digest: str) -> str:
+    key = portable(run, start_dir).key()  # includes ALGORITHM_VERSION
+    return hashlib.sha256(json.dumps([key, start_digest]).encode()).hexdigest()[:12]
+
+
+def result_path(folder: Path, run: Run, key: str) -> Path:
+    return folder / f"{run.label}-s{run.seed}-{key}.json"
+
+
+def load(path: Path, key: str) -> dict | None:
+    """The result stored at `path`, None if there is none. A file whose content does not match its
+    name (edited by hand, or written by other code) is an error, never silently used or replaced."""
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    if data.get("key") != key or data.get("algorithm_version") != algorithm_version():
+        raise ValueError(f"{path}: holds key {data.get('key')} / ALGORITHM_VERSION {data.get('algorithm_version')}, "
+                         f"its name and this code say {key} / {algorithm_version()}; delete the file to run it again")
+    return data
+
+
+def write(path: Path, data: dict) -> None:
+    """Atomically: a reader (or a killed writer) never leaves half a result behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
+    tmp.replace(path)
+
+
+def stale(folder: Path, current: dict[Run, Path]) -> list[str]:
+    """Result files in `folder` of these runs (by label and seed) that the current configuration does
+    not produce (another config, ALGORITHM_VERSION or starting point). Files of other seeds are not
+    this invocation's business and are not listed."""
+    names = {p.name for p in current.values()}
+    prefixes = tuple(f"{r.label}-s{r.seed}-" for r in current)
+    return sorted(p.name for p in folder.glob("*.json") if p.name.startswith(prefixes) and p.name not in names)
+
+
+def _finite(x: float) -> float | None:
+    return None if x is None or math.isnan(x) else x
+
+
+def summarize(result: RunResult, batch: int) -> dict:
+    """Everything a report needs from a finished run, so that the report never reads runs/ again:
+    held-out accuracy by trajectories consumed and wall time, per-step reward and diagnostics, the
+    histogram of trajectory lags (policy versions behind the trainer when trained on), wall time and
+    throughput. `trajectories_per_s` counts the run's wall time less its held-out evaluations."""
+    c = curves_of(result, batch)
+    rows = result.metrics()
+    eval_s = sum(float(r.get("time/eval_s", 0.0)) for r in rows)
+    lags: Counter[int] = Counter()
+    for r in rows:
+        for lag, n in (r.get("lag_histogram") or {}).items():
+            lags[int(lag)] += int(n)
+    evals = sorted((result.dir / "eval").glob("step_*.jsonl"))
+    n_eval = sum(1 for line in evals[-1].read_text().splitlines() if line.strip()) if evals else 0
+    trajectories = c.trajectories[-1] if c.trajectories else 0
+    train_s = result.wall_s - eval_s
+    return {"wall_s": result.wall_s, "eval_s": eval_s, "trajectories": trajectories,
+            "trajectories_per_s": trajectories / train_s if train_s > 0 else None,
+            "n_eval": n_eval, "eval_points": [[n, t, _finite(acc)] for n, t, acc in c.eval_points],
+            "steps": c.steps, "trajectories_per_step": c.trajectories, "wall_s_per_step": c.wall_s,
+            "reward": [_finite(v) for v in c.reward],
+            "series": {k: [_finite(v) for v in vs] for k, vs in c.series.items()},
+            "lag_histogram": {str(k): lags[k] for k in sorted(lags)}}

@@ -1,0 +1,116 @@
+"""`sao bench main --model smollm2`: the issue-27 harness, end to end at toy scale (`--quick`), and
+the decisions it makes without running anything: which result files count as done, equal budgets.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks.reproduce import run_results, smollm2_main
+from benchmarks.reproduce.__main__ import main as bench_main
+from benchmarks.reproduce.runner import Run
+from benchmarks.reproduce.starts import TOY_QUICK_CONFIG
+
+
+def _fake_start(d: Path, digest: str = "d" * 64) -> smollm2_main.SftStart:
+    return smollm2_main.SftStart("toy_sft", TOY_QUICK_CONFIG, d, (), 0.0, digest=digest)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_harness_writes_a_result_per_run_skips_it_after_and_reports_the_missing(tmp_path, capsys):
+    from megatron_sao.trainer.step import ALGORITHM_VERSION
+
+    work, out = tmp_path / "work", tmp_path / "results"
+    argv = ["main", "--model", "smollm2", "--quick", "--max-runs", "1", "--work", str(work), "--out", str(out)]
+    folder = out / "main_smollm2"
+
+    assert bench_main(argv) == 0
+    first = capsys.readouterr().out
+    assert "start train          sao-s1-" in first and first.count("start train") == 1
+    files = sorted((folder / "runs").glob("*.json"))
+    assert [f.name.split("-")[0] for f in files] == ["sao"]
+    data = json.loads(files[0].read_text())
+    assert files[0].stem.endswith("-" + data["key"]) and data["algorithm_version"] == ALGORITHM_VERSION
+    b = smollm2_main.QUICK
+    assert data["trajectories"] == b.steps * b.batch  # what the run consumed, from its metrics
+    assert [p[0] for p in data["eval_points"]] == [b.eval_every * b.batch, b.steps * b.batch]  # middle, end
+    assert data["start"]["n"] == b.eval_size and data["trajectories_per_s"] > 0
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["complete"] is False and summary["missing"] == ["sao_sync/s1", "grpo/s1", "grpo_dis/s1"]
+    md = (folder / "results.md").read_text()
+    assert "PARTIAL: 1 of 4 runs finished" in md
+    for label in ("sao_sync", "grpo", "grpo_dis"):
+        assert f"| {label} | 1 |" in md and f"{label} seed 1" in md.split("Missing")[1].split("\n")[0]
+    assert (folder / smollm2_main.FIGURE).stat().st_size > 5000
+
+    # A later session: no runs/ cache (another checkout), the result file alone says the run is done.
+    shutil.rmtree(work / "runs")
+    before = (files[0].read_bytes(), files[0].stat().st_mtime_ns)
+    assert bench_main(argv) == 0
+    second = capsys.readouterr().out
+    assert "start train          sao-s1-" not in second and "start sft" not in second
+    assert "start train          sao_sync-s1-" in second  # --max-runs 1 moved on to the next missing run
+    assert (files[0].read_bytes(), files[0].stat().st_mtime_ns) == before
+    assert len(list((folder / "runs").glob("*.json"))) == 2
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["missing"] == ["grpo/s1", "grpo_dis/s1"] and set(summary["results"]) == {"sao/s1", "sao_sync/s1"}
+    assert "PARTIAL: 2 of 4 runs finished" in (folder / "results.md").read_text()
+
+
+def test_result_key_changes_with_config_algorithm_version_and_sft_weights_not_with_the_start_path(tmp_path,
+                                                                                                  monkeypatch):
+    from megatron_sao.trainer import step
+
+    b = smollm2_main.QUICK
+    start = _fake_start(tmp_path / "a" / "toy_sft-1")
+    run = smollm2_main.plan(start, b, [1])[0]
+    key = run_results.result_key(run, start.dir, start.digest)
+    path = run_results.result_path(tmp_path, run, key)
+    run_results.write(path, {"key": key, "algorithm_version": step.ALGORITHM_VERSION})
+    assert run_results.load(path, key) is not None
+
+    # The same SFT weights built elsewhere (another checkout): the same result.
+    moved = _fake_start(tmp_path / "b" / "toy_sft-1")
+    assert run_results.result_key(smollm2_main.plan(moved, b, [1])[0], moved.dir, moved.digest) == key
+    # Other SFT weights, another override, another seed: another result file.
+    assert run_results.result_key(run, start.dir, "e" * 64) != key
+    changed = Run(run.label, run.seed, run.config, (*run.overrides, "algorithm.critic_steps=1"))
+    assert run_results.result_key(changed, start.dir, start.digest) != key
+    assert run_results.result_key(smollm2_main.plan(start, b, [2])[0], start.dir, start.digest) != key
+    # A code change that makes the same config train differently: the old file is not this run's result.
+    monkeypatch.setattr(step, "ALGORITHM_VERSION", step.ALGORITHM_VERSION + 1)
+    new_key = run_results.result_key(run, start.dir, start.digest)
+    assert new_key != key and not run_results.result_path(tmp_path, run, new_key).exists()
+    assert run_results.stale(tmp_path, {run: run_results.result_path(tmp_path, run, new_key)}) == [path.name]
+    other_seed = smollm2_main.plan(start, b, [2])[0]  # not a run of this invocation: not its stale file
+    assert run_results.stale(tmp_path, {other_seed: run_results.result_path(tmp_path, other_seed, new_key)}) == []
+    with pytest.raises(ValueError, match="delete the file"):  # and the old file is never read as the new one
+        run_results.load(path, key)
+
+
+@pytest.mark.parametrize("budget,config", [(smollm2_main.QUICK, TOY_QUICK_CONFIG),
+                                           (smollm2_main.FULL, smollm2_main.CONFIG)])
+def test_every_method_sees_the_same_trajectories_per_actor_step_and_in_total(tmp_path, budget, config):
+    start = smollm2_main.SftStart("s", config, tmp_path, (), 0.0, digest="d")
+    runs = smollm2_main.plan(start, budget, smollm2_main.DEFAULT_SEEDS)
+    assert sorted({r.label for r in runs}) == sorted(smollm2_main.ROWS) and len(runs) == 4 * 2
+    budgets = {r.label: smollm2_main.budget_of(r) for r in runs}
+    assert set(budgets.values()) == {(budget.batch, budget.batch * budget.steps)}, budgets
+    by_label = {r.label: r for r in runs}
+    assert "trainer.mode=sync" in by_label["sao_sync"].overrides
+    assert "trainer.mode=sync" not in by_label["sao"].overrides
+    if budget is smollm2_main.FULL:  # the paper's settings: 128 held-out tasks; SAO 20 actor steps after warm-up
+        assert "env.eval_size=128" in by_label["sao"].overrides
+        assert "run.total_steps=20" in by_label["sao"].overrides and "run.total_steps=25" in by_label["grpo"].overrides
+
+
+def test_a_missing_smollm2_model_says_how_to_build_it(tmp_path):
+    config = tmp_path / "no_model.yaml"
+    config.write_text("model: {path: " + str(tmp_path / "hf") + "}\n")
+    with pytest.raises(SystemExit, match="make smollm2"):
+        smollm2_main.require_model(str(config))

@@ -265,27 +265,30 @@ class EpisodeDriver:
         self.call(go())
 
     async def _monitor_health(self) -> None:
-        # Dead servers are checked too, each in its own task: one that answers again may rejoin at the
-        # next weight update (server_pool), and a hung one (a frozen `vllm serve`, its check running out
-        # health_timeout_s) must not hold back the rounds that would see another answer again.
-        rechecks: dict[int, asyncio.Task] = {}
+        # Every server is checked in its own task, one at a time per server: a hung one (a frozen `vllm
+        # serve`, its check running out health_timeout_s) must hold back neither the checks that would
+        # find another live server dead nor those that would see a dead one answer again (it may rejoin
+        # at the next weight update, server_pool).
+        checks: dict[int, asyncio.Task] = {}
         try:
             while not self._stop.is_set():
                 await asyncio.sleep(self.health_interval_s)
                 for slot in self.pool.slots:
-                    if not slot.alive and slot.rejoin_refused is None and (
-                            slot.index not in rechecks or rechecks[slot.index].done()):
-                        rechecks[slot.index] = asyncio.create_task(self._recheck_dead(slot))
-                live = self.pool.alive()
-                ok = await asyncio.gather(*(self.pool.check(s, self.health_timeout_s) for s in live))
-                for slot, healthy in zip(live, ok):
-                    if not healthy:
-                        await self._server_failed(slot, f"health check failed (every {self.health_interval_s:g}s)")
+                    if slot.index in checks and not checks[slot.index].done():
+                        continue
+                    if slot.alive:
+                        checks[slot.index] = asyncio.create_task(self._check_live(slot))
+                    elif slot.rejoin_refused is None:
+                        checks[slot.index] = asyncio.create_task(self._recheck_dead(slot))
                 self._check_deadline()
         finally:
-            for t in rechecks.values():
+            for t in checks.values():
                 t.cancel()
-            await asyncio.gather(*rechecks.values(), return_exceptions=True)
+            await asyncio.gather(*checks.values(), return_exceptions=True)
+
+    async def _check_live(self, slot: ServerSlot) -> None:
+        if not await self.pool.check(slot, self.health_timeout_s):
+            await self._server_failed(slot, f"health check failed (every {self.health_interval_s:g}s)")
 
     async def _recheck_dead(self, slot: ServerSlot) -> None:
         healthy = await self.pool.check(slot, self.health_timeout_s)

@@ -19,8 +19,8 @@
 #   SAO_TRAINER_NODES     trainer nodes (default cluster.trainer_nodes); the rest are rollout nodes
 #   SAO_GPUS_PER_NODE     default SLURM_GPUS_ON_NODE, else the recipe's cluster.gpus_per_node
 #   SAO_GPU_MEM_GIB       GPU memory for the preflight plan (default 80); SAO_SKIP_PLAN=1 skips it
-#   SAO_HEALTH_TIMEOUT_S  deadline for every vLLM server to answer /health, counted by the trainer
-#                         (rollout.server_start_timeout_s; default: the recipe's, 1800)
+#   SAO_HEALTH_TIMEOUT_S  deadline for every vLLM server to answer /health, counted by the trainer once
+#                         its models are built (rollout.server_start_timeout_s; default: the recipe's, 1800)
 #   SAO_KILL_GRACE_S      SIGTERM -> SIGKILL grace, e.g. for a final checkpoint (default 120)
 #   SAO_POLL_S            poll interval of the done/stop-file and server checks (default 5 s)
 #   SAO_SERVER_RESTARTS   restarts of one rollout server that exited before the trainer finished (default 3)

@@ -19,9 +19,10 @@
 #   SAO_TRAINER_NODES     trainer nodes (default cluster.trainer_nodes); the rest are rollout nodes
 #   SAO_GPUS_PER_NODE     default SLURM_GPUS_ON_NODE, else the recipe's cluster.gpus_per_node
 #   SAO_GPU_MEM_GIB       GPU memory for the preflight plan (default 80); SAO_SKIP_PLAN=1 skips it
-#   SAO_HEALTH_TIMEOUT_S  deadline for every vLLM server to answer /health (default 1800)
+#   SAO_HEALTH_TIMEOUT_S  deadline for every vLLM server to answer /health, counted by the trainer once
+#                         its models are built (rollout.server_start_timeout_s; default: the recipe's, 1800)
 #   SAO_KILL_GRACE_S      SIGTERM -> SIGKILL grace, e.g. for a final checkpoint (default 120)
-#   SAO_POLL_S            poll interval of the health and done/stop-file checks (default 10 / 5 s)
+#   SAO_POLL_S            poll interval of the done/stop-file and server checks (default 5 s)
 #   SAO_SERVER_RESTARTS   restarts of one rollout server that exited before the trainer finished (default 3)
 #   SAO_RESTART_BACKOFF_S delay before restart n: this * 2^(n-1) seconds, at most 300 (default 10)
 #   SAO_SRUN_ARGS         extra srun flags: container (--container-image=... --container-mounts=...), --mpi, ...
@@ -59,7 +60,6 @@ sao_defaults() {
     export SAO_GPUS_PER_NODE="${SAO_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}"
     [[ "$SAO_GPUS_PER_NODE" == 0 ]] && SAO_GPUS_PER_NODE=""
     export SAO_GPU_MEM_GIB="${SAO_GPU_MEM_GIB:-80}"
-    export SAO_HEALTH_TIMEOUT_S="${SAO_HEALTH_TIMEOUT_S:-1800}"
     export SAO_KILL_GRACE_S="${SAO_KILL_GRACE_S:-120}"
     # torchrun gives its workers this long between its SIGTERM and SIGKILL (its default, 30 s, is
     # shorter than a large model's final checkpoint).
@@ -109,6 +109,7 @@ sao_collect_overrides() {
     SAO_OVERRIDES=()
     [[ -n "${SAO_MODEL_DIR:-}" ]] && SAO_OVERRIDES+=("model.path=$SAO_MODEL_DIR")
     [[ -n "${SAO_MEGATRON_CKPT:-}" ]] && SAO_OVERRIDES+=("actor.init=$SAO_MEGATRON_CKPT")
+    [[ -n "${SAO_HEALTH_TIMEOUT_S:-}" ]] && SAO_OVERRIDES+=("rollout.server_start_timeout_s=$SAO_HEALTH_TIMEOUT_S")
     SAO_OVERRIDES+=("$@")
 }
 
@@ -197,26 +198,6 @@ sao_stop_all() {
     SAO_PIDS=()
 }
 
-sao_http_ok() {
-    if command -v curl >/dev/null 2>&1; then curl -sf -o /dev/null --max-time 5 "$1"
-    else "$SAO_PYTHON" -c 'import sys,urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$1" 2>/dev/null; fi
-}
-
-# Wait until every URL answers 2xx, or fail at the deadline naming the ones that did not.
-sao_wait_healthy() {
-    local timeout="$1"; shift
-    local deadline=$((SECONDS + timeout)) url pending=("$@")
-    while ((${#pending[@]})); do
-        local still=()
-        for url in "${pending[@]}"; do sao_http_ok "$url" || still+=("$url"); done
-        pending=("${still[@]+"${still[@]}"}")
-        ((${#pending[@]})) || break
-        ((SECONDS < deadline)) || sao_die "no /health answer after ${timeout}s from: ${pending[*]}"
-        sleep "${SAO_POLL_S:-10}"
-    done
-    sao_log "healthy: $*"
-}
-
 sao_node_main() {
     set -euo pipefail
     sao_defaults
@@ -230,7 +211,6 @@ sao_node_main() {
     trap sao_stop_all EXIT
     trap 'exit 143' TERM
     trap 'exit 130' INT
-    if ((${#SAO_WAIT_FOR[@]})); then sao_wait_healthy "$SAO_HEALTH_TIMEOUT_S" "${SAO_WAIT_FOR[@]}"; fi
     local i name log cmd
     for ((i = 0; i < SAO_NPROCS; i++)); do
         eval "name=\$SAO_PROC_NAME_$i; log=\$SAO_PROC_LOG_$i; cmd=(\"\${SAO_PROC_CMD_$i[@]}\")"

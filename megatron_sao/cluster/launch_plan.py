@@ -69,7 +69,6 @@ class NodePlan:
     host: str
     role: Role
     processes: list[ProcessSpec]
-    wait_for: list[str]  # health URLs that must answer 200 before this node starts its processes
     health: list[str]  # this node's own health URLs (rollout servers)
 
 
@@ -204,12 +203,14 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
         # --resume: a requeued job continues from the run dir's latest checkpoint (fresh if none).
         env = {"SAO_NODE_RANK": str(rank), **gloo_env}
         proc = ProcessSpec(f"trainer-{rank}", argv, env, os.path.join(logs, f"trainer-node{rank}-{host}.log"))
-        nodes.append(NodePlan(rank, host, "trainer", [proc], wait_for=[u + "/health" for u in server_urls], health=[]))
+        # Started at once: the trainer waits for the servers' /health itself (rollout/episode_driver.py),
+        # so its model build overlaps their model load.
+        nodes.append(NodePlan(rank, host, "trainer", [proc], health=[]))
     for j, host in enumerate(rollout_hosts):
         make = _vllm_process if exe.rollout_server == "vllm" else _sao_server_process
         procs = [make(cfg, exe, model_dir, host, i, j, logs, config, overrides) for i in range(servers_per_node)]
         urls = [f"http://{host}:{c.rollout_port + i}/health" for i in range(servers_per_node)]
-        nodes.append(NodePlan(T + j, host, "rollout", procs, wait_for=[], health=urls))
+        nodes.append(NodePlan(T + j, host, "rollout", procs, health=urls))
     done = os.path.join(run_dir, f".trainer-done-{job_id}-{restart_count}")
     return LaunchPlan(job_id=job_id, run_dir=run_dir, placement=c.placement, master_addr=master,
                       master_port=c.master_port, trainer_nodes=T, rollout_nodes=R, gpus_per_node=G,
@@ -275,7 +276,7 @@ def render_bash(plan: LaunchPlan, rank: int) -> str:
     n = plan.node(rank)
     out = [f"SAO_ROLE={n.role}", f"SAO_HOST={shlex.quote(n.host)}", f"SAO_NODE_RANK={n.node_rank}",
            f"SAO_RUN_DIR={shlex.quote(plan.run_dir)}", f"SAO_DONE_FILE={shlex.quote(plan.done_file)}",
-           f"SAO_NPROCS={len(n.processes)}", _bash_array("SAO_WAIT_FOR", n.wait_for),
+           f"SAO_NPROCS={len(n.processes)}",
            _bash_array("SAO_HEALTH", n.health)]
     for i, p in enumerate(n.processes):
         out.append(f"SAO_PROC_NAME_{i}={shlex.quote(p.name)}")
@@ -291,8 +292,6 @@ def render_text(plan: LaunchPlan) -> str:
              f"master={plan.master_addr}:{plan.master_port} run_dir={plan.run_dir}"]
     for n in plan.nodes:
         lines.append(f"[node {n.node_rank} {n.host} {n.role}]")
-        for url in n.wait_for:
-            lines.append(f"  wait-health {url}")
         for p in n.processes:
             lines.append(f"  {p.shell()} > {shlex.quote(p.log)} 2>&1")
         for url in n.health:

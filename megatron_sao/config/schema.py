@@ -185,6 +185,10 @@ class RolloutConfig:
     # With every server out of service: how long the run waits for one to come back (a restarted
     # server rejoins with the current weights) before it stops with a checkpoint.
     server_deadline_s: float = 300.0
+    # The trainer starts while its vllm_server servers still load (the two cold starts overlap); a
+    # server with no /health answer this long after the trainer built its models stops the run
+    # (SAO_HEALTH_TIMEOUT_S).
+    server_start_timeout_s: float = 1800.0
     vllm_serve_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags of the launch plan
     # Rollout routing replay (R3, MoE actors only): the engines return the experts every token was routed
     # to, the trajectory keeps them, and the actor's forward replays them (megatron/routing_replay.py).

@@ -103,6 +103,7 @@ def _check_rollout_servers(r: RolloutConfig) -> None:
            "rollout.weight_sync_check_every", f"must be an int >= 1, got {r.weight_sync_check_every!r}")
     _check(r.health_check_interval_s >= 0, "rollout.health_check_interval_s", "must be >= 0 (0 = off)")
     _check(r.server_deadline_s >= 0, "rollout.server_deadline_s", "must be >= 0 (0 = stop when the last server dies)")
+    _check(r.server_start_timeout_s > 0, "rollout.server_start_timeout_s", "must be > 0")
 
 
 def _check_buffer(b: BufferConfig) -> None:

@@ -21,6 +21,11 @@ episodes it could not run stay queued for a resume), and the trainer writes a ch
 A dead server stays under health checks; one that answers again rejoins through the next weight update
 (``ServerPool.revive``: never at an old weight version). With none in service the trainer does not wait
 for a step to end: ``needs_rejoin`` asks it for an update of its current weights to the rejoining ones.
+Start-up: with a pool whose servers are still starting (``ServerPool(starting=True)``: the trainer does not
+wait for its `vllm serve`s before it builds its models), each server's /health is polled every
+``START_POLL_S`` until it answers and the server comes up (``ServerPool.up``); no episode starts
+before one is in service. A server that has not answered ``start_timeout_s`` after the start stops the
+run with an error naming every such URL.
 Episodes that fail on a healthy server are ordinary failed trajectories, and the circuit breaker stops
 the run when they keep coming (``max(8, concurrency)`` in a row with no healthy server, or four times
 that with healthy ones).
@@ -51,11 +56,14 @@ logger = logging.getLogger(__name__)
 
 
 class EpisodeDriver:
+    START_POLL_S = 1.0  # /health polls of a starting server (a refused connection answers at once)
+
     def __init__(self, pool, env_factory: Callable[[Task], Any], stream: PromptStream, formatter,
                  loop_cfg: AgentLoopConfig, on_done: Callable[[Trajectory], None], *, batch_size: int,
                  ahead: int, concurrency: int, group_size: int = 1, next_pos: int = 0,
                  requeue: list[Unit] | None = None, skip: set[Unit] | None = None, step_offset: int = 0,
-                 health_interval_s: float = 10.0, health_timeout_s: float = 30.0, server_deadline_s: float = 300.0):
+                 health_interval_s: float = 10.0, health_timeout_s: float = 30.0, server_deadline_s: float = 300.0,
+                 start_timeout_s: float = 1800.0):
         self.pool = pool if isinstance(pool, ServerPool) else ServerPool([pool])
         self.env_factory, self.stream, self.formatter = env_factory, stream, formatter
         self.loop_cfg, self.on_done = loop_cfg, on_done
@@ -64,6 +72,7 @@ class EpisodeDriver:
         # With health checks off nothing could notice a server coming back: stop at once then.
         self.server_deadline_s = server_deadline_s if health_interval_s > 0 else 0.0
         self._all_dead_since: float | None = None  # monotonic time the last server went out of service
+        self.start_timeout_s = start_timeout_s  # for the pool's starting servers to answer /health
         self.next_pos = next_pos
         self._queue: collections.deque[Unit] = collections.deque(requeue or [])
         self._skip = set(skip or ())  # units whose trajectory is already in the buffer (resume)
@@ -159,9 +168,11 @@ class EpisodeDriver:
 
     @property
     def awaiting_server(self) -> bool:
-        """No server in service and ``server_deadline_s`` not yet passed: a batch may still come once
-        one is back (restarted by its node), so the trainer's batch wait must not give up meanwhile."""
-        return self.error is None and self._all_dead_since is not None and not self.pool.alive()
+        """No server in service and ``server_deadline_s`` (or, while servers are starting,
+        ``start_timeout_s``) not yet passed: a batch may still come once one is back (restarted by its
+        node) or up, so the trainer's batch wait must not give up meanwhile."""
+        return self.error is None and not self.pool.alive() and (
+            self._all_dead_since is not None or bool(self.pool.starting()))
 
     def _admit(self) -> bool:
         return (bool(self.pool.alive()) and len(self.in_flight) < self.concurrency
@@ -250,7 +261,8 @@ class EpisodeDriver:
         if self.pool.alive():
             self._all_dead_since = None
             return
-        if self.error is None and self._all_dead_since is not None \
+        # While servers are starting, start_timeout_s bounds the wait for them instead.
+        if self.error is None and self._all_dead_since is not None and not self.pool.starting() \
                 and time.monotonic() - self._all_dead_since >= self.server_deadline_s:
             self.error = RuntimeError(f"every rollout server is out of service (for {self.server_deadline_s:g}s, "
                                       "rollout.server_deadline_s: the rollout engine is unhealthy): "
@@ -265,27 +277,51 @@ class EpisodeDriver:
         self.call(go())
 
     async def _monitor_health(self) -> None:
-        # Dead servers are checked too, each in its own task: one that answers again may rejoin at the
-        # next weight update (server_pool), and a hung one (a frozen `vllm serve`, its check running out
-        # health_timeout_s) must not hold back the rounds that would see another answer again.
-        rechecks: dict[int, asyncio.Task] = {}
+        # Every server is checked in its own task, one at a time per server: a hung one (a frozen `vllm
+        # serve`, its check running out health_timeout_s) must hold back neither the checks that would
+        # find another live server dead nor those that would see a dead one answer again (it may rejoin
+        # at the next weight update, server_pool).
+        checks: dict[int, asyncio.Task] = {}
         try:
             while not self._stop.is_set():
                 await asyncio.sleep(self.health_interval_s)
                 for slot in self.pool.slots:
-                    if not slot.alive and slot.rejoin_refused is None and (
-                            slot.index not in rechecks or rechecks[slot.index].done()):
-                        rechecks[slot.index] = asyncio.create_task(self._recheck_dead(slot))
-                live = self.pool.alive()
-                ok = await asyncio.gather(*(self.pool.check(s, self.health_timeout_s) for s in live))
-                for slot, healthy in zip(live, ok):
-                    if not healthy:
-                        await self._server_failed(slot, f"health check failed (every {self.health_interval_s:g}s)")
+                    if slot.index in checks and not checks[slot.index].done():
+                        continue
+                    if slot.alive:
+                        checks[slot.index] = asyncio.create_task(self._check_live(slot))
+                    elif slot.rejoin_refused is None and not slot.starting:  # starting: _await_start
+                        checks[slot.index] = asyncio.create_task(self._recheck_dead(slot))
                 self._check_deadline()
         finally:
-            for t in rechecks.values():
+            for t in checks.values():
                 t.cancel()
-            await asyncio.gather(*rechecks.values(), return_exceptions=True)
+            await asyncio.gather(*checks.values(), return_exceptions=True)
+
+    async def _await_start(self) -> None:
+        """Bring every starting server up once it answers /health; stop the run naming those that
+        have not answered ``start_timeout_s`` after the start."""
+        async def one(slot: ServerSlot) -> None:
+            while not await self.pool.check(slot, self.health_timeout_s):
+                await asyncio.sleep(self.START_POLL_S)
+            self.pool.up(slot)
+            self._wake.set()  # admission may start
+
+        waiting = [asyncio.create_task(one(s)) for s in self.pool.starting()]
+        left = max(0.0, self.start_timeout_s - (time.monotonic() - self._t_start))
+        _, late = await asyncio.wait(waiting, timeout=left)
+        for t in late:
+            t.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+        if late and self.error is None:
+            self.error = RuntimeError(
+                f"rollout servers never answered /health within {self.start_timeout_s:g}s of the start "
+                f"(rollout.server_start_timeout_s): {', '.join(s.label for s in self.pool.starting())}")
+            self._stop.set()
+
+    async def _check_live(self, slot: ServerSlot) -> None:
+        if not await self.pool.check(slot, self.health_timeout_s):
+            await self._server_failed(slot, f"health check failed (every {self.health_interval_s:g}s)")
 
     async def _recheck_dead(self, slot: ServerSlot) -> None:
         healthy = await self.pool.check(slot, self.health_timeout_s)
@@ -324,6 +360,7 @@ class EpisodeDriver:
     async def _main(self) -> None:
         tasks = self._tasks
         monitor = asyncio.create_task(self._monitor_health()) if self.health_interval_s > 0 else None
+        starting = asyncio.create_task(self._await_start()) if self.pool.starting() else None
         try:
             while not self._stop.is_set():
                 with self._lock:
@@ -344,9 +381,10 @@ class EpisodeDriver:
                 waiter.cancel()
                 stopper.cancel()
         finally:
-            for t in [*tasks, *([monitor] if monitor else [])]:
+            helpers = [t for t in (monitor, starting) if t is not None]
+            for t in [*tasks, *helpers]:
                 t.cancel()
-            await asyncio.gather(*tasks, *([monitor] if monitor else []), return_exceptions=True)
+            await asyncio.gather(*tasks, *helpers, return_exceptions=True)
 
     def _on_task_done(self, tasks: set):
         def done(t: asyncio.Task) -> None:

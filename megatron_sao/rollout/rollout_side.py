@@ -52,6 +52,9 @@ class RolloutSideConfig:
     health_interval_s: float = 10.0
     health_timeout_s: float = 30.0
     server_deadline_s: float = 300.0  # with no server in service, how long to wait for one to come back
+    # Servers still starting (not up until they answer /health), and how long they may take; None:
+    # every engine is in service from the start (in-process and colocated engines).
+    start_timeout_s: float | None = None
 
 
 class RolloutSide:
@@ -60,7 +63,7 @@ class RolloutSide:
                  labels: list[str] | None = None, next_pos: int = 0, requeue: list[Unit] | None = None,
                  skip: set[Unit] | None = None, step_offset: int = 0):
         self.cfg, self.formatter = cfg, formatter
-        self.pool = ServerPool(engines, labels, cfg.max_num_seqs)
+        self.pool = ServerPool(engines, labels, cfg.max_num_seqs, starting=cfg.start_timeout_s is not None)
         self.sync = WeightSync(self.pool.engines, cfg.sync_timeout_s, check=cfg.check_weights, atol=cfg.check_atol,
                                strict=False, labels=[s.label for s in self.pool.slots], check_every=cfg.check_every)
         self.driver = EpisodeDriver(self.pool, env_factory, stream, formatter, loop_cfg, on_done,
@@ -68,7 +71,8 @@ class RolloutSide:
                                     group_size=cfg.group_size, next_pos=next_pos, requeue=requeue, skip=skip,
                                     step_offset=step_offset, health_interval_s=cfg.health_interval_s,
                                     health_timeout_s=cfg.health_timeout_s,
-                                    server_deadline_s=cfg.server_deadline_s)
+                                    server_deadline_s=cfg.server_deadline_s,
+                                    start_timeout_s=cfg.start_timeout_s or 0.0)
         self.last_sync: SyncMetrics | None = None
 
     # ------------------------------------------------------------------ what the trainer reads
@@ -133,7 +137,13 @@ class RolloutSide:
         ``routed_reference({server index: routes})`` (called here, on the trainer thread: it runs the
         trainer's forward on every rank) gives each server's reference, computed with its routes.
         """
-        live, rejoin = self.pool.update_members()  # rejoin: dead servers that answer again (server_pool)
+        live, rejoin = self.driver.call(self._members())  # rejoin: dead servers that answer again (server_pool)
+        if not live and not rejoin and self.pool.starting():
+            # A resume before any server is up: each one gets this version when it comes up (it rejoins).
+            for _ in buckets:  # keep the trainer ranks' collectives paired
+                pass
+            logger.info("weights v%d: no rollout server is up yet; each gets them when it is", version)
+            return SyncMetrics(version, 0.0, 0, 0.0)
         if not live and not rejoin:
             raise RuntimeError(f"no rollout server left to update: {self.pool.describe_dead()}")
         wait_s = self.cfg.sync_timeout_s + 60.0  # each step is bounded per server inside WeightSync
@@ -189,6 +199,12 @@ class RolloutSide:
             if self.driver.error is not None:
                 raise WeightSyncError(f"weight sync v{version}: no rollout server left ({self.pool.describe_dead()})")
         return metrics
+
+    async def _members(self) -> tuple[list[int], list[int]]:
+        """On the driver's loop, where starting servers come up: from here on a server that comes up
+        does not hold the trainer's weights (``ServerPool.up``)."""
+        self.pool.base_current = False
+        return self.pool.update_members()
 
     def _settle_rejoins(self, rejoin: list[int], metrics: SyncMetrics, version: int) -> None:
         """Revive each rejoining server that took the whole update; refuse the others for good."""

@@ -10,6 +10,13 @@ value its ``vllm serve --max-num-seqs`` was started with (``rollout.max_num_seqs
 passes the same number to both). Further requests wait here, where the wait is visible, instead of
 queueing inside vLLM against the request timeout.
 
+Start-up: the trainer starts while its `vllm serve`s still load the model (the two cold starts overlap).
+A pool made with ``starting=True`` has every server out of service at first, as "not up yet"; the
+driver polls each one's /health and brings it in (``up``) once it answers. While no weight update
+has begun the servers hold the weights the trainer starts from (the base model, version 0), so one
+that comes up then enters service at once; after that (a resume pushes the resumed weights first)
+it is a rejoining server like a restarted one (below) and gets the whole update before it serves.
+
 A server marked dead (failed health check, failed weight update) gets no new episodes; the driver
 re-runs its in-flight episodes elsewhere. Nothing here falls back silently: every death is logged
 with its reason and counted in ``metrics()``.
@@ -47,6 +54,7 @@ class ServerSlot:
     dead_reason: str | None = None
     healthy_again: bool = False  # dead, but its health check passes: a candidate for the next update
     rejoin_refused: str | None = None  # why its rejoin failed (it is not tried again)
+    starting: bool = False  # not up yet: no /health answer since the start (module docstring)
     outstanding: int = 0  # generate requests sent or waiting for a slot
     in_flight: int = 0  # generate requests sent (<= cap)
     max_in_flight: int = 0  # the most ever seen at once (a check that the cap held)
@@ -103,7 +111,7 @@ class ServerPool:
     """The rollout servers of one run (see the module docstring)."""
 
     def __init__(self, engines: list[RolloutEngine], labels: list[str] | None = None,
-                 max_num_seqs: int | None = None) -> None:
+                 max_num_seqs: int | None = None, starting: bool = False) -> None:
         if not engines:
             raise ValueError("ServerPool needs at least one rollout engine")
         if max_num_seqs is not None and max_num_seqs < 1:
@@ -112,6 +120,9 @@ class ServerPool:
         if len(labels) != len(engines):
             raise ValueError(f"{len(labels)} labels for {len(engines)} engines")
         self.slots = [ServerSlot(i, e, label, max_num_seqs) for i, (e, label) in enumerate(zip(engines, labels))]
+        for slot in self.slots if starting else ():
+            slot.alive, slot.starting, slot.dead_reason = False, True, "not up yet (no /health answer since the start)"
+        self.base_current = True  # no weight update has begun: the servers' own weights are the trainer's
         self.deaths = 0
         self.revivals = 0
         self.reruns = 0  # episodes re-run on another server after theirs died
@@ -148,6 +159,21 @@ class ServerPool:
         logger.error("rollout server %s is out of service (%s); %d of %d servers left", slot.label, reason,
                      len(self.alive()), len(self.slots))
         return True
+
+    def starting(self) -> list[ServerSlot]:
+        return [s for s in self.slots if s.starting]
+
+    def up(self, slot: ServerSlot) -> None:
+        """A starting server answered /health: in service if it holds the trainer's weights, else it
+        rejoins at the next weight update (module docstring)."""
+        slot.starting = False
+        if self.base_current:
+            slot.alive, slot.dead_reason = True, None
+            logger.info("rollout server %s is up: in service (%d of %d)", slot.label, len(self.alive()),
+                        len(self.slots))
+        else:
+            slot.healthy_again = True
+            logger.info("rollout server %s is up; it enters service with the next weight update", slot.label)
 
     def rejoinable(self) -> list[ServerSlot]:
         """Dead servers whose health check passes again and whose rejoin was never refused."""

@@ -260,6 +260,7 @@ def build_rollout_side(cfg: SAOConfig, model_dir: Path, on_done, *, group_size: 
     requeue = [tuple(u) for u in drv.get("queued", []) + drv.get("in_flight", []) if tuple(u) not in in_buffer]
     if engines is not None:
         labels, cap = [e.name for e in engines], max_num_seqs(cfg, len(engines))
+        servers = False
     else:
         engines = make_engines(engine_config(cfg, model_dir))
         servers = r.backend == "vllm_server"
@@ -269,7 +270,8 @@ def build_rollout_side(cfg: SAOConfig, model_dir: Path, on_done, *, group_size: 
         concurrency=r.concurrency, group_size=group_size, sync_timeout_s=r.timeout_s, max_num_seqs=cap,
         check_weights=r.weight_sync_check, check_atol=r.weight_sync_check_atol,
         check_every=r.weight_sync_check_every,
-        health_interval_s=r.health_check_interval_s, server_deadline_s=r.server_deadline_s)
+        health_interval_s=r.health_check_interval_s, server_deadline_s=r.server_deadline_s,
+        start_timeout_s=r.server_start_timeout_s if servers else None)  # servers: up once they answer /health
     return RolloutSide(engines, env_factory(cfg), PromptStream(train_tasks(cfg), cfg.run.seed),
                        ChatFormatter(load_tokenizer(cfg, model_dir)), agent_loop_config(cfg), on_done, side_cfg,
                        labels=labels, next_pos=drv.get("next_pos", 0), requeue=requeue, skip=in_buffer,

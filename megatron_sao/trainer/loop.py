@@ -63,8 +63,8 @@ def take_batch(buffer, step: int, version: int, timeout: float, should_stop: Cal
     """Rank 0's batch wait: ``buffer.take`` until ``timeout`` (rollout.timeout_s) passes with no
     trajectory arriving, None once ``should_stop()``. The timeout is a liveness bound, not a batch
     deadline: a batch of 128K-token trajectories may take longer than it to fill, and every arrival shows
-    the rollouts are alive. While ``awaiting_server()`` (no rollout server in service,
-    rollout.server_deadline_s pending) it does not run at all: it counts from when a server is back, and
+    the rollouts are alive. While ``awaiting_server()`` (no rollout server in service, one still starting
+    or rollout.server_deadline_s pending) it does not run at all: it counts from when a server is back, and
     past the deadline the rollout side's error is what stops the wait."""
     if timeout <= 0:
         return buffer.take(step, version, timeout=timeout, should_stop=should_stop)
@@ -81,8 +81,9 @@ def take_batch(buffer, step: int, version: int, timeout: float, should_stop: Cal
         if awaiting_server():
             awaiting = True
             if not warned:
-                logger.warning("step %d: no rollout server in service; the batch wait goes on until one is back "
-                               "(rollout.server_deadline_s), then rollout.timeout_s=%gs", step, timeout)
+                logger.warning("step %d: no rollout server in service; the batch wait goes on until one is up or "
+                               "back (rollout.server_start_timeout_s, rollout.server_deadline_s), then "
+                               "rollout.timeout_s=%gs", step, timeout)
                 warned = True
         elif awaiting:  # a server is back: the whole timeout from now
             awaiting, deadline = False, time.monotonic() + timeout

@@ -31,6 +31,7 @@ FAKE_VLLM = textwrap.dedent(f"""\
         f.write(f"{{os.getpid()}} {{child.pid}} {{time.time()}}\\n")
     if os.environ.get("FAKE_VLLM_FAIL") or (first and os.environ.get("FAKE_VLLM_FAIL_FIRST")):
         sys.exit(1)
+    time.sleep(float(os.environ.get("FAKE_VLLM_LOAD_S", "0")))  # loading the model: no /health yet
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200 if self.path == "/health" else 404); self.end_headers()
@@ -40,6 +41,10 @@ FAKE_VLLM = textwrap.dedent(f"""\
 FAKE_TORCHRUN = textwrap.dedent("""\
     #!/bin/bash
     printf '%s\\n' "$@" > "$FAKE_OUT/torchrun.args"
+    if [[ -n "${FAKE_TRAINER_HEALTH:-}" ]]; then  # the trainer waits for the server itself
+        until "$SAO_PYTHON" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=1)' \
+            "$FAKE_TRAINER_HEALTH" 2>/dev/null; do echo waiting >> "$FAKE_OUT/torchrun.waits"; sleep 0.2; done
+    fi
     if [[ -n "${FAKE_TRAINER_WAIT:-}" ]]; then  # run until SIGTERM, like the trainer's checkpoint-and-exit
         trap 'echo TERM >> "$FAKE_OUT/torchrun.signals"; exit 130' TERM
         sleep 300 & wait
@@ -86,16 +91,19 @@ def _node(env, rank):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_trainer_waits_for_health_then_rollout_node_stops_cleanly(tmp_path):
+def test_trainer_starts_while_the_server_loads_then_rollout_node_stops_cleanly(tmp_path):
+    """The trainer node starts torchrun at once, not after the servers' /health (the trainer waits for
+    them itself, rollout/episode_driver.py): the fake trainer polls the server, which takes 3 s to load."""
     port = _free_port()
-    env = _env(tmp_path, port, FAKE_TRAINER_RC="3")
+    env = _env(tmp_path, port, FAKE_TRAINER_RC="3", FAKE_VLLM_LOAD_S="3",
+               FAKE_TRAINER_HEALTH=f"http://localhost:{port}/health")
     rollout = _node(env, 1)
     trainer = _node(env, 0)
     t_out, _ = trainer.communicate(timeout=90)
     r_out, _ = rollout.communicate(timeout=60)
     assert trainer.returncode == 3, t_out  # the trainer's exit code is the node's
     assert rollout.returncode == 0, r_out  # done file seen: an intended stop, not a crash
-    assert f"healthy: http://localhost:{port}/health" in t_out
+    assert (tmp_path / "torchrun.waits").exists()  # it was running before the server answered
     args = (tmp_path / "torchrun.args").read_text().splitlines()
     assert args[:4] == ["--nnodes=1", "--nproc-per-node=4", "--node-rank=0", "--master-addr=127.0.0.1"]
     assert f'rollout.server_urls=["http://localhost:{port}"]' in args

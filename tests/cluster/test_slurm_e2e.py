@@ -8,10 +8,11 @@ launcher on one machine"):
 
 - colocated: one node, two trainer ranks each hosting a vLLM engine shard; completes. A plain `scancel`
   of the same job mid-run: checkpoint after the step, the job ends (CANCELLED), no requeue.
-- disaggregated: a trainer node of two ranks, a rollout node of two `vllm serve`. As the trainer starts,
-  one server is SIGKILLed and the other frozen (no server in service: the run waits); the node restarts
-  the killed one, the trainer readmits it with its current weights and it serves; then the time-limit
-  signal (`scancel --signal=USR1 --batch`): checkpoint, requeue under the same id and run dir, resume,
+- disaggregated: a trainer node of two ranks, a rollout node of two `vllm serve`, started together (the
+  trainer waits for the servers' /health itself). Once both serve, one server is SIGKILLed and the other
+  frozen (no server in service: the run waits); the node restarts the killed one, the trainer readmits it
+  with its current weights and it serves; then the time-limit signal (`scancel --signal=USR1 --batch`):
+  checkpoint, requeue under the same id and run dir, resume,
   completion with every step logged once and no trajectory trained twice.
 
 Without the SLURM programs the tests fail in CI (CI=true) and skip elsewhere. A requeued job starts
@@ -187,14 +188,16 @@ def test_disaggregated_job_survives_a_server_kill_and_requeues_at_the_time_limit
     metrics = run / "metrics.jsonl"
     killed = f"http://sao-n2:{rollout_port + 1}"
 
-    # 1. As the trainer starts (both servers answer /health, no episode or weight update yet), SIGKILL
-    # server 1 and freeze server 0 (SIGSTOP of its process group: a hung server; it also keeps the
-    # trainer from finishing its steps before the vLLM restart). Server 0 fails its health checks, so no
-    # server is in service and the run waits (rollout.server_deadline_s). Server 1 is restarted by its
-    # node, answers /health, gets the trainer's current weights at once (a new transfer group) and
-    # serves; then server 0 is thawed.
-    _wait(slurm, job, lambda i: (out.exists() and "start trainer-0" in out.read_text()) or _done(i), 600,
-          "the trainer's start", out)
+    # 1. Once the trainer has both servers in service (it started with them and waited for their
+    # /health itself), SIGKILL server 1 and freeze server 0 (SIGSTOP of its process group: a hung
+    # server; it also keeps the trainer from finishing its steps before the vLLM restart). Server 0
+    # fails its health checks, so no server is in service and the run waits (rollout.server_deadline_s).
+    # Server 1 is restarted by its node, answers /health, gets the trainer's current weights at once (a
+    # new transfer group) and serves; then server 0 is thawed.
+    def both_up(info) -> bool:
+        logs = list((run / "logs").glob("trainer-node0-*.log"))
+        return (bool(logs) and "in service (2 of 2)" in logs[0].read_text()) or _done(info)
+    _wait(slurm, job, both_up, 600, "both servers in service", out)
     frozen = _server_pid(rollout_port)
     os.kill(_server_pid(rollout_port + 1), signal.SIGKILL)
     os.killpg(frozen, signal.SIGSTOP)  # the node started it in its own process group (engine core too)

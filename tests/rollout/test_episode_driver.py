@@ -5,6 +5,7 @@ its turns, the per-server request cap, a dead server's episodes re-run elsewhere
 The engines are scripted fakes (the boundary); the environment, tokenizer, chat formatting, agent
 loop and server pool are real."""
 
+import asyncio
 import time
 
 from engine_fixtures import answering
@@ -226,6 +227,35 @@ def test_a_dead_server_gets_no_episodes_and_its_episodes_rerun_elsewhere():
     m = pool.metrics()
     assert m["rollout/servers_alive"] == 1 and m["rollout/server_deaths"] == 1 and m["rollout/episodes_rerun"] >= 1
     assert not pool.slots[1].alive and "health check failed" in pool.slots[1].dead_reason
+
+
+def test_a_hung_server_does_not_delay_the_health_checks_of_the_others():
+    """srv0 hangs (a frozen `vllm serve`: its health call never answers in health_timeout_s = 60 s), then
+    srv1 fails its health check while its generates still answer (only the health monitor can see it):
+    srv1 is out of service within a few intervals, not once srv0's check ran out its 60 s."""
+    drv, done, engines, pool = make_pool_driver(n_servers=2, concurrency=4, batch_size=4, delay=0.05,
+                                                health_interval_s=0.05, health_timeout_s=60.0)
+
+    async def hang() -> bool:
+        await asyncio.sleep(3600)
+        return True
+
+    async def unhealthy() -> bool:
+        return False
+    engines[0].health = hang
+    drv.start()
+    try:
+        time.sleep(0.3)  # health checks start on the hung server
+        assert pool.slots[1].alive
+        engines[1].health = unhealthy
+        t0 = time.monotonic()
+        assert wait_for(lambda: not pool.slots[1].alive, timeout=10)
+        noticed = time.monotonic() - t0
+    finally:
+        drv.stop()
+    assert noticed < 5 and "health check failed" in pool.slots[1].dead_reason
+    assert pool.slots[0].alive  # its check is still pending: not yet failed
+    assert drv.error is None
 
 
 def test_every_server_dead_past_the_deadline_stops_the_driver_naming_each():

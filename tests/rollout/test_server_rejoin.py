@@ -33,13 +33,13 @@ def scripted_server(formatter, name: str, **kw):
     return answering(formatter, name=name, delay=0.02, scores=REFERENCE, **kw)
 
 
-def make_side(n=2, check=False, server_deadline_s=300.0, health_timeout_s=1.0):
+def make_side(n=2, check=False, server_deadline_s=300.0, health_timeout_s=1.0, start_timeout_s=None):
     fmt = ChatFormatter(build_char_tokenizer())
     servers = [scripted_server(fmt, f"http://srv{i}") for i in range(n)]
     done = []
     cfg = RolloutSideConfig(batch_size=4, ahead=0, concurrency=4, sync_timeout_s=5.0, check_weights=check,
                             health_interval_s=0.05, health_timeout_s=health_timeout_s,
-                            server_deadline_s=server_deadline_s)
+                            server_deadline_s=server_deadline_s, start_timeout_s=start_timeout_s)
     side = RolloutSide(servers, lambda task: ThreeTurns(), PromptStream(ToyToolTasks(80, seed=0), seed=0), fmt,
                        AgentLoopConfig(max_turns=5, max_total_tokens=512, max_new_tokens_per_turn=32,
                                        sampling=SamplingParams(max_new_tokens=32)),
@@ -233,3 +233,78 @@ def test_the_servers_open_the_update_while_the_first_bucket_is_produced():
     finally:
         side.close()
     assert seen == [True, True] and not m.failed and [s.version for s in servers] == [1, 1]
+
+
+def starting_side(n=2, start_timeout_s=60.0):
+    """Servers still loading when the trainer starts: down (no /health answer) until a test brings them up."""
+    side, servers, done = make_side(n=n, start_timeout_s=start_timeout_s)
+    for s in servers:
+        s.down = True
+    side.driver.START_POLL_S = 0.05
+    return side, servers, done
+
+
+def test_the_trainer_starts_before_its_servers_and_each_serves_once_it_answers():
+    """No server answers at the start: nothing runs, the batch wait is told to wait (awaiting_server),
+    and each server enters service as it answers /health, at the version it loaded (no weight update
+    has begun: it holds the trainer's starting weights)."""
+    side, servers, done = starting_side()
+    side.start()
+    try:
+        time.sleep(0.3)
+        assert not side.pool.alive() and side.awaiting_server and not side.needs_rejoin
+        assert not done and not servers[0].calls and side.error is None
+        servers[0].down = False
+        assert wait_for(lambda: side.pool.slots[0].alive) and not side.pool.slots[1].alive
+        assert wait_for(lambda: len(done) == 4, timeout=30)  # served by the one that is up
+        assert not side.awaiting_server and not servers[1].calls
+        servers[1].down = False
+        assert wait_for(lambda: side.pool.slots[1].alive)
+        side.step_finished()
+        assert wait_for(lambda: len(done) == 8, timeout=30)
+    finally:
+        side.close()
+    assert side.error is None and all(t.trainable for t in done)
+    assert servers[0].updates == servers[1].updates == []  # in service without a weight update
+    assert {t.info["server"] for t in done[4:]} == {"http://srv0", "http://srv1"}
+    m = side.metrics()
+    assert m["rollout/servers_alive"] == 2 and m["rollout/server_deaths"] == 0 and m["rollout/server_revivals"] == 0
+
+
+def test_after_a_resumed_push_a_server_that_comes_up_gets_the_weights_before_it_serves():
+    """A resume pushes the resumed weights before any server is up: nothing to send yet (the trainer's
+    export is still drained); the server that comes up then rejoins with the current weights
+    (needs_rejoin: the trainer pushes them) and only then serves, never at its base version."""
+    side, servers, done = starting_side(n=1)
+    side.start()
+    try:
+        drained = []
+        m = side.push_weights((drained.append(b) or b for b in buckets()), 3)
+        assert len(drained) == 2 and not m.failed and not m.per_engine_seconds and servers[0].updates == []
+        servers[0].down = False
+        assert wait_for(lambda: side.needs_rejoin)
+        assert not side.pool.slots[0].alive and not servers[0].calls
+        assert not push(side, 3, check=False).failed
+        assert side.pool.slots[0].alive and servers[0].updates == [3]
+        assert wait_for(lambda: len(done) == 4, timeout=30)
+    finally:
+        side.close()
+    assert side.error is None
+    assert all(set(t.versions[t.action_mask].tolist()) == {3} for t in done)
+
+
+def test_a_server_that_never_answers_stops_the_run_naming_it():
+    """srv0 comes up and serves; srv1 never answers /health: past rollout.server_start_timeout_s the
+    run stops with an error naming srv1's URL (and not srv0's), even though the other one serves."""
+    side, servers, done = starting_side(start_timeout_s=1.5)
+    side.start()
+    try:
+        servers[0].down = False
+        assert wait_for(lambda: len(done) >= 1)
+        assert side.error is None
+        assert wait_for(lambda: side.error is not None, timeout=10)
+    finally:
+        side.close()
+    msg = str(side.error)
+    assert "never answered /health within 1.5s of the start (rollout.server_start_timeout_s)" in msg
+    assert "http://srv1" in msg and "http://srv0" not in msg

@@ -1,9 +1,9 @@
-"""How new weights reach an in-process vLLM engine: one adapter (``WeightTransport``), two transports.
+"""How new weights reach an in-process vLLM engine: one adapter (``WeightTransport``), three transports.
 
 vLLM's weight-update API changed several times before 0.33; everything version-specific lives here so
 ``VLLMEngine`` only calls ``setup`` once and ``begin`` / ``push_bucket`` / ``finish`` per update.
 
-* ``GroupTransport`` (the default: ``nccl`` on GPU, ``gloo`` on CPU): vLLM's weight-transfer API. The
+* ``GroupTransport`` (the default on CPU, over ``gloo``): vLLM's weight-transfer API. The
   trainer process is rank 0 of a group with every vLLM worker (world = 1 + TP*PP, ``transfer_group``)
   and broadcasts each bucket while the workers receive it (``update_weights`` with
   names/dtypes/shapes) and load it layer by layer. On CPU the data plane is our ``sao_gloo`` engine
@@ -107,7 +107,8 @@ class ReloadTransport(WeightTransport):
 class GroupTransport(WeightTransport):
     """vLLM's weight-transfer API, the trainer process as sender rank 0 (module docstring).
 
-    ``nccl``: vLLM's NCCL engine (GPU-ONLY, NOT RUN on this machine). ``gloo``: our ``sao_gloo`` engine,
+    ``nccl``: vLLM's NCCL engine (GPU-ONLY, NOT RUN on this machine; ``make_transport`` never picks it, the
+    in-process engine's worker shares the trainer's GPU: ``IPCTransport``). ``gloo``: our ``sao_gloo`` engine,
     the same calls with a gloo data plane (run by the CPU suite). Requires the engine to be started
     with ``weight_transfer_config={"backend": self.engine_backend}`` (``VLLMEngine`` does that).
     """
@@ -241,7 +242,7 @@ class IPCTransport(WeightTransport):
             self._loading = True  # set first: a start that fails half-way still needs the abort's finish
             await llm.start_weight_update()  # type: ignore[attr-defined]
 
-    def update_info(self, tensors: list[torch.Tensor], names: list[str]) -> dict:
+    def _update_info(self, tensors: list[torch.Tensor], names: list[str]) -> dict:
         """What ``sao_ipc_update_weights`` gets for one bucket: vLLM's ``IPCWeightTransferUpdateInfo``
         fields with each handle (``reduce_tensor``'s arguments) in plain data."""
         from torch.multiprocessing import reductions
@@ -261,7 +262,7 @@ class IPCTransport(WeightTransport):
         # The tensors whose memory the worker maps: on the trainer's GPU, dense. The export's buckets
         # are fresh copies already there, so this copies nothing on the usual path.
         tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
-        info = self.update_info(tensors, [n for n, _ in bucket])
+        info = self._update_info(tensors, [n for n, _ in bucket])
         self.in_flight = tensors
         await llm.collective_rpc("sao_ipc_update_weights", kwargs={"update_info": info})  # type: ignore[attr-defined]
         self._release()  # acknowledged: every worker read it (vLLM synchronised its device)

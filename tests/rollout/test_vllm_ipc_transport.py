@@ -196,7 +196,7 @@ def test_update_info_crosses_msgpack_and_vllm_ipc_engine_loads_the_trainer_tenso
     # AsyncLLM's process boundary: vLLM's msgpack encoder refuses the raw tuple (classes, dtypes) but
     # takes the plain form unchanged.
     raw = reductions.reduce_tensor(torch.zeros(2))[1]
-    with pytest.raises(Exception):
+    with pytest.raises(TypeError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
         MsgpackEncoder().encode({"update_info": {"ipc_handles": [{UUID: raw}]}})
     received = MsgpackDecoder().decode(MsgpackEncoder().encode(kwargs))["update_info"]
     assert received == info
@@ -248,7 +248,9 @@ def test_a_bucket_is_released_only_after_the_worker_acknowledged_it(monkeypatch)
         push = asyncio.ensure_future(t.push_bucket(llm, _bucket()))
         while "sao_ipc_update_weights" not in llm.methods():
             await asyncio.sleep(0)
-        assert len(t.in_flight) == 2 and [x for x in t.in_flight] == [r() for r in cuda.shared.values()]
+        shared = [r() for r in cuda.shared.values()]
+        assert len(t.in_flight) == 2 and all(a is b for a, b in zip(t.in_flight, shared))  # held by the transport
+        del shared
         assert cuda.collects == 0
         llm.gate.set()  # the worker acknowledges
         await push
@@ -263,10 +265,6 @@ def test_abort_after_a_failed_bucket_closes_the_reload_then_releases(monkeypatch
     cuda = FakeCuda(monkeypatch)
     llm = FakeLLM()
     t = IPCTransport(_cfg(), device=torch.device("cpu"))
-    refs = cuda.shared.values()  # the shared tensors, weakly
-    alive_during_abort = []
-    llm.during_abort = lambda: alive_during_abort.append(all(r() is not None for r in refs))
-
     async def push_failing():
         await _ready(t, llm)
         llm.fail_update = "IPC handle not found for GPU UUID"
@@ -275,11 +273,14 @@ def test_abort_after_a_failed_bucket_closes_the_reload_then_releases(monkeypatch
     with pytest.raises(RuntimeError, match="IPC handle not found"):
         asyncio.run(push_failing())
     gc.collect()
+    refs = list(cuda.shared.values())  # the shared tensors, weakly
     assert len(refs) == 2 and all(r() is not None for r in refs)  # not acknowledged: still held
+    alive_during_abort = []
+    llm.during_abort = lambda: alive_during_abort.append(all(r() is not None for r in refs))
     asyncio.run(t.abort(llm))
     assert llm.methods()[-1] == "sao_abort_weight_update" and alive_during_abort == [True]
     gc.collect()
-    assert all(r() is None for r in list(refs)[:2]) and t.in_flight == [] and cuda.collects == 1
+    assert all(r() is None for r in refs) and t.in_flight == [] and cuda.collects == 1
     asyncio.run(t.abort(llm))  # nothing open: no second abort call
     assert llm.methods().count("sao_abort_weight_update") == 1
 

@@ -169,8 +169,9 @@ class RolloutConfig:
     # Generate requests in flight per server: what `vllm serve --max-num-seqs` is started with (the launch
     # plan passes the same value to both). None: ceil(concurrency / servers) for vllm_server, else unbounded.
     max_num_seqs: Optional[int] = None
-    # How weights reach the engines: nccl (GPU), gloo (CPU: the same transfer-group calls), reload
-    # (safetensors bytes; rollout/engines/http_server.py), auto (nccl with CUDA, else gloo; a server: what it offers).
+    # How weights reach the engines: nccl (GPU servers), gloo (CPU: the same transfer-group calls), reload
+    # (safetensors bytes; rollout/engines/http_server.py), auto (servers: nccl with CUDA, else gloo, or what a
+    # server offers; backend vllm: CUDA IPC with CUDA, else gloo; nccl is refused for backend vllm).
     weight_transport: Literal["auto", "reload", "nccl", "gloo"] = "auto"
     # nccl / gloo: the trainer rank-0 host as the servers see it, and one port per server (set by the
     # launch plan from cluster.weight_sync_port; no defaults, a wrong guess would hang a rendezvous).

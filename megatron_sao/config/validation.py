@@ -86,6 +86,11 @@ def _check_rollout_servers(r: RolloutConfig) -> None:
     if r.backend == "vllm_server":
         _check(bool(r.server_urls), "rollout.server_urls", "backend vllm_server needs at least one url")
         _check(len(set(r.server_urls)) == len(r.server_urls), "rollout.server_urls", f"has duplicates: {r.server_urls}")
+    if r.backend == "vllm":
+        _check(r.weight_transport != "nccl", "rollout.weight_transport",
+               "nccl cannot reach a rollout.backend vllm engine: its workers run on the trainer's own GPU (in "
+               "rank 0's process tree, or in every rank when colocated), and NCCL refuses a group with two ranks "
+               "on one device; leave it auto (CUDA IPC embedded, in-process loads colocated; gloo on CPU)")
     if r.max_num_seqs is not None:
         _check(r.max_num_seqs >= 1, "rollout.max_num_seqs", f"must be >= 1, got {r.max_num_seqs}")
     if r.weight_transfer_ports:

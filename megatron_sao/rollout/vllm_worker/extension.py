@@ -18,6 +18,7 @@ import torch
 from megatron_sao.rollout.vllm_worker import gloo_engine
 from megatron_sao.rollout.vllm_worker.cpu_lm_head_repack import repack_cpu_lm_heads
 from megatron_sao.rollout.vllm_worker.cpu_moe_repack import expert_modules, repack_cpu_moe
+from megatron_sao.rollout.vllm_worker.ipc_handles import decode_update_info
 
 gloo_engine.register()
 
@@ -59,3 +60,27 @@ class SAOWorkerExtension:
             return {}
         return {"tensors": len(received), "moe_layers_repacked": engine.last_repacked,
                 "lm_heads_repacked": engine.last_heads_repacked}
+
+    def sao_gpu_uuid(self) -> str:
+        """The physical GPU this worker's model is on, as vLLM's ``ipc`` engine keys the handles it opens:
+        the trainer checks it is its own before it shares any tensor (``IPCTransport.setup``)."""
+        return str(torch.cuda.get_device_properties(self.device).uuid)  # type: ignore[attr-defined]
+
+    def sao_ipc_update_weights(self, update_info: dict) -> None:
+        """One bucket by CUDA IPC: the trainer's handles in plain data (``ipc_handles``) back to the tuples
+        vLLM's ``ipc`` engine opens, then vLLM's own ``update_weights`` (its session check, the engine's
+        receive and layerwise load, a device synchronize). When this returns, the worker has read the
+        bucket; views the layerwise reload keeps for a layer not yet complete stay valid through torch's
+        IPC reference count (``rollout/weights/vllm_transport.py::IPCTransport``)."""
+        self.update_weights(decode_update_info(update_info))  # type: ignore[attr-defined]
+
+    def sao_abort_weight_update(self) -> None:
+        """Leave the update in progress, whatever a failed bucket left behind.
+
+        vLLM's ``Worker.update_weights`` ends the update session on any receive error, while the
+        engine's layerwise reload stays open with the model's layers on the meta device, so a plain
+        ``finish_weight_update`` would refuse ("without a matching start") and leave a model that
+        cannot run. Setting the flag back lets vLLM's finish run its ``finalize_layerwise_reload``:
+        layers that received nothing get their tensors back, layers that did keep the new ones."""
+        self._weight_update_active = True  # type: ignore[attr-defined]
+        self.finish_weight_update()  # type: ignore[attr-defined]

@@ -1,9 +1,9 @@
-"""How new weights reach an in-process vLLM engine: one adapter (``WeightTransport``), two transports.
+"""How new weights reach an in-process vLLM engine: one adapter (``WeightTransport``), three transports.
 
 vLLM's weight-update API changed several times before 0.33; everything version-specific lives here so
 ``VLLMEngine`` only calls ``setup`` once and ``begin`` / ``push_bucket`` / ``finish`` per update.
 
-* ``GroupTransport`` (the default: ``nccl`` on GPU, ``gloo`` on CPU): vLLM's weight-transfer API. The
+* ``GroupTransport`` (the default on CPU, over ``gloo``): vLLM's weight-transfer API. The
   trainer process is rank 0 of a group with every vLLM worker (world = 1 + TP*PP, ``transfer_group``)
   and broadcasts each bucket while the workers receive it (``update_weights`` with
   names/dtypes/shapes) and load it layer by layer. On CPU the data plane is our ``sao_gloo`` engine
@@ -18,6 +18,19 @@ vLLM's weight-update API changed several times before 0.33; everything version-s
   for the final load, but the whole model crosses the process boundary at once: measured on
   SmolLM2-135M fp32, a sync raised the machine's memory by about 4 GiB (trainer +2.2, EngineCore
   +1.5, worker +0.3) for a 0.54 GB model.
+* ``IPCTransport`` (``auto`` with CUDA): vLLM's ``ipc`` weight-transfer engine. The in-process engine's
+  worker runs on the trainer's own GPU, where NCCL refuses a group of two ranks, and AsyncLLM always
+  runs its EngineCore (and so the worker) in another process (vLLM refuses an in-process EngineCore
+  under asyncio), so the worker opens CUDA IPC handles of the trainer's bucket tensors and loads
+  from them: no copy on the wire, no second copy of the model. Lifetime: the transport holds a
+  bucket's tensors until the worker acknowledged it (vLLM's ``update_weights`` returned, after its
+  device synchronize), or, when it failed, until ``abort`` has closed the workers' layerwise reload;
+  then it drops them and calls ``torch.cuda.ipc_collect``. A view the layerwise reload still holds
+  for a layer not yet complete (a layer cut by a bucket boundary; a padded one until ``finish``)
+  keeps its memory reserved in the trainer through torch's IPC reference count (a freed block whose
+  consumer has not released it waits in torch's "limbo" and is not reused), so the extra GPU memory
+  is the bucket in flight, the next one being produced and those views. A handle the worker never
+  opened (a bucket refused before its receive) keeps its block until the trainer process exits.
 """
 
 from __future__ import annotations
@@ -48,6 +61,7 @@ class WeightTransport(ABC):
     """Moves a streamed, validated HF-named update into the workers of one AsyncLLM."""
 
     pauses_during_transfer = False  # True: generation must stop from begin to finish
+    engine_backend: str | None = None  # the weight_transfer_config backend vLLM must start with, if any
 
     async def setup(self, llm: object) -> None:
         """One-time connection set-up after the engine started (default: nothing)."""
@@ -93,7 +107,8 @@ class ReloadTransport(WeightTransport):
 class GroupTransport(WeightTransport):
     """vLLM's weight-transfer API, the trainer process as sender rank 0 (module docstring).
 
-    ``nccl``: vLLM's NCCL engine (GPU-ONLY, NOT RUN on this machine). ``gloo``: our ``sao_gloo`` engine,
+    ``nccl``: vLLM's NCCL engine (GPU-ONLY, NOT RUN on this machine; ``make_transport`` never picks it, the
+    in-process engine's worker shares the trainer's GPU: ``IPCTransport``). ``gloo``: our ``sao_gloo`` engine,
     the same calls with a gloo data plane (run by the CPU suite). Requires the engine to be started
     with ``weight_transfer_config={"backend": self.engine_backend}`` (``VLLMEngine`` does that).
     """
@@ -176,9 +191,116 @@ class GroupTransport(WeightTransport):
             await llm.finish_weight_update()  # type: ignore[attr-defined]
 
 
+class IPCTransport(WeightTransport):
+    """vLLM's ``ipc`` engine: the worker loads from CUDA IPC handles of the trainer's tensors (module
+    docstring). GPU-ONLY, NOT RUN on a GPU yet: the CPU suite runs it against a stand-in engine with
+    the CUDA calls (``reduce_tensor``, the device's UUID, ``ipc_collect``) faked.
+
+    ``device``: where the shared tensors must live, the trainer's current CUDA device unless given
+    (a tensor elsewhere, e.g. a CPU snapshot of ``trainer.policy_lag``, is copied there first).
+    """
+
+    pauses_during_transfer = True  # the layerwise reload replaces weights under a running model otherwise
+    engine_backend = "ipc"
+
+    def __init__(self, cfg: EngineConfig, device: torch.device | None = None) -> None:
+        if cfg.tensor_parallel_size != 1:
+            raise ValueError(
+                f"EngineConfig.tensor_parallel_size={cfg.tensor_parallel_size}: CUDA IPC weight transfer (the "
+                "in-process vLLM on CUDA) shares the trainer's tensors with a worker on the trainer's own GPU, "
+                "and only one of the TP workers is there; the embedded vllm backend runs TP 1 (rollout.backend="
+                "vllm), TP > 1 needs vllm_server (NCCL) or the colocated placement")
+        self.cfg = cfg
+        self.device = device
+        self.gpu_uuid: str | None = None
+        self.in_flight: list[torch.Tensor] = []  # the shared tensors the workers have not acknowledged
+        self._loading = False  # the workers are inside a layerwise reload (start_weight_update ran)
+
+    async def setup(self, llm: object) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        if self.device is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.gpu_uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        workers = await llm.collective_rpc("sao_gpu_uuid")  # type: ignore[attr-defined]
+        if list(workers) != [self.gpu_uuid]:
+            raise RuntimeError(f"CUDA IPC weight transfer needs the vLLM worker on the trainer's GPU "
+                               f"({self.device}, {self.gpu_uuid}); the worker(s) run on {list(workers)}: start the "
+                               "trainer with this rank's GPU as the first visible device (CUDA_VISIBLE_DEVICES)")
+        # packed=False: one handle per tensor, so no staging copy of the bucket (vLLM's packed mode copies
+        # every tensor into one producer buffer).
+        await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"packed": False}))  # type: ignore[attr-defined]
+
+    async def begin(self, llm: object, version: int) -> None:
+        if self.gpu_uuid is None:
+            raise RuntimeError("IPCTransport.begin before setup(): the worker's GPU is not checked")
+        # As GroupTransport: the layerwise reload starts with the first bucket that passed validation.
+        self._loading = False
+
+    async def _start(self, llm: object) -> None:
+        if not self._loading:
+            self._loading = True  # set first: a start that fails half-way still needs the abort's finish
+            await llm.start_weight_update()  # type: ignore[attr-defined]
+
+    def _update_info(self, tensors: list[torch.Tensor], names: list[str]) -> dict:
+        """What ``sao_ipc_update_weights`` gets for one bucket: vLLM's ``IPCWeightTransferUpdateInfo``
+        fields with each handle (``reduce_tensor``'s arguments) in plain data."""
+        from torch.multiprocessing import reductions
+
+        from megatron_sao.rollout.vllm_worker.ipc_handles import encode_ipc_args
+
+        handles = []
+        for t in tensors:
+            rebuild, args = reductions.reduce_tensor(t)
+            if rebuild is not reductions.rebuild_cuda_tensor:
+                raise ValueError(f"CUDA IPC: tensor on {t.device} is not a CUDA tensor ({rebuild.__name__})")
+            handles.append({self.gpu_uuid: encode_ipc_args(args)})
+        return {**bucket_update_info(list(zip(names, tensors))), "ipc_handles": handles}
+
+    async def push_bucket(self, llm: object, bucket: WeightBucket) -> int:
+        await self._start(llm)
+        # The tensors whose memory the worker maps: on the trainer's GPU, dense. The export's buckets
+        # are fresh copies already there, so this copies nothing on the usual path.
+        tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
+        info = self._update_info(tensors, [n for n, _ in bucket])
+        self.in_flight = tensors
+        await llm.collective_rpc("sao_ipc_update_weights", kwargs={"update_info": info})  # type: ignore[attr-defined]
+        self._release()  # acknowledged: every worker read it (vLLM synchronised its device)
+        return bucket_bytes(bucket)
+
+    def _release(self) -> None:
+        self.in_flight = []
+        torch.cuda.ipc_collect()  # give back the blocks whose views the workers have dropped
+
+    async def finish(self, llm: object, version: int) -> None:
+        await self._start(llm)
+        await llm.finish_weight_update(str(version))  # type: ignore[attr-defined]
+        self._loading = False
+        self._release()  # the layerwise reload held its last views until here
+
+    async def abort(self, llm: object) -> None:
+        """Close the workers' layerwise reload (``sao_abort_weight_update``: also after a failed bucket
+        ended vLLM's session), then release the bucket that was in flight: the workers no longer hold
+        views of it. The engine keeps a partial update, as with ``GroupTransport.abort``."""
+        try:
+            if self._loading:
+                self._loading = False
+                await llm.collective_rpc("sao_abort_weight_update")  # type: ignore[attr-defined]
+        finally:
+            self._release()
+
+
 def make_transport(cfg: EngineConfig) -> WeightTransport:
-    """``auto`` picks NCCL when CUDA is present, else gloo; ``reload`` must be asked for."""
+    """How weights reach the in-process vLLM engine: ``auto`` is CUDA IPC with CUDA (the worker shares
+    the trainer's GPU), else the gloo group; ``gloo`` and ``reload`` must be asked for. ``nccl`` is
+    refused: the worker is on the trainer's GPU, where NCCL refuses a group of two ranks."""
     kind = cfg.weight_transport
+    if kind == "nccl":
+        raise ValueError("EngineConfig.weight_transport='nccl' (rollout.weight_transport): the in-process vLLM "
+                         "engine's worker runs on the trainer's own GPU, and NCCL refuses a group with two ranks on "
+                         "one device; leave it 'auto' (CUDA IPC on a GPU, the gloo group on CPU)")
     if kind == "auto":
-        kind = "nccl" if torch.cuda.is_available() else "gloo"
+        kind = "ipc" if torch.cuda.is_available() else "gloo"
+    if kind == "ipc":
+        return IPCTransport(cfg)
     return ReloadTransport() if kind == "reload" else GroupTransport(cfg, kind)

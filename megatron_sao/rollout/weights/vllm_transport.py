@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from typing import Literal
 
 import torch
 
@@ -107,19 +106,18 @@ class ReloadTransport(WeightTransport):
 class GroupTransport(WeightTransport):
     """vLLM's weight-transfer API, the trainer process as sender rank 0 (module docstring).
 
-    ``nccl``: vLLM's NCCL engine (GPU-ONLY, NOT RUN on this machine; ``make_transport`` never picks it, the
-    in-process engine's worker shares the trainer's GPU: ``IPCTransport``). ``gloo``: our ``sao_gloo`` engine,
-    the same calls with a gloo data plane (run by the CPU suite). Requires the engine to be started
-    with ``weight_transfer_config={"backend": self.engine_backend}`` (``VLLMEngine`` does that).
+    The data plane is our ``sao_gloo`` engine: vLLM's calls with a gloo group (run by the CPU suite). On a
+    GPU the in-process engine's worker shares the trainer's GPU, where NCCL refuses a group of two ranks,
+    so it takes ``IPCTransport`` instead. Requires the engine to be started with
+    ``weight_transfer_config={"backend": self.engine_backend}`` (``VLLMEngine`` does that).
     """
 
     pauses_during_transfer = True
 
-    def __init__(self, cfg: EngineConfig, backend: Literal["nccl", "gloo"]) -> None:
-        if backend not in ("nccl", "gloo"):
-            raise ValueError(f"GroupTransport backend must be 'nccl' or 'gloo', got {backend!r}")
+    backend = "gloo"
+
+    def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        self.backend = backend
         self.last_result: list[dict] | None = None
         self._group = None
         self._loading = False  # the workers are inside a layerwise reload (start_weight_update ran)
@@ -129,7 +127,7 @@ class GroupTransport(WeightTransport):
         """The name vLLM's ``WeightTransferEngineFactory`` knows the receiving side by."""
         from megatron_sao.rollout.vllm_worker.gloo_engine import BACKEND_NAME
 
-        return "nccl" if self.backend == "nccl" else BACKEND_NAME
+        return BACKEND_NAME
 
     async def setup(self, llm: object) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -150,7 +148,7 @@ class GroupTransport(WeightTransport):
 
     async def begin(self, llm: object, version: int) -> None:
         if self._group is None:
-            raise RuntimeError(f"GroupTransport({self.backend}).begin before setup(): the group is not initialised")
+            raise RuntimeError("GroupTransport.begin before setup(): the group is not initialised")
         # The workers enter their layerwise reload with the first bucket that passed validation
         # (``VLLMEngine.push_weight_bucket`` checks it first): an update refused at its first bucket
         # leaves the model untouched.
@@ -167,28 +165,29 @@ class GroupTransport(WeightTransport):
         from megatron_sao.rollout.vllm_worker.transfer_group import send_bucket
 
         await self._start(llm)
-        info, ready = bucket_update_info(bucket), {}
-        if self.backend == "gloo":  # the workers say when they receive (transfer_group.wait_receiving)
-            info["ready_key"] = self._group.next_ready_key()
-            ready = dict(ready_key=info["ready_key"], workers=self.cfg.tensor_parallel_size)
+        info = bucket_update_info(bucket)
+        info["ready_key"] = self._group.next_ready_key()  # the workers say when they receive (wait_receiving)
         await send_bucket(self._group, [t for _, t in bucket],
-                          llm.update_weights(WeightTransferUpdateRequest(update_info=info)), **ready)  # type: ignore[attr-defined]
+                          llm.update_weights(WeightTransferUpdateRequest(update_info=info)),  # type: ignore[attr-defined]
+                          ready_key=info["ready_key"], workers=self.cfg.tensor_parallel_size)
         return bucket_bytes(bucket)
 
     async def finish(self, llm: object, version: int) -> None:
         await self._start(llm)
         await llm.finish_weight_update(str(version))  # type: ignore[attr-defined]
         self._loading = False  # (if finishing failed, ``abort`` tries once more to leave the reload)
-        # What each worker loaded and repacked (sao_gloo reports it; vLLM's NCCL engine gives {}).
+        # What each worker loaded and repacked (sao_gloo reports it).
         self.last_result = await llm.collective_rpc("sao_last_update")  # type: ignore[attr-defined]
 
     async def abort(self, llm: object) -> None:
         """Leave the workers' layerwise reload (without a version): layers that received nothing get
         their previous tensors back; layers that did keep the new ones, so the engine holds a partial
-        update until the next complete one (``VLLMEngine.finish_weight_update`` says so)."""
+        update until the next complete one (``VLLMEngine.finish_weight_update`` says so). Through the
+        extension's ``sao_abort_weight_update``: after a failed receive vLLM has already ended the update
+        session, and its plain finish would refuse and leave the layers on the meta device."""
         if self._loading:
             self._loading = False
-            await llm.finish_weight_update()  # type: ignore[attr-defined]
+            await llm.collective_rpc("sao_abort_weight_update")  # type: ignore[attr-defined]
 
 
 class IPCTransport(WeightTransport):
@@ -303,4 +302,4 @@ def make_transport(cfg: EngineConfig) -> WeightTransport:
         kind = "ipc" if torch.cuda.is_available() else "gloo"
     if kind == "ipc":
         return IPCTransport(cfg)
-    return ReloadTransport() if kind == "reload" else GroupTransport(cfg, kind)
+    return ReloadTransport() if kind == "reload" else GroupTransport(cfg)

@@ -80,17 +80,17 @@ def _check_sampling(r: RolloutConfig, a: AlgorithmConfig) -> None:
                    f"algorithm.name=grpo (ratio against its own log-probs) samples with other settings")
 
 
-def _check_rollout_servers(r: RolloutConfig) -> None:
+def _check_rollout_servers(r: RolloutConfig, placement: str) -> None:
     """Requests, the server pool and weight sync."""
     _check(r.timeout_s > 0, "rollout.timeout_s", "must be > 0")
     if r.backend == "vllm_server":
         _check(bool(r.server_urls), "rollout.server_urls", "backend vllm_server needs at least one url")
         _check(len(set(r.server_urls)) == len(r.server_urls), "rollout.server_urls", f"has duplicates: {r.server_urls}")
-    if r.backend == "vllm":
+    if r.backend == "vllm" and placement == "embedded":  # disaggregated: vllm serve on other GPUs, NCCL is right
         _check(r.weight_transport != "nccl", "rollout.weight_transport",
-               "nccl cannot reach a rollout.backend vllm engine: its workers run on the trainer's own GPU (in "
-               "rank 0's process tree, or in every rank when colocated), and NCCL refuses a group with two ranks "
-               "on one device; leave it auto (CUDA IPC embedded, in-process loads colocated; gloo on CPU)")
+               "nccl cannot reach the embedded rollout.backend vllm engine: its worker runs on trainer rank 0's "
+               "own GPU, and NCCL refuses a group with two ranks on one device; leave it auto (CUDA IPC on a "
+               "GPU, the gloo group on CPU)")
     if r.max_num_seqs is not None:
         _check(r.max_num_seqs >= 1, "rollout.max_num_seqs", f"must be >= 1, got {r.max_num_seqs}")
     if r.weight_transfer_ports:
@@ -156,7 +156,7 @@ def validate(cfg: SAOConfig) -> SAOConfig:
     _check_algorithm(cfg.algorithm, cfg.buffer)
     _check_model_layout(cfg.parallel, cfg.model)
     _check_sampling(cfg.rollout, cfg.algorithm)
-    _check_rollout_servers(cfg.rollout)
+    _check_rollout_servers(cfg.rollout, cfg.cluster.placement)
     _check_buffer(cfg.buffer)
     _check_policy_lag(cfg)
     _check_run(cfg.run)

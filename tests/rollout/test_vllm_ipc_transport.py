@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import weakref
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -145,10 +146,12 @@ def test_cuda_selects_ipc_and_refuses_what_cannot_work(monkeypatch):
         make_transport(_cfg(tensor_parallel_size=2))
 
 
-def test_config_refuses_nccl_for_the_vllm_backend():
-    with pytest.raises(ConfigError, match=r"rollout.weight_transport: nccl cannot reach a rollout.backend vllm"):
+def test_config_refuses_nccl_for_the_embedded_vllm_backend():
+    with pytest.raises(ConfigError, match=r"rollout.weight_transport: nccl cannot reach the embedded rollout.backend"):
         load_config(None, ["rollout.backend=vllm", "rollout.weight_transport=nccl"])
     load_config(None, ["rollout.backend=vllm"])  # auto stays valid
+    # disaggregated: the launch plan turns backend vllm into vllm serve on other GPUs, one NCCL group for all
+    load_config(Path(__file__).resolve().parents[2] / "examples" / "qwen3_30b_a3b" / "aime_disaggregated.yaml")
     load_config(None, ["rollout.backend=vllm_server", "rollout.server_urls=[http://a:1]",
                        "rollout.weight_transport=nccl"])  # servers keep their NCCL group
 

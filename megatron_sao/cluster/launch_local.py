@@ -95,6 +95,9 @@ def build_local_plan(config: str, *, trainer_ranks: int, rollout_servers: int, r
              "cluster.trainer_nodes=1", "cluster.rollout_tp=1"]
     if not rollout_servers:
         local += ["cluster.placement=embedded"]
+        # A cluster recipe's nccl is for its vllm serves; the embedded engine's worker shares rank 0's
+        # device, where nccl is refused: auto (CUDA IPC on a GPU, gloo on CPU) unless the user says otherwise.
+        overrides = ["rollout.weight_transport=auto", *overrides]
     else:
         local += ["cluster.placement=disaggregated"]
         if server == "vllm":

@@ -265,6 +265,7 @@ def test_local_plan_is_the_slurm_plan_on_localhost(tmp_path):
     assert f"run.dir={tmp_path}" in srv.argv  # the server materializes models in the run dir
     embedded = build_local_plan(cfg, trainer_ranks=1, rollout_servers=0, run_dir=str(tmp_path))
     assert embedded.servers == [] and not any("server_urls" in a for a in embedded.trainer.argv)
+    assert "rollout.weight_transport=auto" in embedded.trainer.argv  # the recipe's nccl is for its servers
 
 
 def test_local_plan_refuses_bad_input(tmp_path):

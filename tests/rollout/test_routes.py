@@ -157,3 +157,12 @@ def test_server_client_gets_the_routes_of_a_served_engine(tmp_path, route):
     out = asyncio.run(run())
     assert out.routed_experts.dtype == torch.uint8 and out.routed_experts.shape == (2 + 5 - 1, 2, 2)
     assert same_sets(out.routed_experts, full_forward_routes(model, prompt + out.token_ids)[2:-1])
+
+
+def test_scored_routes_must_cover_every_token_of_the_scored_prompt():
+    from megatron_sao.rollout.engines.routes import scored_routes
+
+    routes = torch.zeros(5, 2, 2, dtype=torch.uint8)
+    assert scored_routes(routes, 5, "srv") is routes
+    with pytest.raises(KeyError, match="srv: routed_experts of a scored prompt cover 5 tokens, expected 6"):
+        scored_routes(routes, 6, "srv", KeyError)

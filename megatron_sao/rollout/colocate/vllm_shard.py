@@ -40,7 +40,7 @@ from megatron_sao.distributed import collective_guard
 from megatron_sao.rollout.colocate import vllm_cpu
 from megatron_sao.rollout.colocate.layout import EngineLayout
 from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams, WeightBucket
-from megatron_sao.rollout.engines.routes import num_experts_of, packed_routes, routes_tensor
+from megatron_sao.rollout.engines.routes import num_experts_of, packed_routes, routes_tensor, scored_routes
 
 # request id, token ids, log-probs, finish reason, routes (routing replay: packed_routes, else None)
 Finished = tuple[str, list[int], list[float], str, "tuple | None"]
@@ -198,10 +198,7 @@ class VLLMShard:
         if not self.cfg.return_routes:
             raise ValueError(f"engine {self.layout.engine}: score_routed needs EngineConfig.return_routes")
         lps, routes = self._score(token_ids, start, routes=True)
-        if routes.shape[0] != len(token_ids):
-            raise RuntimeError(f"engine {self.layout.engine}: routed_experts of a scored prompt cover "
-                               f"{routes.shape[0]} tokens, expected {len(token_ids)}")
-        return lps, routes
+        return lps, scored_routes(routes, len(token_ids), f"engine {self.layout.engine}")
 
     @_in_vllm
     def _score(self, token_ids: list[int], start: int, routes: bool) -> tuple[list[float], torch.Tensor | None]:

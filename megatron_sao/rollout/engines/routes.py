@@ -63,3 +63,11 @@ def unpacked_routes(packed: tuple | None) -> torch.Tensor | None:
         return None
     shape, dtype, data = packed
     return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
+
+
+def scored_routes(routes: torch.Tensor, n_tokens: int, where: str,
+                  error: type[Exception] = RuntimeError) -> torch.Tensor:
+    """The routes of a scored prompt (``routed_experts_prompt_start`` 0): one per token, or ``error``."""
+    if routes.shape[0] != n_tokens:
+        raise error(f"{where}: routed_experts of a scored prompt cover {routes.shape[0]} tokens, expected {n_tokens}")
+    return routes

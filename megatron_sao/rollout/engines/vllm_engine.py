@@ -44,7 +44,7 @@ from megatron_sao.rollout.engines.protocol import (
     StreamedUpdate,
     WeightBucket,
 )
-from megatron_sao.rollout.engines.routes import num_experts_of, routes_tensor
+from megatron_sao.rollout.engines.routes import num_experts_of, routes_tensor, scored_routes
 from megatron_sao.rollout.vllm_worker import WORKER_EXTENSION
 from megatron_sao.rollout.weights.vllm_transport import WeightTransport, make_transport
 
@@ -214,10 +214,7 @@ class VLLMEngine(StreamedUpdate):
         if not self.cfg.return_routes:
             raise ValueError(f"{self.name}: score_routed needs the engine started with EngineConfig.return_routes")
         lps, routes = await self._score(token_ids, start, routes=True)
-        if routes.shape[0] != len(token_ids):
-            raise RuntimeError(f"{self.name}: routed_experts of a scored prompt cover {routes.shape[0]} tokens, "
-                               f"expected {len(token_ids)}")
-        return lps, routes
+        return lps, scored_routes(routes, len(token_ids), self.name)
 
     async def _score(self, token_ids: list[int], start: int, routes: bool) -> tuple[list[float], torch.Tensor | None]:
         from vllm import SamplingParams as VSamplingParams

@@ -45,7 +45,7 @@ from megatron_sao.rollout.engines.protocol import (
     WeightBucket,
     bucket_bytes,
 )
-from megatron_sao.rollout.engines.routes import decode_b64_routes, num_experts_of
+from megatron_sao.rollout.engines.routes import decode_b64_routes, num_experts_of, scored_routes
 from megatron_sao.rollout.weights.vllm_transport import serialize_bucket
 
 
@@ -261,10 +261,7 @@ class VLLMServerClient:
         ``routed_experts_prompt_start`` 0; the one sampled token has no route), for the weight-sync check
         under routing replay."""
         lps, routes = await self._score(token_ids, start, routes=True)
-        if routes.shape[0] != len(token_ids):
-            raise ServerError(f"{self.url}: routed_experts of a scored prompt cover {routes.shape[0]} tokens, "
-                              f"expected {len(token_ids)}")
-        return lps, routes
+        return lps, scored_routes(routes, len(token_ids), self.url, ServerError)
 
     async def _score(self, token_ids: list[int], start: int, routes: bool) -> tuple[list[float], torch.Tensor | None]:
         where = f"POST {self.url}/v1/completions"

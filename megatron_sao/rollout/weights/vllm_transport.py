@@ -103,7 +103,30 @@ class ReloadTransport(WeightTransport):
         self._blobs = []
 
 
-class GroupTransport(WeightTransport):
+class ReloadSession(WeightTransport):
+    """The workers' side of vLLM's weight-transfer API, shared by the group and IPC transports: the
+    layerwise reload opens with the first bucket that passed validation (``VLLMEngine.push_weight_bucket``
+    checks it first: an update refused at its first bucket leaves the model untouched) and is left
+    through the extension's ``sao_abort_weight_update`` on a failure (after a failed receive vLLM has
+    already ended the session, and its plain finish would leave the layers on the meta device)."""
+
+    pauses_during_transfer = True
+    _loading = False  # the workers are inside a layerwise reload (start_weight_update ran)
+
+    async def _start(self, llm: object) -> None:
+        if not self._loading:
+            self._loading = True  # set first: a start that fails half-way still needs the abort's finish
+            await llm.start_weight_update()  # type: ignore[attr-defined]
+
+    async def _leave_reload(self, llm: object) -> None:
+        """Layers that received nothing get their previous tensors back; layers that did keep the new
+        ones, so the engine holds a partial update until the next complete one."""
+        if self._loading:
+            self._loading = False
+            await llm.collective_rpc("sao_abort_weight_update")  # type: ignore[attr-defined]
+
+
+class GroupTransport(ReloadSession):
     """vLLM's weight-transfer API, the trainer process as sender rank 0 (module docstring).
 
     The data plane is our ``sao_gloo`` engine: vLLM's calls with a gloo group (run by the CPU suite). On a
@@ -112,15 +135,12 @@ class GroupTransport(WeightTransport):
     ``weight_transfer_config={"backend": self.engine_backend}`` (``VLLMEngine`` does that).
     """
 
-    pauses_during_transfer = True
-
     backend = "gloo"
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.last_result: list[dict] | None = None
         self._group = None
-        self._loading = False  # the workers are inside a layerwise reload (start_weight_update ran)
 
     @property
     def engine_backend(self) -> str:
@@ -149,15 +169,7 @@ class GroupTransport(WeightTransport):
     async def begin(self, llm: object, version: int) -> None:
         if self._group is None:
             raise RuntimeError("GroupTransport.begin before setup(): the group is not initialised")
-        # The workers enter their layerwise reload with the first bucket that passed validation
-        # (``VLLMEngine.push_weight_bucket`` checks it first): an update refused at its first bucket
-        # leaves the model untouched.
-        self._loading = False
-
-    async def _start(self, llm: object) -> None:
-        if not self._loading:
-            await llm.start_weight_update()  # type: ignore[attr-defined]
-            self._loading = True
+        self._loading = False  # ReloadSession: the reload opens with the first validated bucket
 
     async def push_bucket(self, llm: object, bucket: WeightBucket) -> int:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
@@ -180,17 +192,10 @@ class GroupTransport(WeightTransport):
         self.last_result = await llm.collective_rpc("sao_last_update")  # type: ignore[attr-defined]
 
     async def abort(self, llm: object) -> None:
-        """Leave the workers' layerwise reload (without a version): layers that received nothing get
-        their previous tensors back; layers that did keep the new ones, so the engine holds a partial
-        update until the next complete one (``VLLMEngine.finish_weight_update`` says so). Through the
-        extension's ``sao_abort_weight_update``: after a failed receive vLLM has already ended the update
-        session, and its plain finish would refuse and leave the layers on the meta device."""
-        if self._loading:
-            self._loading = False
-            await llm.collective_rpc("sao_abort_weight_update")  # type: ignore[attr-defined]
+        await self._leave_reload(llm)
 
 
-class IPCTransport(WeightTransport):
+class IPCTransport(ReloadSession):
     """vLLM's ``ipc`` engine: the worker loads from CUDA IPC handles of the trainer's tensors (module
     docstring). GPU-ONLY, NOT RUN on a GPU yet: the CPU suite runs it against a stand-in engine with
     the CUDA calls (``reduce_tensor``, the device's UUID, ``ipc_collect``) faked.
@@ -199,7 +204,6 @@ class IPCTransport(WeightTransport):
     (a tensor elsewhere, e.g. a CPU snapshot of ``trainer.policy_lag``, is copied there first).
     """
 
-    pauses_during_transfer = True  # the layerwise reload replaces weights under a running model otherwise
     engine_backend = "ipc"
 
     def __init__(self, cfg: EngineConfig, device: torch.device | None = None) -> None:
@@ -213,7 +217,6 @@ class IPCTransport(WeightTransport):
         self.device = device
         self.gpu_uuid: str | None = None
         self.in_flight: list[torch.Tensor] = []  # the shared tensors the workers have not acknowledged
-        self._loading = False  # the workers are inside a layerwise reload (start_weight_update ran)
 
     async def setup(self, llm: object) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -235,11 +238,6 @@ class IPCTransport(WeightTransport):
             raise RuntimeError("IPCTransport.begin before setup(): the worker's GPU is not checked")
         # As GroupTransport: the layerwise reload starts with the first bucket that passed validation.
         self._loading = False
-
-    async def _start(self, llm: object) -> None:
-        if not self._loading:
-            self._loading = True  # set first: a start that fails half-way still needs the abort's finish
-            await llm.start_weight_update()  # type: ignore[attr-defined]
 
     def _update_info(self, tensors: list[torch.Tensor], names: list[str]) -> dict:
         """What ``sao_ipc_update_weights`` gets for one bucket: vLLM's ``IPCWeightTransferUpdateInfo``
@@ -282,9 +280,7 @@ class IPCTransport(WeightTransport):
         ended vLLM's session), then release the bucket that was in flight: the workers no longer hold
         views of it. The engine keeps a partial update, as with ``GroupTransport.abort``."""
         try:
-            if self._loading:
-                self._loading = False
-                await llm.collective_rpc("sao_abort_weight_update")  # type: ignore[attr-defined]
+            await self._leave_reload(llm)
         finally:
             self._release()
 

@@ -85,8 +85,7 @@ def bench(n: int, args, tmp: Path) -> dict:
 
     run = tmp / f"n{n}"
     overrides = [f"rollout.concurrency={args.concurrency}", "rollout.max_turns=3", "rollout.timeout_s=300",
-                 'rollout.vllm_serve_args=["--kv-cache-memory-bytes", "33554432", "--enforce-eager", '
-                 '"--distributed-executor-backend", "uni"]']
+                 'rollout.vllm_serve_args=["--kv-cache-memory-bytes", "33554432", "--enforce-eager"]']
     plan = build_local_plan(str(CONFIG), trainer_ranks=1, rollout_servers=n, run_dir=str(run), overrides=overrides,
                             server=args.server)
     cfg = load_config(str(CONFIG), [*overrides, *plan.plan.trainer_overrides])

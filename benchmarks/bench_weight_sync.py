@@ -152,8 +152,7 @@ def bench_kind(kind: str, model: str, counts: list[int], args, tmp: Path, loop) 
     nmax = max(counts)
     run = tmp / f"{kind}-{model}"
     overrides = [f"model.path={model_dir}", "rollout.timeout_s=300",
-                 'rollout.vllm_serve_args=["--kv-cache-memory-bytes", "33554432", "--enforce-eager", '
-                 '"--distributed-executor-backend", "uni"]']
+                 'rollout.vllm_serve_args=["--kv-cache-memory-bytes", "33554432", "--enforce-eager"]']
     plan = build_local_plan(str(CONFIG), trainer_ranks=1, rollout_servers=nmax, run_dir=str(run),
                             overrides=overrides, server=kind)
     cfg = load_config(str(CONFIG), [*overrides, *plan.plan.trainer_overrides])

@@ -276,8 +276,7 @@ def render_bash(plan: LaunchPlan, rank: int) -> str:
     n = plan.node(rank)
     out = [f"SAO_ROLE={n.role}", f"SAO_HOST={shlex.quote(n.host)}", f"SAO_NODE_RANK={n.node_rank}",
            f"SAO_RUN_DIR={shlex.quote(plan.run_dir)}", f"SAO_DONE_FILE={shlex.quote(plan.done_file)}",
-           f"SAO_NPROCS={len(n.processes)}",
-           _bash_array("SAO_HEALTH", n.health)]
+           f"SAO_NPROCS={len(n.processes)}"]
     for i, p in enumerate(n.processes):
         out.append(f"SAO_PROC_NAME_{i}={shlex.quote(p.name)}")
         out.append(f"SAO_PROC_LOG_{i}={shlex.quote(p.log)}")

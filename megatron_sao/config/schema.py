@@ -190,6 +190,11 @@ class RolloutConfig:
     # server with no /health answer this long after the trainer built its models stops the run
     # (SAO_HEALTH_TIMEOUT_S).
     server_start_timeout_s: float = 1800.0
+    # No episode starts before this many vllm_server servers are in service (0: all of them). 1 starts
+    # on the first server up; a larger value puts every server in the first batches (a fair throughput
+    # measurement, or a fleet that must all load before the run counts). Start-up only: a server that
+    # dies later does not hold the run.
+    start_min_servers: int = 1
     vllm_serve_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags of the launch plan
     # Rollout routing replay (R3, MoE actors only): the engines return the experts every token was routed
     # to, the trajectory keeps them, and the actor's forward replays them (megatron/routing_replay.py).

@@ -24,8 +24,9 @@ for a step to end: ``needs_rejoin`` asks it for an update of its current weights
 Start-up: with a pool whose servers are still starting (``ServerPool(starting=True)``: the trainer does not
 wait for its `vllm serve`s before it builds its models), each server's /health is polled every
 ``START_POLL_S`` until it answers and the server comes up (``ServerPool.up``); no episode starts
-before one is in service. A server that has not answered ``start_timeout_s`` after the start stops the
-run with an error naming every such URL.
+before ``start_min_servers`` are (0: all of them; the hold ends early only when no server is left
+starting). A server that has not answered ``start_timeout_s`` after the start stops the run with an
+error naming every such URL.
 Episodes that fail on a healthy server are ordinary failed trajectories, and the circuit breaker stops
 the run when they keep coming (``max(8, concurrency)`` in a row with no healthy server, or four times
 that with healthy ones).
@@ -63,7 +64,7 @@ class EpisodeDriver:
                  ahead: int, concurrency: int, group_size: int = 1, next_pos: int = 0,
                  requeue: list[Unit] | None = None, skip: set[Unit] | None = None, step_offset: int = 0,
                  health_interval_s: float = 10.0, health_timeout_s: float = 30.0, server_deadline_s: float = 300.0,
-                 start_timeout_s: float = 1800.0):
+                 start_timeout_s: float = 1800.0, start_min_servers: int = 1):
         self.pool = pool if isinstance(pool, ServerPool) else ServerPool([pool])
         self.env_factory, self.stream, self.formatter = env_factory, stream, formatter
         self.loop_cfg, self.on_done = loop_cfg, on_done
@@ -73,6 +74,9 @@ class EpisodeDriver:
         self.server_deadline_s = server_deadline_s if health_interval_s > 0 else 0.0
         self._all_dead_since: float | None = None  # monotonic time the last server went out of service
         self.start_timeout_s = start_timeout_s  # for the pool's starting servers to answer /health
+        n = len(self.pool.slots)
+        self.start_min_servers = min(start_min_servers or n, n)
+        self._start_held = bool(self.pool.starting())  # until start_min_servers are up (_holding_start)
         self.next_pos = next_pos
         self._queue: collections.deque[Unit] = collections.deque(requeue or [])
         self._skip = set(skip or ())  # units whose trajectory is already in the buffer (resume)
@@ -171,11 +175,22 @@ class EpisodeDriver:
         """No server in service and ``server_deadline_s`` (or, while servers are starting,
         ``start_timeout_s``) not yet passed: a batch may still come once one is back (restarted by its
         node) or up, so the trainer's batch wait must not give up meanwhile."""
-        return self.error is None and not self.pool.alive() and (
-            self._all_dead_since is not None or bool(self.pool.starting()))
+        if self.error is not None:
+            return False
+        return self._holding_start() or (not self.pool.alive() and (
+            self._all_dead_since is not None or bool(self.pool.starting())))
+
+    def _holding_start(self) -> bool:
+        """At the start: fewer than ``start_min_servers`` in service while others are still starting."""
+        if self._start_held and (len(self.pool.alive()) >= self.start_min_servers or not self.pool.starting()):
+            self._start_held = False
+            if self.start_min_servers > 1:
+                logger.info("%d rollout servers in service (rollout.start_min_servers=%d): episodes start",
+                            len(self.pool.alive()), self.start_min_servers)
+        return self._start_held
 
     def _admit(self) -> bool:
-        return (bool(self.pool.alive()) and len(self.in_flight) < self.concurrency
+        return (bool(self.pool.alive()) and not self._holding_start() and len(self.in_flight) < self.concurrency
                 and self.started < (self.steps_done + self.ahead + 1) * self.batch_size)
 
     def _next_unit(self) -> Unit:
@@ -207,7 +222,7 @@ class EpisodeDriver:
         try:
             traj = await run_one(engine, self.env_factory, task, self.formatter, self.loop_cfg, activity=self.activity)
             if traj.info.get("end_reason") == "engine_error" and not await self.pool.check(slot, self.health_timeout_s):
-                await self._server_failed(slot, f"unhealthy after a generate failed ({traj.error})")
+                await self._server_failed(slot, f"unhealthy after a request of an episode failed ({traj.error})")
                 self._rerun_unit(unit)  # on another server, or on one that comes back
                 return
             finished = True

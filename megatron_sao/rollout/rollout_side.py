@@ -55,6 +55,7 @@ class RolloutSideConfig:
     # Servers still starting (not up until they answer /health), and how long they may take; None:
     # every engine is in service from the start (in-process and colocated engines).
     start_timeout_s: float | None = None
+    start_min_servers: int = 1  # servers in service before the first episode starts (0: all)
 
 
 class RolloutSide:
@@ -72,7 +73,8 @@ class RolloutSide:
                                     step_offset=step_offset, health_interval_s=cfg.health_interval_s,
                                     health_timeout_s=cfg.health_timeout_s,
                                     server_deadline_s=cfg.server_deadline_s,
-                                    start_timeout_s=cfg.start_timeout_s or 0.0)
+                                    start_timeout_s=cfg.start_timeout_s or 0.0,
+                                    start_min_servers=cfg.start_min_servers)
         self.last_sync: SyncMetrics | None = None
 
     # ------------------------------------------------------------------ what the trainer reads

@@ -55,6 +55,7 @@ class ServerSlot:
     healthy_again: bool = False  # dead, but its health check passes: a candidate for the next update
     rejoin_refused: str | None = None  # why its rejoin failed (it is not tried again)
     starting: bool = False  # not up yet: no /health answer since the start (module docstring)
+    ever_served: bool = True  # False for a server that came up after a resume's push, until its first update
     outstanding: int = 0  # generate requests sent or waiting for a slot
     in_flight: int = 0  # generate requests sent (<= cap)
     max_in_flight: int = 0  # the most ever seen at once (a check that the cap held)
@@ -172,7 +173,7 @@ class ServerPool:
             logger.info("rollout server %s is up: in service (%d of %d)", slot.label, len(self.alive()),
                         len(self.slots))
         else:
-            slot.healthy_again = True
+            slot.healthy_again, slot.ever_served = True, False
             logger.info("rollout server %s is up; it enters service with the next weight update", slot.label)
 
     def rejoinable(self) -> list[ServerSlot]:
@@ -190,11 +191,15 @@ class ServerPool:
         return [s.index for s in self.alive()], [s.index for s in self.rejoinable()]
 
     def revive(self, slot: ServerSlot, version: int) -> None:
-        """Back in service after it took the whole update to ``version`` (see the module docstring)."""
-        logger.warning("rollout server %s is back in service at weight version %d (it was out: %s)",
-                       slot.label, version, slot.dead_reason)
-        slot.alive, slot.dead_reason, slot.healthy_again = True, None, False
-        self.revivals += 1
+        """Back in service after it took the whole update to ``version`` (see the module docstring); a
+        server's first entry after a resume is not a revival (rollout/server_revivals counts comebacks)."""
+        if slot.ever_served:
+            logger.warning("rollout server %s is back in service at weight version %d (it was out: %s)",
+                           slot.label, version, slot.dead_reason)
+            self.revivals += 1
+        else:
+            logger.info("rollout server %s is in service at weight version %d", slot.label, version)
+        slot.alive, slot.dead_reason, slot.healthy_again, slot.ever_served = True, None, False, True
 
     def refuse_rejoin(self, slot: ServerSlot, reason: str) -> None:
         slot.rejoin_refused, slot.healthy_again = reason, False

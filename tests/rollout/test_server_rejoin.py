@@ -33,13 +33,15 @@ def scripted_server(formatter, name: str, **kw):
     return answering(formatter, name=name, delay=0.02, scores=REFERENCE, **kw)
 
 
-def make_side(n=2, check=False, server_deadline_s=300.0, health_timeout_s=1.0, start_timeout_s=None):
+def make_side(n=2, check=False, server_deadline_s=300.0, health_timeout_s=1.0, start_timeout_s=None,
+              start_min_servers=1):
     fmt = ChatFormatter(build_char_tokenizer())
     servers = [scripted_server(fmt, f"http://srv{i}") for i in range(n)]
     done = []
     cfg = RolloutSideConfig(batch_size=4, ahead=0, concurrency=4, sync_timeout_s=5.0, check_weights=check,
                             health_interval_s=0.05, health_timeout_s=health_timeout_s,
-                            server_deadline_s=server_deadline_s, start_timeout_s=start_timeout_s)
+                            server_deadline_s=server_deadline_s, start_timeout_s=start_timeout_s,
+                            start_min_servers=start_min_servers)
     side = RolloutSide(servers, lambda task: ThreeTurns(), PromptStream(ToyToolTasks(80, seed=0), seed=0), fmt,
                        AgentLoopConfig(max_turns=5, max_total_tokens=512, max_new_tokens_per_turn=32,
                                        sampling=SamplingParams(max_new_tokens=32)),
@@ -235,9 +237,9 @@ def test_the_servers_open_the_update_while_the_first_bucket_is_produced():
     assert seen == [True, True] and not m.failed and [s.version for s in servers] == [1, 1]
 
 
-def starting_side(n=2, start_timeout_s=60.0):
+def starting_side(n=2, start_timeout_s=60.0, start_min_servers=1):
     """Servers still loading when the trainer starts: down (no /health answer) until a test brings them up."""
-    side, servers, done = make_side(n=n, start_timeout_s=start_timeout_s)
+    side, servers, done = make_side(n=n, start_timeout_s=start_timeout_s, start_min_servers=start_min_servers)
     for s in servers:
         s.down = True
     side.driver.START_POLL_S = 0.05
@@ -271,6 +273,44 @@ def test_the_trainer_starts_before_its_servers_and_each_serves_once_it_answers()
     assert m["rollout/servers_alive"] == 2 and m["rollout/server_deaths"] == 0 and m["rollout/server_revivals"] == 0
 
 
+def test_start_min_servers_holds_the_first_episodes_until_that_many_serve():
+    """rollout.start_min_servers=0 (every server): with srv0 up and srv1 still loading nothing starts
+    and the batch wait is told to wait (the liveness timeout must not run out meanwhile); once srv1 is
+    up both get the first batch's episodes. A server that dies later does not hold the run again."""
+    side, servers, done = starting_side(start_min_servers=0)
+    side.start()
+    try:
+        servers[0].down = False
+        assert wait_for(lambda: side.pool.slots[0].alive)
+        time.sleep(0.3)
+        assert not done and not servers[0].calls and side.awaiting_server and side.error is None
+        servers[1].down = False
+        assert wait_for(lambda: len(done) == 4, timeout=30)
+        assert not side.awaiting_server
+        servers[1].down = True
+        assert wait_for(lambda: not side.pool.slots[1].alive)
+        side.step_finished()
+        assert wait_for(lambda: len(done) == 8, timeout=30)  # on srv0 alone
+    finally:
+        side.close()
+    assert side.error is None
+    assert {t.info["server"] for t in done[:4]} == {"http://srv0", "http://srv1"}
+
+
+def test_start_min_servers_waits_no_longer_than_the_start_timeout():
+    """Asked for both, but srv1 never comes up: the hold does not outlast rollout.server_start_timeout_s,
+    whose error names srv1, and nothing ran on srv0 meanwhile."""
+    side, servers, done = starting_side(start_timeout_s=1.0, start_min_servers=2)
+    side.start()
+    try:
+        servers[0].down = False
+        assert wait_for(lambda: side.error is not None, timeout=10)
+        assert not done and not side.awaiting_server
+    finally:
+        side.close()
+    assert "http://srv1" in str(side.error) and "rollout.server_start_timeout_s" in str(side.error)
+
+
 def test_after_a_resumed_push_a_server_that_comes_up_gets_the_weights_before_it_serves():
     """A resume pushes the resumed weights before any server is up: nothing to send yet (the trainer's
     export is still drained); the server that comes up then rejoins with the current weights
@@ -291,6 +331,7 @@ def test_after_a_resumed_push_a_server_that_comes_up_gets_the_weights_before_it_
         side.close()
     assert side.error is None
     assert all(set(t.versions[t.action_mask].tolist()) == {3} for t in done)
+    assert side.metrics()["rollout/server_revivals"] == 0  # its first entry, not a comeback
 
 
 def test_a_server_that_never_answers_stops_the_run_naming_it():

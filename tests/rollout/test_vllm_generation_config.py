@@ -37,8 +37,7 @@ def test_a_generation_config_with_penalties_leaves_lag0_logprobs_exact(tmp_path)
     plan = build_local_plan(str(CONFIG), trainer_ranks=1, rollout_servers=1, run_dir=str(tmp_path / "run"),
                             server="vllm", overrides=[f"model.path={model}", "rollout.max_total_tokens=96",
                                                       'rollout.vllm_serve_args=["--kv-cache-memory-bytes", '
-                                                      '"33554432", "--enforce-eager", '
-                                                      '"--distributed-executor-backend", "uni"]'])
+                                                      '"33554432", "--enforce-eager"]'])
     (server,) = plan.servers
     assert "--generation-config" in server.argv  # what makes vllm serve ignore the file's defaults
     url = plan.server_urls[0]

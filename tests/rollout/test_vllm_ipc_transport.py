@@ -358,7 +358,7 @@ def test_vllm_engine_starts_vllm_with_the_ipc_backend_and_streams_through_it(mon
     engine, args = _engine(monkeypatch, tmp_path, llm)
     assert isinstance(engine.transport, IPCTransport)
     assert args.weight_transfer_config.backend == "ipc"
-    assert args.distributed_executor_backend is None  # vLLM's own choice on a GPU (uni at TP 1)
+    assert args.distributed_executor_backend is None  # vLLM's own choice (uni at TP 1)
     asyncio.run(engine.update_weights([_bucket()[:1], _bucket()[1:]], version=1))
     assert engine.version == 1 and cuda.collects == 3  # each bucket's ack, then the finish
     assert llm.methods() == ["update_weight_version", "sao_gpu_uuid", "init_weight_transfer_engine",

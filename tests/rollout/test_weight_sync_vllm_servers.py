@@ -61,8 +61,7 @@ def test_two_vllm_servers_get_every_version_from_one_broadcast_and_survive_a_kil
 
     run = tmp_path / "run"
     overrides = ["rollout.timeout_s=120", "rollout.max_turns=2",
-                 'rollout.vllm_serve_args=["--kv-cache-memory-bytes", "33554432", "--enforce-eager", '
-                 '"--distributed-executor-backend", "uni"]']
+                 'rollout.vllm_serve_args=["--kv-cache-memory-bytes", "33554432", "--enforce-eager"]']
     plan = build_local_plan(CONFIG, trainer_ranks=1, rollout_servers=2, run_dir=str(run), overrides=overrides,
                             server="vllm")
     cfg = load_config(CONFIG, [*overrides, *plan.plan.trainer_overrides])

@@ -132,10 +132,6 @@ class VLLMEngine(StreamedUpdate):
                 raise ValueError(f"{self.name}: return_routes needs a Mixture-of-Experts model (no num_experts "
                                  "in its config.json)")
             kwargs["enable_return_routed_experts"] = True
-        if cfg.tensor_parallel_size == 1 and not torch.cuda.is_available():
-            # One process fewer to start (the worker runs inside EngineCore): on a small CPU box
-            # each extra vLLM process costs tens of seconds of imports.
-            kwargs["distributed_executor_backend"] = "uni"
         if self.transport.engine_backend is not None:
             kwargs["weight_transfer_config"] = {"backend": self.transport.engine_backend}
         kwargs.update(cfg.extra_engine_args)

@@ -10,8 +10,7 @@ import pytest
 from e2e_util import CONFIG, sao
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-from test_scalar_sinks import tensorboard_scalars  # noqa: E402
-from wandb_records import history, runs  # noqa: E402
+from scalar_records import history, runs, tensorboard_scalars  # noqa: E402
 
 from megatron_sao.trainer.scalar_sinks import flat_scalars  # noqa: E402
 

@@ -134,7 +134,7 @@ def test_periodic_hf_exports_wandb_and_the_new_actor_metrics(tmp_path, replay_fi
     from transformers import AutoModelForCausalLM
 
     _sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-    from wandb_records import history
+    from scalar_records import history
 
     run = tmp_path / "exp"
     wb = {k: str(tmp_path / k) for k in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")}

@@ -6,8 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from wandb_records import history
+from scalar_records import history, tensorboard_scalars
 
 from megatron_sao.config import WandbConfig, load_config
 from megatron_sao.config.errors import ConfigError
@@ -27,16 +26,6 @@ def records():
     return [{"step": s, "reward": 0.5 * s, "actor/loss": -0.1 * s, "actor/entropy": 2.0 - s,
              "lag_histogram": {"0": 8 - s, "1": s}, "buffer/ready": s, "ok": True, "note": "text",
              "nan_metric": float("nan"), "eval/accuracy": float("inf")} for s in range(3)]
-
-
-def tensorboard_scalars(path) -> dict[int, dict[str, float]]:
-    acc = EventAccumulator(str(path))
-    acc.Reload()
-    out: dict[int, dict[str, float]] = {}
-    for tag in acc.Tags()["scalars"]:
-        for ev in acc.Scalars(tag):
-            out.setdefault(ev.step, {})[tag] = ev.value
-    return out
 
 
 def test_tensorboard_and_wandb_get_the_same_scalars(tmp_path, wandb_env):

@@ -1,4 +1,5 @@
-"""Read back the scalars of an offline W&B run (its `run-<id>.wandb` file), for the tests.
+"""Read back the scalars a run logged, for the tests: TensorBoard's event files (its own reader), and
+an offline W&B run (its `run-<id>.wandb` file).
 
 The file is W&B's record log: a 7-byte header (":W&B", a magic short, a version byte), then LevelDB's
 log format (32 KiB blocks of records, each a 7-byte header: crc32c, little-endian length, type
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 _BLOCK = 32768
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
@@ -69,3 +72,14 @@ def runs(run_dir: Path) -> list[dict[str, str]]:
     """The id, display name, group and job type of each run record under `run_dir`/wandb."""
     return [{"id": r.run_id, "name": r.display_name, "group": r.run_group, "job_type": r.job_type}
             for r in _records(run_dir, "run")]
+
+
+def tensorboard_scalars(path) -> dict[int, dict[str, float]]:
+    """{step: {tag: value}} of the TensorBoard event files under ``path``."""
+    acc = EventAccumulator(str(path))
+    acc.Reload()
+    out: dict[int, dict[str, float]] = {}
+    for tag in acc.Tags()["scalars"]:
+        for ev in acc.Scalars(tag):
+            out.setdefault(ev.step, {})[tag] = ev.value
+    return out

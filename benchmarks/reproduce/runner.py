@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+LOAD_SAMPLE_S = 10.0  # how often a run samples the machine's load average
 
 DONE_MARKER = {"train": "final_model/config.json", "sft": "sft_model/config.json",
                "value-pretrain": "critic_pretrained/config.json"}
@@ -63,6 +64,7 @@ class RunResult:
     wall_s: float
     cached: bool
     error: str = ""
+    load_avg: float | None = None  # the machine's mean 1-min load average while it ran (wall times need it)
 
     @property
     def t_start(self) -> float:
@@ -91,7 +93,7 @@ def execute(run: Run, work: Path, threads: int = 1, fresh: bool = False, log=pri
     d = run.directory(work)
     if _done(run, d) and not fresh:
         info = json.loads(_info_path(run, d).read_text())
-        return RunResult(run, d, True, info["wall_s"], cached=True)
+        return RunResult(run, d, True, info["wall_s"], cached=True, load_avg=info.get("load_avg"))
     if d.exists() and run.run_dir is None:  # an interrupted or failed attempt: never read half-written results
         shutil.rmtree(d)
     d.mkdir(parents=True, exist_ok=True)
@@ -101,20 +103,28 @@ def execute(run: Run, work: Path, threads: int = 1, fresh: bool = False, log=pri
     log(f"  start {run.stage:14s} {d.name}")
     t0 = time.time()
     log_path = d / f"{run.stage}.log"
+    loads: list[float] = []  # this machine may be shared: a wall time means little without its load
     with open(log_path, "w") as out:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        while True:
+            try:
+                p.wait(timeout=LOAD_SAMPLE_S)
+                break
+            except subprocess.TimeoutExpired:
+                loads.append(os.getloadavg()[0])
     wall = time.time() - t0
+    load = round(sum(loads) / len(loads), 2) if loads else round(os.getloadavg()[0], 2)
     if p.returncode != 0 or not (d / DONE_MARKER[run.stage]).exists():
         tail = log_path.read_text()[-3000:]
         log(f"  FAILED {d.name} (exit {p.returncode}); log: {log_path}")
-        return RunResult(run, d, False, wall, cached=False, error=tail)
+        return RunResult(run, d, False, wall, cached=False, error=tail, load_avg=load)
     if run.stage == "train":  # optimizer state is not needed afterwards: keep metrics and final_model only
         shutil.rmtree(d / "checkpoints", ignore_errors=True)
     _info_path(run, d).write_text(json.dumps({"command": cmd, "t_start": t0, "wall_s": wall, "label": run.label,
-                                              "seed": run.seed, "threads": threads,
+                                              "seed": run.seed, "threads": threads, "load_avg": load,
                                               "algorithm_version": algorithm_version()}, indent=1))
-    log(f"  done  {run.stage:14s} {d.name} in {wall:.0f} s")
-    return RunResult(run, d, True, wall, cached=False)
+    log(f"  done  {run.stage:14s} {d.name} in {wall:.0f} s (mean load average {load:g})")
+    return RunResult(run, d, True, wall, cached=False, load_avg=load)
 
 
 def execute_all(runs: list[Run], work: Path, jobs: int = 1, fresh: bool = False, log=print,

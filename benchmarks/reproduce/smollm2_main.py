@@ -208,18 +208,19 @@ def report(s: Settings, b: Budget, start: SftStart, sft: dict, runs: list[Run], 
             data = done[r]
             if data is None:
                 note = "failed in this invocation" if any(f.run == r for f in failed) else "missing"
-                rows.append([label, str(r.seed), _f(sft["accuracy"]), "-", "-", "-", "-", "-", "-", "-", "-", note])
+                rows.append([label, str(r.seed), _f(sft["accuracy"]), "-", "-", "-", "-", "-", "-", "-", "-", "-",
+                             note])
                 continue
             a_mid, a_end = _at(data, mid), _at(data, end)
             per_method.setdefault(label, []).append(data)
             rows.append([label, str(r.seed), _f(sft["accuracy"]), _f(a_mid), _f(a_end), _f(a_end - sft["accuracy"]),
-                         f"{data['wall_s'] / 60:.1f}", _f(data["trajectories_per_s"], 2),
+                         f"{data['wall_s'] / 60:.1f}", _f(data.get("load_avg"), 1), _f(data["trajectories_per_s"], 2),
                          _f(_tail_mean(data["series"].get("critic/explained_variance", []))),
                          _f(_tail_mean(data["series"].get("actor/kept_fraction", []))),
                          " ".join(f"{k}:{v}" for k, v in data["lag_histogram"].items()), "done"])
     md += md_table(["method", "seed", "held-out at 0", f"at {mid}", f"at {end}", "gain", "run wall (min)",
-                    "trajectories/s", "critic explained variance (last quarter)", "DIS kept fraction (last quarter)",
-                    "lag histogram (versions: trajectories)", "status"], rows)
+                    "machine load", "trajectories/s", "critic explained variance (last quarter)",
+                    "DIS kept fraction (last quarter)", "lag histogram (versions: trajectories)", "status"], rows)
     summary_rows = []
     for label, ds in per_method.items():
         summary_rows.append([label, f"{len(ds)} of {sum(r.label == label for r in runs)}",
@@ -232,6 +233,8 @@ def report(s: Settings, b: Budget, start: SftStart, sft: dict, runs: list[Run], 
         md += md_table(["method", "seeds", f"held-out at {end}", "gain over the SFT start", "trajectories/s",
                         "run wall (min)"], summary_rows)
     md += (f"\n\nTrajectories/s: trajectories consumed over the run's wall time less its held-out evaluations. "
+           f"Machine load: the mean 1-min load average while the run trained (above the machine's core count, "
+           f"2 here, the run shared its cores and took longer than it would alone; '-': not recorded). "
            f"One evaluation on {b.eval_size} tasks has a binomial standard error of up to "
            f"{0.5 / math.sqrt(b.eval_size):.3f}.\n\n![held-out accuracy]({png})\n")
     if stale:

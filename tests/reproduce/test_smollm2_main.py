@@ -40,6 +40,7 @@ def test_harness_writes_a_result_per_run_skips_it_after_and_reports_the_missing(
     assert data["trajectories"] == b.steps * b.batch  # what the run consumed, from its metrics
     assert [p[0] for p in data["eval_points"]] == [b.eval_every * b.batch, b.steps * b.batch]  # middle, end
     assert data["start"]["n"] == b.eval_size and data["trajectories_per_s"] > 0
+    assert data["load_avg"] >= 0  # sampled while the run trained: its wall time's context
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["complete"] is False and summary["missing"] == ["sao_sync/s1", "grpo/s1", "grpo_dis/s1"]
     md = (folder / "results.md").read_text()

@@ -16,6 +16,7 @@ launcher on one machine"):
   (the run waits again, so the time-limit signal cannot come after the last step), the time-limit
   signal is sent (`scancel --signal=USR1 --batch`) and both are thawed: checkpoint, requeue under the
   same id and run dir, resume, completion with every step logged once and no trajectory trained twice.
+  The weight check runs at every update: each server that took it scores as the trainer does.
 
 Without the SLURM programs the tests fail in CI (CI=true) and skip elsewhere. A requeued job starts
 again after the cluster's credential lifetime (cred_expire=30 here, SLURM's default 120 s).
@@ -42,6 +43,7 @@ from megatron_sao.cluster.launch_local import free_port_block  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 RECIPES = REPO / "examples" / "slurm_cpu"
+CHECK_ATOL = 1e-3  # the weight check's tolerance: fp32 on both sides, measured differences ~1e-6
 VENV_PY = sys.executable
 
 
@@ -186,7 +188,8 @@ def test_disaggregated_job_survives_a_server_kill_and_requeues_at_the_time_limit
     total = 6  # steps after the warm-up (the first attempt stops after 1-4 of them)
     # rollout.timeout_s stays the recipe's: the batch wait does not count while no server is in service.
     job = _submit(slurm, env, 2, out, *ports, f"run.total_steps={total}", "rollout.server_deadline_s=900",
-                  "rollout.start_min_servers=0")
+                  "rollout.start_min_servers=0", "rollout.weight_sync_check=true",
+                  f"rollout.weight_sync_check_atol={CHECK_ATOL}")
     run = tmp_path / "runs" / f"sao-aime-{job}"
     metrics = run / "metrics.jsonl"
     killed = f"http://sao-n2:{rollout_port + 1}"
@@ -248,6 +251,16 @@ def test_disaggregated_job_survives_a_server_kill_and_requeues_at_the_time_limit
     trajs = [t for b in batches for t in b["traj_ids"]]
     prompts = [p for b in batches for p in b["prompt_ids"]]
     assert len(trajs) == len(set(trajs)) and len(prompts) == len(set(prompts))  # nothing trained twice
+    # Every update that reached a server was checked there: its log-probs are the trainer's (both
+    # servers at every update of the resumed attempt), the trainer scores lag-0 tokens as the servers
+    # did, and no server had more than its --max-num-seqs (concurrency 8 over 2 servers) in flight.
+    urls = set(rows[-1]["rollout/episodes_by_server"])
+    checked = [r["weight_sync/logprob_diff_by_engine"] for r in rows if "weight_sync/logprob_diff_by_engine" in r]
+    assert checked and all(d <= CHECK_ATOL for c in checked for d in c.values()), checked
+    assert set(checked[-1]) == urls, checked[-1]
+    lag0 = [r["logprob_mismatch_lag0"] for r in rows if "logprob_mismatch_lag0" in r]
+    assert lag0 and max(lag0) < 1e-4, lag0
+    assert all(0 < n <= 4 for n in rows[-1]["rollout/max_in_flight_by_server"].values()), rows[-1]
     log = out.read_text()
     assert "restart 1 of 3" in log and "restarted vllm-1" in log, log[-3000:]
     assert "stop requested: SIGTERM to the trainer" in log and f"requeueing job {job}" in log

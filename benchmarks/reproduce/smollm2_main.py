@@ -233,8 +233,8 @@ def report(s: Settings, b: Budget, start: SftStart, sft: dict, runs: list[Run], 
         md += md_table(["method", "seeds", f"held-out at {end}", "gain over the SFT start", "trajectories/s",
                         "run wall (min)"], summary_rows)
     md += (f"\n\nTrajectories/s: trajectories consumed over the run's wall time less its held-out evaluations. "
-           f"Machine load: the mean 1-min load average while the run trained (above the machine's core count, "
-           f"2 here, the run shared its cores and took longer than it would alone; '-': not recorded). "
+           f"Machine load: the mean 1-min load average while the run trained (above the core count of the "
+           f"machine line above, the run shared its cores and took longer than it would alone; '-': not recorded). "
            f"One evaluation on {b.eval_size} tasks has a binomial standard error of up to "
            f"{0.5 / math.sqrt(b.eval_size):.3f}.\n\n![held-out accuracy]({png})\n")
     if stale:

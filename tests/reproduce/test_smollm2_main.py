@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from benchmarks.reproduce import run_results, smollm2_main
 from benchmarks.reproduce.__main__ import main as bench_main
 from benchmarks.reproduce.runner import Run
 from benchmarks.reproduce.starts import TOY_QUICK_CONFIG
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _fake_start(d: Path, digest: str = "d" * 64) -> smollm2_main.SftStart:
@@ -115,3 +118,18 @@ def test_a_missing_smollm2_model_says_how_to_build_it(tmp_path):
     config.write_text("model: {path: " + str(tmp_path / "hf") + "}\n")
     with pytest.raises(SystemExit, match="make smollm2"):
         smollm2_main.require_model(str(config))
+
+
+def test_committed_result_files_are_not_ignored_by_git_and_match_the_summary():
+    """The per-run files are the experiment's record across checkouts: a .gitignore pattern that
+    swallows them (a bare `runs/` did) makes `git add results/` commit the summary and silently drop
+    the results the next checkout needs to skip finished runs."""
+    folder = REPO / "results/reproduce/main_smollm2"
+    files = sorted((folder / "runs").glob("*.json"))
+    probe = subprocess.run(["git", "check-ignore", "-q", str(folder / "runs" / "probe.json")], cwd=REPO)
+    assert probe.returncode == 1, "results/reproduce/main_smollm2/runs/*.json is ignored by git"
+    summary = json.loads((folder / "summary.json").read_text())
+    by_name = {f"{v['label']}-s{v['seed']}-{v['key']}.json": v for v in summary["results"].values()}
+    assert {f.name for f in files} == set(by_name)
+    for f in files:
+        assert json.loads(f.read_text()) == by_name[f.name]

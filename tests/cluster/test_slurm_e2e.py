@@ -19,7 +19,7 @@ launcher on one machine"):
   The weight check runs at every update: each server that took it scores as the trainer does.
 
 Without the SLURM programs the tests fail in CI (CI=true) and skip elsewhere. A requeued job starts
-again after the cluster's credential lifetime (cred_expire=30 here, SLURM's default 120 s).
+again after the cluster's credential lifetime (cred_expire=10 here, SLURM's default 120 s).
 """
 
 from __future__ import annotations

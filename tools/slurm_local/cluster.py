@@ -67,8 +67,9 @@ def ensure_hosts(path: str = "/etc/hosts") -> None:
 
 
 def slurm_conf(d: Path, ctl_port: int, node_ports: dict[str, int], cpus: int, user: str) -> str:
-    """slurm.conf of the one-machine cluster (every path inside ``d``). cred_expire=30: a requeued job
-    may start again 30 s after its last attempt ended (SLURM's default, 120 s, is also the delay); the
+    """slurm.conf of the one-machine cluster (every path inside ``d``). cred_expire=10: a requeued job
+    may start again 10 s after its last attempt ended (SLURM's default, 120 s, is also the delay; SLURM
+    refuses values under 5 s, and the credential must outlive the launch on a loaded machine); the
     schedulers look at pending jobs every 2 s (SLURM's 60 s and 30 s would add up to a minute to it)."""
     nodes = "\n".join(f"NodeName={n} NodeAddr={a} Port={node_ports[n]} CPUs={cpus} RealMemory=1000 State=UNKNOWN"
                       for n, a in NODES.items())
@@ -80,7 +81,7 @@ SlurmUser={user}
 SlurmdUser={user}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={d}/munge/munge.socket,cred_expire=30
+AuthInfo=socket={d}/munge/munge.socket,cred_expire=10
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool/%n
 SlurmctldPidFile={d}/run/slurmctld.pid

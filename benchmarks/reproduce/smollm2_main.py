@@ -195,7 +195,8 @@ def report(s: Settings, b: Budget, start: SftStart, sft: dict, runs: list[Run], 
                 f"({b.steps - b.warmup} actor steps), GRPO and GRPO+DIS take {b.steps} actor steps\n"
                 f"- held-out accuracy on {b.eval_size} tasks at T=1: the SFT model (0 trajectories, one `sao eval`), "
                 f"then every run after {mid} and {end} trajectories\n"
-                f"- starting point `{start.dir.name}` ({start.config}), SFT weights sha256 {start.digest[:16]}")
+                f"- starting point `{start.dir.name}` ({start.config}; `{run_results.START_PLACEHOLDER}` below: its "
+                f"directory under the work folder's starts/), SFT weights sha256 {start.digest[:16]}")
     md += f"**{status}.**"
     if missing:
         md += (" Missing (no result file for this config and ALGORITHM_VERSION): "
@@ -240,7 +241,11 @@ def report(s: Settings, b: Budget, start: SftStart, sft: dict, runs: list[Run], 
     if stale:
         md += ("\nResult files set aside (another config, ALGORITHM_VERSION or SFT model): "
                + ", ".join(f"`runs/{n}`" for n in stale) + "\n")
-    md += runs_section([SimpleNamespace(run=r) for r in runs], start.rl_overrides(b.eval_size))
+    # The SFT model's path as the result files write it (`<start>`: the starting point's directory in
+    # the work folder), not this machine's, which another checkout does not share.
+    md += runs_section([SimpleNamespace(run=run_results.portable(r, start.dir)) for r in runs],
+                       tuple(o.replace(str(start.dir), run_results.START_PLACEHOLDER)
+                             for o in start.rl_overrides(b.eval_size)))
     write_report(s.out, md, {"complete": not missing, "missing": [f"{r.label}/s{r.seed}" for r in missing],
                              "failed": [f"{f.run.label}/s{f.run.seed}: log {f.dir}" for f in failed],
                              "stale": stale, "budget": vars(b), "sft": {**sft, "digest": start.digest},

@@ -51,6 +51,9 @@ def test_harness_writes_a_result_per_run_skips_it_after_and_reports_the_missing(
     for label in ("sao_sync", "grpo", "grpo_dis"):
         assert f"| {label} | 1 |" in md and f"{label} seed 1" in md.split("Missing")[1].split("\n")[0]
     assert (folder / smollm2_main.FIGURE).stat().st_size > 5000
+    # The configuration block names the SFT model as the result files do, not by this machine's path.
+    config_block = md.split("Exact configuration")[1]
+    assert "actor.init=<start>/sft_model" in config_block and str(work) not in config_block
 
     # A later session: no runs/ cache (another checkout), the result file alone says the run is done.
     shutil.rmtree(work / "runs")

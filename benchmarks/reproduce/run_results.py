@@ -36,10 +36,15 @@ def weights_digest(model_dir: Path) -> str:
     return h.hexdigest()
 
 
+def portable_overrides(overrides: tuple[str, ...], start_dir: Path) -> tuple[str, ...]:
+    """The overrides with the starting point's directory written as a placeholder."""
+    return tuple(o.replace(str(start_dir), START_PLACEHOLDER) for o in overrides)
+
+
 def portable(run: Run, start_dir: Path) -> Run:
     """The run with its starting point's directory written as a placeholder: the same run, wherever
     the starting point lies."""
-    return replace(run, overrides=tuple(o.replace(str(start_dir), START_PLACEHOLDER) for o in run.overrides))
+    return replace(run, overrides=portable_overrides(run.overrides, start_dir))
 
 
 def result_key(run: Run, start_dir: Path, start_digest: str) -> str:

@@ -244,8 +244,7 @@ def report(s: Settings, b: Budget, start: SftStart, sft: dict, runs: list[Run], 
     # The SFT model's path as the result files write it (`<start>`: the starting point's directory in
     # the work folder), not this machine's, which another checkout does not share.
     md += runs_section([SimpleNamespace(run=run_results.portable(r, start.dir)) for r in runs],
-                       tuple(o.replace(str(start.dir), run_results.START_PLACEHOLDER)
-                             for o in start.rl_overrides(b.eval_size)))
+                       run_results.portable_overrides(start.rl_overrides(b.eval_size), start.dir))
     write_report(s.out, md, {"complete": not missing, "missing": [f"{r.label}/s{r.seed}" for r in missing],
                              "failed": [f"{f.run.label}/s{f.run.seed}: log {f.dir}" for f in failed],
                              "stale": stale, "budget": vars(b), "sft": {**sft, "digest": start.digest},

@@ -18,9 +18,31 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
     "style_shift": ("megatron_sao.envs.style_shift", "StyleShiftEnv", "load_style_tasks"),
     "toy_tool": ("megatron_sao.envs.toy_tool", "ToyToolEnv", "load_toy_tasks"),
     "arith_python": ("megatron_sao.envs.arith_python", "ArithPythonEnv", "load_arith_tasks"),
+    "toy_chain": ("megatron_sao.envs.toy_chain", "ToyChainEnv", "load_toy_chain_tasks"),
+    "chain_python": ("megatron_sao.envs.chain_python", "ChainPythonEnv", "load_chain_tasks"),
 }
+# Environments whose tasks come from a seeded generator configured by keyword arguments alone.
+GENERATED = ("style_shift", "toy_tool", "toy_chain")
 _CUSTOM_ENVS: dict[str, Callable[..., Environment]] = {}
 _CUSTOM_LOADERS: dict[str, Callable[..., TaskSource]] = {}
+
+
+# env name -> (module, function): the actions of a correct episode of a task (`reference_actions(task)`
+# -> list[str]), for the oracle value of trainer/oracle_value.py. Only tasks with one known solution path.
+_REFERENCE_ACTIONS: dict[str, tuple[str, str]] = {
+    "toy_tool": ("megatron_sao.envs.toy_tool", "reference_actions"),
+    "arith_python": ("megatron_sao.envs.arith_python", "reference_actions"),
+    "toy_chain": ("megatron_sao.envs.toy_chain", "reference_actions"),
+    "chain_python": ("megatron_sao.envs.chain_python", "reference_actions"),
+}
+
+
+def reference_actions_of(name: str) -> Callable[[Any], list[str]] | None:
+    """The environment's reference solution function, or None when it has none (open-ended tasks)."""
+    if name not in _REFERENCE_ACTIONS:
+        return None
+    module, attr = _REFERENCE_ACTIONS[name]
+    return getattr(importlib.import_module(module), attr)
 
 
 def available_envs() -> list[str]:
@@ -64,8 +86,8 @@ def load_tasks(name: str, path_or_spec: str | None = None, **kwargs: Any) -> Tas
 
     ``path_or_spec`` is a dataset path or short name for ``math_python`` (``"aime25"`` with
     ``data_dir=`` or $SAO_DATA_DIR), a jsonl path or ``"builtin"`` for ``coding``, the split
-    (``"train"`` / ``"eval"``, disjoint by content) for ``arith_python``; the generated
-    tasks (``style_shift``, ``toy_tool``) take no path and are configured by ``kwargs``
+    (``"train"`` / ``"eval"``, disjoint by content) for ``arith_python`` and ``chain_python``; the
+    generated tasks (``style_shift``, ``toy_tool``, ``toy_chain``) take no path and are configured by ``kwargs``
     (``n``, ``seed``, ``max_ops``...).
     """
     if name in _CUSTOM_LOADERS:
@@ -73,7 +95,7 @@ def load_tasks(name: str, path_or_spec: str | None = None, **kwargs: Any) -> Tas
     if name not in _BUILTIN:
         raise _unknown(name)
     loader = _builtin_attr(name, 1)
-    if name in ("style_shift", "toy_tool"):
+    if name in GENERATED:
         if path_or_spec not in (None, "", "builtin", "generated"):
             raise ValueError(f"load_tasks({name!r}) generates its tasks; pass n=/seed= instead of "
                              f"{path_or_spec!r}")

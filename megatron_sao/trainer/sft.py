@@ -51,6 +51,16 @@ def load_demonstrations(cfg: SAOConfig) -> list[list[dict]]:
 
         kw = {k: v for k, v in cfg.env.task_kwargs.items() if k in ("max_ops", "kinds", "system_prompt")}
         return make_demonstrations(cfg.sft.demonstrations, seed=cfg.run.seed, error_rate=cfg.sft.error_rate, **kw)
+    if cfg.env.name == "toy_chain":
+        from megatron_sao.envs.toy_chain import make_demonstrations
+
+        kw = {k: v for k, v in cfg.env.task_kwargs.items() if k in ("min_ops", "max_ops")}
+        return make_demonstrations(cfg.sft.demonstrations, seed=cfg.run.seed, error_rate=cfg.sft.error_rate, **kw)
+    if cfg.env.name == "chain_python":
+        from megatron_sao.envs.chain_python import make_demonstrations
+
+        kw = {k: v for k, v in cfg.env.task_kwargs.items() if k in ("min_steps", "max_steps", "system_prompt")}
+        return make_demonstrations(cfg.sft.demonstrations, seed=cfg.run.seed, error_rate=cfg.sft.error_rate, **kw)
     raise ValueError(f"sft.data: env {cfg.env.name!r} has no demonstration generator; give a jsonl file")
 
 

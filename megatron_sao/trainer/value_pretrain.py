@@ -118,8 +118,10 @@ def _from_cache(cfg: SAOConfig, ctx, run, hit: Path, key: str) -> Path:
         with atomic_output_dir(out, overwrite=True) as tmp:
             shutil.copytree(hit, tmp, dirs_exist_ok=True)
         entry = json.loads((hit.parent / "entry.json").read_text())
-        print(json.dumps({**entry.get("summary", {}), "cached": True, "cache_key": key,
-                          "cache_entry": str(hit.parent)}), flush=True)
+        summary = {**entry.get("summary", {}), "cached": True, "cache_key": key, "cache_entry": str(hit.parent)}
+        (run.path / "value_pretrain").mkdir(parents=True, exist_ok=True)
+        (run.path / "value_pretrain" / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(json.dumps(summary), flush=True)
     return out
 
 

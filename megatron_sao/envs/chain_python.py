@@ -178,8 +178,10 @@ def _perturb(rng: random.Random, value: int) -> int:
 def make_demonstrations(n: int, seed: int = 0, error_rate: float = 0.3, min_steps: int = 3, max_steps: int = 6,
                         system_prompt: str = SYSTEM_PROMPT) -> list[list[dict]]:
     """``n`` solved *training* chains for SFT; with probability ``error_rate`` one mistake at a uniform
-    step or in the answer. A wrong call gets ``BROKEN_MESSAGE`` and the demonstration then answers at
-    once with the value it computed (reward 0), as the env plays it out."""
+    step or in the answer. A wrong call (an operand copied wrongly) gets ``BROKEN_MESSAGE``; the
+    demonstration then goes on with the value it believes it got, every later call answered with the
+    message too, and answers with that belief (reward 0), as the env plays it out. So a failed
+    episode's states after its mistake are as many as before it on average, and all of them show it."""
     if not 0.0 <= error_rate <= 1.0:
         raise ValueError(f"chain_python: error_rate must be in [0, 1], got {error_rate}")
     rng = random.Random(f"chain_python/demos/{seed}")
@@ -189,19 +191,16 @@ def make_demonstrations(n: int, seed: int = 0, error_rate: float = 0.3, min_step
         task = tasks[i]
         steps = _steps(task)
         err = rng.randrange(len(steps) + 1) if rng.random() < error_rate else -1
-        msgs = [dict(m) for m in task.messages]
-        for k, (a, op, b, result) in enumerate(steps):
+        msgs, belief, broken = [dict(m) for m in task.messages], task.meta["start"], False
+        for k, (_, op, b, result) in enumerate(steps):
+            a = belief
             if k == err:
                 a, b = (_perturb(rng, a), b) if rng.random() < 0.5 else (a, _perturb(rng, b))
-                wrong = a + b if op == "+" else a - b if op == "-" else a * b
-                msgs += [{"role": "assistant", "content": f"<python>print({a}{op}{b})</python>"},
-                         {"role": "tool", "content": format_tool_response(BROKEN_MESSAGE)},
-                         {"role": "assistant", "content": f"The answer is \\boxed{{{wrong}}}."}]
-                break
+                broken = True
+            belief = a + b if op == "+" else a - b if op == "-" else a * b
             msgs += [{"role": "assistant", "content": f"<python>print({a}{op}{b})</python>"},
-                     {"role": "tool", "content": format_tool_response(str(result))}]
-        else:
-            final = _perturb(rng, steps[-1][3]) if err == len(steps) else steps[-1][3]
-            msgs.append({"role": "assistant", "content": f"The answer is \\boxed{{{final}}}."})
+                     {"role": "tool", "content": format_tool_response(BROKEN_MESSAGE if broken else str(result))}]
+        final = _perturb(rng, belief) if err == len(steps) else belief
+        msgs.append({"role": "assistant", "content": f"The answer is \\boxed{{{final}}}."})
         demos.append(msgs)
     return demos

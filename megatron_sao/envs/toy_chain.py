@@ -124,8 +124,10 @@ class ToyChainEnv:
 def make_demonstrations(n: int, seed: int = 0, error_rate: float = 0.3, min_ops: int = 3,
                         max_ops: int = 6) -> list[list[dict]]:
     """``n`` conversations for SFT; with probability ``error_rate`` one mistake, at a uniform step of
-    the chain or in the answer. A wrong call gets the calculator's ``ERR`` and the demonstration then
-    answers at once with the value it expected (reward 0), as the env would play it out."""
+    the chain or in the answer. A wrong call (an operand copied wrongly) gets the calculator's ``ERR``;
+    the demonstration then goes on with the value it believes it got, every later call answered
+    ``ERR`` too, and answers with that belief (reward 0), as the env plays it out. So a failed
+    episode's states after its mistake are as many as before it on average, and all of them show it."""
     if not 0.0 <= error_rate <= 1.0:
         raise ValueError(f"toy_chain: error_rate must be in [0, 1], got {error_rate}")
     tasks = ToyChainTasks(n, seed, min_ops, max_ops)
@@ -135,17 +137,16 @@ def make_demonstrations(n: int, seed: int = 0, error_rate: float = 0.3, min_ops:
         task = tasks[i]
         steps = chain_steps(task.meta["nums"], task.meta["ops"])
         err = rng.randrange(len(steps) + 1) if rng.random() < error_rate else -1
-        msgs = [dict(task.messages[0])]
-        for k, (a, op, b, result) in enumerate(steps):
+        msgs, belief, broken = [dict(task.messages[0])], task.meta["nums"][0], False
+        for k, (_, op, b, result) in enumerate(steps):
+            a = belief
             if k == err:  # one operand copied wrongly: the chain breaks here
                 a, b = (_perturb(rng, a), b) if rng.random() < 0.5 else (a, _perturb(rng, b))
-                msgs += [{"role": "assistant", "content": f"<c>{a}{op}{b}</c>"},
-                         {"role": "tool", "content": BROKEN},
-                         {"role": "assistant", "content": f"={apply_op(a, op, b)}"}]
-                break
-            msgs += [{"role": "assistant", "content": f"<c>{a}{op}{b}</c>"}, {"role": "tool", "content": str(result)}]
-        else:
-            final = steps[-1][3]
-            msgs.append({"role": "assistant", "content": f"={_perturb(rng, final) if err == len(steps) else final}"})
+                broken = True
+            belief = apply_op(a, op, b)
+            msgs += [{"role": "assistant", "content": f"<c>{a}{op}{b}</c>"},
+                     {"role": "tool", "content": BROKEN if broken else str(result)}]
+        final = _perturb(rng, belief) if err == len(steps) else belief
+        msgs.append({"role": "assistant", "content": f"={final}"})
         demos.append(msgs)
     return demos

@@ -9,8 +9,10 @@ matches so far, and how far into it the policy is. A mistake therefore shows in 
 token that makes it on, which is the most any value function of the prefix can know about it; on
 the chain tasks the environment also says so in the next tool result, where a critic can read it.
 
-Key of the state before an action token, coarse to fine: (reference actions, turn, on track,
-significant characters typed in this action while on track, else -1). The oracle's value of a key
+Key of the state before an action token, coarse to fine: (on track, reference actions, turn,
+significant characters typed in this action while on track, else -1). On track comes first: it is
+what a mistake changes, so a rare off-track state falls back to other off-track states, never to a
+mix of both. The oracle's value of a key
 is the token-mean return of the training rollouts' tokens with that key (the MSE-optimal constant
 for the same token-mean loss the critic fits); a key with fewer than `min_support` training
 trajectories falls back to its longest prefix that has them. The ceiling is the explained variance
@@ -54,7 +56,7 @@ def progress_keys(action_pieces: Sequence[Sequence[str]], references: Sequence[s
         typed = ""
         for piece in pieces:
             now = on and ref is not None and ref.startswith(typed)
-            keys.append((len(refs), turn, now, len(typed) if now else -1))
+            keys.append((now, len(refs), turn, len(typed) if now else -1))
             typed += significant(piece)
         on = on and ref is not None and typed == ref
     return keys
@@ -124,7 +126,7 @@ def oracle_ceiling(train: Sequence[Trajectory], heldout: Sequence[Trajectory],
         keys = progress_keys(action_pieces(t, decode), references(t))
         values += [table.value(k) for k in keys]
         returns += action_returns(t, algo).tolist()
-        turns += [k[1] for k in keys]
+        turns += [k[2] for k in keys]
     v, r = torch.tensor([values], dtype=torch.float32), torch.tensor([returns], dtype=torch.float32)
     fit = critic_fit(v, r, torch.ones_like(v, dtype=torch.bool), torch.tensor([turns]))
     return OracleCeiling(fit["explained_variance"], fit, len(train), len(heldout),

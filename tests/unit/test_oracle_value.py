@@ -45,14 +45,14 @@ def test_the_oracle_explains_what_the_visible_prefix_reveals():
 def test_keys_turn_off_track_at_the_first_wrong_significant_character():
     pieces = [list("<c>1+5</c>"), list("=6")]
     keys = progress_keys(pieces, REFS)
-    on = [k[2] for k in keys]
+    on = [k[0] for k in keys]
     assert on == [True] * 6 + [False] * 6  # '<' '<c>' ... up to the state before '5'
     assert significant("The answer is \\boxed{518}.") == "518"
 
 
 def test_a_key_without_enough_training_support_falls_back_to_a_coarser_one():
     # The bad held-out episode goes where no training episode went: its off-track keys have no support
-    # and fall back to the coarser (references, turn) keys, whose training tokens are all good ones.
+    # (not even the coarsest, "off track") and fall back to the mean of all training tokens.
     train = [_episode(i, True) for i in range(6)]
     res = oracle_ceiling(train, [_episode(50, True), _episode(51, False)], lambda t: REFS, _decode,
                          AlgorithmConfig(), min_support=5)

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="main only: smollm2 = the comparison on SmolLM2-135M-Instruct (smollm2_main.py)")
     ap.add_argument("--max-runs", type=int, default=None,
                     help="--model smollm2: train at most N of the missing runs, then write the report")
+    ap.add_argument("--rows", nargs="+", default=None,
+                    help="--model smollm2: train only the missing runs of these rows (e.g. sao_pretrained)")
     ap.add_argument("--out", default=None,
                     help="results folder (default results/reproduce, --quick: <work>/quick_results)")
     ap.add_argument("--work", default=None, help="runs and starting points (default runs/reproduce[_quick])")
@@ -37,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     smollm2 = args.model == "smollm2"
     if smollm2 and args.experiment != "main":
         ap.error("--model smollm2: only the main comparison runs on SmolLM2")
-    if args.max_runs is not None and not smollm2:
-        ap.error("--max-runs: only with --model smollm2 (its runs have per-run result files)")
+    if (args.max_runs is not None or args.rows is not None) and not smollm2:
+        ap.error("--max-runs / --rows: only with --model smollm2 (its runs have per-run result files)")
     seeds = args.seeds or ([1] if args.quick else smollm2_main.DEFAULT_SEEDS if smollm2 else [1, 2, 3])
     jobs = args.jobs or (1 if smollm2 and not args.quick else 2)
     work = Path(args.work or ROOT / ("runs/reproduce_quick" if args.quick else "runs/reproduce")).resolve()
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if smollm2:
             name = "main_smollm2"
-        s = Settings(name, args.quick, seeds, jobs, out_root / name, work, args.fresh, command, max_runs=args.max_runs)
+        s = Settings(name, args.quick, seeds, jobs, out_root / name, work, args.fresh, command, max_runs=args.max_runs,
+                     rows=args.rows)
         s.log(f"start: seeds {seeds}, {jobs} job(s), results in {s.out}")
         code = (smollm2_main if smollm2 else EXPERIMENTS[name]).run(s)
         s.log(f"{'done' if code == 0 else 'FAILED runs'}: {s.out / 'results.md'}")

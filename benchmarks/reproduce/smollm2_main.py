@@ -168,7 +168,12 @@ def run(s: Settings) -> int:
     paths = {r: run_results.result_path(folder, r, keys[r]) for r in runs}
     done = {r: run_results.load(paths[r], keys[r]) for r in runs}
     missing = [r for r in runs if s.fresh or done[r] is None]
-    todo = missing if s.max_runs is None else missing[: s.max_runs]
+    if s.rows is not None:
+        unknown = sorted(set(s.rows) - set(ROWS))
+        if unknown:
+            raise SystemExit(f"sao bench main --model smollm2 --rows: unknown rows {unknown}; rows: {list(ROWS)}")
+    todo = [r for r in missing if s.rows is None or r.label in s.rows]
+    todo = todo if s.max_runs is None else todo[: s.max_runs]
     s.log(f"{len(runs) - len(missing)} of {len(runs)} runs have a result in {folder}; training {len(todo)} now")
     failed: list[RunResult] = []
 

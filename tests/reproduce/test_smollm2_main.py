@@ -62,15 +62,15 @@ def test_harness_writes_a_result_per_run_skips_it_after_and_reports_the_missing(
     # A later session: no runs/ cache (another checkout), the result file alone says the run is done.
     shutil.rmtree(work / "runs")
     before = (files[0].read_bytes(), files[0].stat().st_mtime_ns)
-    assert bench_main(argv) == 0
+    assert bench_main([*argv, "--rows", "grpo"]) == 0
     second = capsys.readouterr().out
     assert "start train          sao-s1-" not in second and "start sft" not in second
-    assert "start train          sao_sync-s1-" in second  # --max-runs 1 moved on to the next missing run
+    assert "start train          grpo-s1-" in second  # --rows: the next missing run of that row, not sao_sync
     assert (files[0].read_bytes(), files[0].stat().st_mtime_ns) == before
     assert len(list((folder / "runs").glob("*.json"))) == 2
     summary = json.loads((folder / "summary.json").read_text())
-    assert summary["missing"] == ["grpo/s1", "grpo_dis/s1", "sao_pretrained/s1"]
-    assert set(summary["results"]) == {"sao/s1", "sao_sync/s1"}
+    assert summary["missing"] == ["sao_sync/s1", "grpo_dis/s1", "sao_pretrained/s1"]
+    assert set(summary["results"]) == {"sao/s1", "grpo/s1"}
     assert "PARTIAL: 2 of 5 runs finished" in (folder / "results.md").read_text()
     assert "start value-pretrain" not in second  # the critic came from the start's directory (or the cache)
 

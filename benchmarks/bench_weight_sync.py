@@ -51,7 +51,7 @@ CHECK_TOKENS = [5, 9, 14, 20, 7, 11, 30, 3]
 
 
 def make_model(name: str, out: Path) -> Path:
-    from megatron_sao.trainer.components import materialize_builtin_model
+    from megatron_sao.models.builtin import materialize_builtin_model
 
     if name == "tiny":
         return materialize_builtin_model("tiny_qwen3_moe_ci", out / "tiny", seed=0)
@@ -145,8 +145,8 @@ def bench_kind(kind: str, model: str, counts: list[int], args, tmp: Path, loop) 
     from megatron_sao.cluster.supervisor import Supervisor
     from megatron_sao.config import load_config
     from megatron_sao.rollout.engines.factory import make_engines
-    from megatron_sao.rollout.weights.sync import WeightSync
     from megatron_sao.trainer.components import engine_config
+    from megatron_sao.weights.sync import WeightSync
 
     model_dir = make_model(model, tmp / "models")
     nmax = max(counts)

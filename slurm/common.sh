@@ -75,7 +75,7 @@ sao_nccl_env() {
     # megatron-core also creates gloo groups, and gloo takes exact interface names, not NCCL's
     # ^-exclusions: the launch plan hands the trainers GLOO_SOCKET_IFNAME (this one, or
     # NCCL_SOCKET_IFNAME's names), and without either each trainer picks the interface that routes
-    # to the master (megatron_sao/cluster/socket_ifname.py) instead of what its host name resolves to.
+    # to the master (megatron_sao/distributed/socket_ifname.py) instead of what its host name resolves to.
     if [[ -n "${GLOO_SOCKET_IFNAME:-}" ]]; then export GLOO_SOCKET_IFNAME; fi
     export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"               # IB verbs retry timeout (4.096us * 2^22)
     export NCCL_IB_RETRY_CNT="${NCCL_IB_RETRY_CNT:-7}"

@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 import torch
 from safetensors.torch import save_file
 
-from megatron_sao.checkpoint.safetensors_check import open_safetensors
+from megatron_sao.files.safetensors_check import open_safetensors
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

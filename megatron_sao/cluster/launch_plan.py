@@ -37,9 +37,9 @@ from pathlib import PurePosixPath
 from typing import Literal, Mapping, Sequence
 
 from megatron_sao.cluster.hostlist import HostlistError, expand_hostlist
-from megatron_sao.cluster.socket_ifname import GLOO, gloo_ifname_from_env
 from megatron_sao.config import ConfigError, SAOConfig, load_config
-from megatron_sao.rollout.vllm_worker import WORKER_EXTENSION
+from megatron_sao.distributed.socket_ifname import GLOO, gloo_ifname_from_env
+from megatron_sao.weights.vllm_worker import WORKER_EXTENSION
 
 Role = Literal["trainer", "rollout"]
 
@@ -178,7 +178,7 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
         if r.weight_transport == "reload" and exe.rollout_server == "vllm":
             raise LaunchPlanError("rollout.weight_transport=reload works with rollout/engines/http_server.py only; "
                                   "vllm serve takes nccl (GPU) or gloo (CPU builds)")
-        from megatron_sao.trainer.components import max_num_seqs
+        from megatron_sao.cluster.layout import max_num_seqs
 
         max_seqs = max_num_seqs(base, len(server_urls))
         sync_ports = [c.weight_sync_port + i for i in range(len(server_urls))]
@@ -191,7 +191,7 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
     # Re-validate with what the job really is (types, server_urls, ...) before anything starts.
     cfg = load_config(config, [*overrides, *launch_overrides])
     # gloo groups (megatron-core's) bind where GLOO_SOCKET_IFNAME says; without a name here the
-    # trainer picks the interface that routes to the master on its node (cluster/socket_ifname.py).
+    # trainer picks the interface that routes to the master on its node (distributed/socket_ifname.py).
     gloo = gloo_ifname_from_env(os.environ if environ is None else environ)
     gloo_env = {GLOO: gloo} if gloo else {}
 
@@ -223,7 +223,7 @@ def _vllm_process(cfg: SAOConfig, exe: Executables, model_dir: str | None, host:
     c, r = cfg.cluster, cfg.rollout
     gpus = ",".join(str(g) for g in range(i * c.rollout_tp, (i + 1) * c.rollout_tp))
     # The CPU build has no NCCL: its workers take the same rendezvous and routes over gloo, through
-    # a transfer engine our worker extension registers (rollout/vllm_worker/gloo_engine.py).
+    # a transfer engine our worker extension registers (weights/vllm_worker/gloo_engine.py).
     gloo = r.weight_transport == "gloo"
     transfer = {"backend": "sao_gloo" if gloo else "nccl"}
     # vLLM serves the model under the name exactly as given, and the trainer asks for it by

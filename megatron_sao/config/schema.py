@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from megatron_sao.rollout.engines.kinds import Backend, InflightPolicy
+from megatron_sao.weights.buckets import WeightTransportName
+
 
 @dataclass
 class WandbConfig:
@@ -153,7 +156,7 @@ GROUPED_ALGORITHMS = ("grpo", "grpo_rollout_ratio", "grpo_dis")
 
 @dataclass
 class RolloutConfig:
-    backend: Literal["hf", "vllm", "vllm_server"] = "hf"
+    backend: Backend = "hf"
     server_urls: list[str] = field(default_factory=list)  # vllm_server / disaggregated
     concurrency: int = 32  # single-rollout episodes in flight
     max_turns: int = 50
@@ -161,7 +164,7 @@ class RolloutConfig:
     max_new_tokens_per_turn: int = 8192
     temperature: float = 1.0
     top_p: float = 1.0
-    inflight_policy: Literal["keep", "abort"] = "keep"
+    inflight_policy: InflightPolicy = "keep"
     weight_sync_bucket_mb: int = 512
     timeout_s: float = 600.0  # every request and collective; a dead engine is reported after this
     gpu_memory_utilization: float = 0.5
@@ -172,7 +175,7 @@ class RolloutConfig:
     # How weights reach the engines: nccl (GPU servers), gloo (CPU: the same transfer-group calls), reload
     # (safetensors bytes; rollout/engines/http_server.py), auto (servers: nccl with CUDA, else gloo, or what a
     # server offers; backend vllm: CUDA IPC with CUDA, else gloo; nccl is refused for backend vllm).
-    weight_transport: Literal["auto", "reload", "nccl", "gloo"] = "auto"
+    weight_transport: WeightTransportName = "auto"
     # nccl / gloo: the trainer rank-0 host as the servers see it, and one port per server (set by the
     # launch plan from cluster.weight_sync_port; no defaults, a wrong guess would hang a rendezvous).
     weight_transfer_master_address: str = ""

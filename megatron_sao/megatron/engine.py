@@ -217,7 +217,7 @@ class MegatronEngine:
                 f"building the Megatron optimizer failed ({exc!r}); with "
                 f"use_distributed_optimizer={optim.use_distributed_optimizer} - try the other setting"
             ) from exc
-        from megatron_sao.checkpoint.names import canonical_name
+        from megatron_sao.models.names import canonical_name
 
         self._param_names = {id(p): canonical_name(n) for n, p in self.module.named_parameters()}
         from megatron_sao.megatron.offload import TrainerOffload
@@ -408,14 +408,14 @@ class MegatronEngine:
 
     def export_hf_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full weights under HF names in buckets of <= bucket_bytes, yielded on global rank 0."""
-        from megatron_sao.megatron.export import export_hf_weights
+        from megatron_sao.weights.export import export_hf_weights
 
         self._require("params")
         return export_hf_weights(self.module, self.spec, self.ctx, bucket_bytes=bucket_bytes)
 
     def export_hf_weights_every_rank(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The same buckets yielded on *every* rank (pp=1): what an in-process engine shard loads."""
-        from megatron_sao.megatron.export import export_hf_weights
+        from megatron_sao.weights.export import export_hf_weights
 
         self._require("params")
         return export_hf_weights(self.module, self.spec, self.ctx, bucket_bytes=bucket_bytes, every_rank=True)

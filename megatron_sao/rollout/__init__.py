@@ -9,8 +9,8 @@ The top level is the episode side, in the order data flows::
     -> on_done(trajectory)          into the trainer's buffer, the moment it finishes
 
 ``rollout_side.RolloutSide`` is the one object the trainer sees: it owns the engines, the pool, the
-driver and the weight sync (``push_weights``). Below it, by concern: ``engines/`` (the protocol and its
-backends), ``weights/`` (how new weights reach the engines), ``vllm_worker/`` (code that runs inside
-vLLM's workers) and ``colocate/`` (engine shards inside the trainer ranks). Nothing here imports the
-trainer, the run config or Megatron (tests/unit/test_layering.py).
+driver and the weight sync (``push_weights``, which chooses the servers of an update; the bytes move in
+``megatron_sao/weights/``). Below it, by concern: ``engines/`` (the protocol and its backends) and
+``colocate/`` (engine shards inside the trainer ranks). Nothing here imports the trainer, the run
+config or Megatron (tests/unit/test_layering.py).
 """

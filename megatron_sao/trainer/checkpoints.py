@@ -202,3 +202,45 @@ def remove_uncommitted(root: Path) -> list[Path]:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
             gone.append(p)
     return gone
+
+
+def newest_intact(root: Path, collectives, rank: int, world_size: int, roles: tuple[str, ...]) -> Path | None:
+    """The checkpoint every rank resumes from (collective): the newest whose files are whole, falling
+    back past damaged ones (named in the log, set aside as ``*.damaged``); None when there is none.
+    Raises UserError when every checkpoint is damaged. Rank 0 checks the manifest and trainer state,
+    every rank its own shards of ``roles``, and all agree on the verdict."""
+    from megatron_sao.errors import UserError
+
+    found = collectives.broadcast([str(p) for p in candidates(root)] if rank == 0 else None)
+    if not found:
+        return None
+    damaged: list[tuple[Path, str]] = []
+    for ckpt in map(Path, found):
+        problem = _agreed_damage(ckpt, rank, world_size, roles)
+        if problem is None:
+            break
+        logger.warning("checkpoint %s is damaged: %s", ckpt.name, problem)
+        damaged.append((ckpt, problem))
+    else:
+        raise UserError(f"--resume: no intact checkpoint in {root}: "
+                        + "; ".join(f"{c.name}: {p}" for c, p in damaged))
+    if damaged:
+        if rank == 0:
+            for bad, _ in damaged:
+                set_aside(root, bad, ckpt)
+        logger.warning("resuming from %s, the newest intact checkpoint (set aside as *.damaged: %s)",
+                       ckpt.name, ", ".join(bad.name for bad, _ in damaged))
+        collectives.barrier()
+    return ckpt
+
+
+def _agreed_damage(ckpt: Path, rank: int, world_size: int, roles: tuple[str, ...]) -> str | None:
+    mine = [f"{role}/rank_{rank:05d}.pt" for role in roles]
+    problem = (damage(ckpt) if rank == 0 else None) or damage(ckpt, rank_files=mine)
+    if world_size == 1:
+        return problem
+    import torch.distributed as dist
+
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, problem)
+    return next((p for p in everyone if p), None)

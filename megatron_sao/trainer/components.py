@@ -7,27 +7,14 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from megatron_sao.cluster.layout import max_num_seqs
 from megatron_sao.config import CriticConfig, OptimSection, SAOConfig
 
 logger = logging.getLogger(__name__)
-
-# Built-in models that need no download: name -> (architecture preset, overrides). The demo model is
-# Qwen3-MoE-shaped (q/k norm, GQA, top-k routed experts) at a size a 2-core laptop trains in minutes.
-BUILTIN_MODELS: dict[str, dict[str, Any]] = {
-    "tiny_qwen3_moe": dict(arch="qwen3_moe", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=32, moe_intermediate_size=128, num_experts=4,
-                           num_experts_per_tok=2, intermediate_size=256, max_position_embeddings=512),
-    # The same shape at the smallest size that still exercises everything (tests, CI).
-    "tiny_qwen3_moe_ci": dict(arch="qwen3_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=32, moe_intermediate_size=64, num_experts=4,
-                              num_experts_per_tok=2, intermediate_size=128, max_position_embeddings=256),
-}
 
 # Critic parameter groups whose grad norms are logged separately (frozen attention vs trained MoE).
 CRITIC_NORM_GROUPS = {
@@ -41,49 +28,6 @@ CRITIC_NORM_GROUPS_DENSE = {
     "mlp": ["*mlp.linear_fc*"],
     "value_head": ["value_head*"],
 }
-
-
-def is_builtin(path: str) -> bool:
-    return path in BUILTIN_MODELS
-
-
-def materialize_builtin_model(name: str, out_dir: str | os.PathLike, seed: int) -> Path:
-    """Write a randomly initialised built-in model + the char tokenizer as an HF directory."""
-    from megatron_sao.models.presets import tiny_hf_config, tiny_hf_model
-    from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
-
-    out = Path(out_dir)
-    if (out / "config.json").exists():
-        return out
-    spec = dict(BUILTIN_MODELS[name])
-    arch = spec.pop("arch")
-    tok = build_char_tokenizer()
-    # Pad the vocabulary to a multiple of 8 (like Megatron's make-vocab-size-divisible-by) so that
-    # tensor parallelism can split it; the extra rows are never produced by the tokenizer.
-    hf_config = tiny_hf_config(arch, vocab_size=-(-len(tok) // 8) * 8, **spec)
-    model = tiny_hf_model(hf_config, seed=seed)
-    # Written aside and renamed: a trainer and a rollout server may materialize it at once.
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    try:
-        os.replace(tmp, out)
-    except OSError:  # the other process won the race; its copy is identical (same seed)
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def resolve_model_dir(cfg: SAOConfig, run_dir: Path) -> Path:
-    if is_builtin(cfg.model.path):
-        return materialize_builtin_model(cfg.model.path, run_dir / "base_model", cfg.run.seed)
-    p = Path(cfg.model.path)
-    if not (p / "config.json").exists():
-        from megatron_sao.errors import MissingInputError
-
-        raise MissingInputError(f"model.path: {p} is neither a built-in model ({sorted(BUILTIN_MODELS)}) "
-                                "nor an HF directory with config.json")
-    return p
 
 
 def load_tokenizer(cfg: SAOConfig, model_dir: Path):
@@ -188,8 +132,8 @@ def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = N
                  total_steps: int | None = None):
     """The critic engine; `total_steps` (optimizer steps, for the LR schedule) defaults to a
     `sao train` run's. Logs the whole model's trainable / frozen parameters per group."""
+    from megatron_sao.checkpoint.param_counts import format_param_counts, param_counts_by_group
     from megatron_sao.megatron.engine import MegatronEngine
-    from megatron_sao.models.param_counts import format_param_counts, param_counts_by_group
 
     spec = model_spec(model_dir)
     steps = total_steps if total_steps is not None else critic_optimizer_steps(cfg)
@@ -233,16 +177,6 @@ def build_rollout_engine(cfg: SAOConfig, model_dir: Path):
     from megatron_sao.rollout.engines.factory import make_engine
 
     return make_engine(engine_config(cfg, model_dir))
-
-
-def max_num_seqs(cfg: SAOConfig, engines: int | None) -> int | None:
-    """Generate requests one engine runs at once: rollout.max_num_seqs, else an even share of
-    rollout.concurrency over `engines` (what the launch plan gives each vllm serve, and each colocated
-    engine's vLLM scheduler); None (unbounded) for one in-process engine (`engines=None`)."""
-    r = cfg.rollout
-    if r.max_num_seqs is not None:
-        return r.max_num_seqs
-    return -(-r.concurrency // engines) if engines else None
 
 
 def build_rollout_side(cfg: SAOConfig, model_dir: Path, on_done, *, group_size: int, state: dict | None,
@@ -304,24 +238,21 @@ def env_factory(cfg: SAOConfig):
     return factory
 
 
-GENERATED_ENVS = ("toy_tool", "style_shift")  # tasks come from a seeded generator, not a file
-
-
 def train_tasks(cfg: SAOConfig):
-    from megatron_sao.envs import load_tasks
+    from megatron_sao.envs.registry import generates_tasks, load_tasks
 
     kw = dict(cfg.env.task_kwargs)
-    if cfg.env.name in GENERATED_ENVS:
+    if generates_tasks(cfg.env.name):
         kw.setdefault("seed", cfg.run.seed)
     return load_tasks(cfg.env.name, cfg.env.train_data, **kw)
 
 
 def eval_tasks(cfg: SAOConfig) -> list:
     """The held-out tasks: the eval file, or (generated envs) a generator seeded apart from training."""
-    from megatron_sao.envs import load_tasks
+    from megatron_sao.envs.registry import generates_tasks, load_tasks
 
     kw = dict(cfg.env.task_kwargs)
-    if cfg.env.name in GENERATED_ENVS:
+    if generates_tasks(cfg.env.name):
         seed = cfg.env.eval_seed if cfg.env.eval_seed is not None else cfg.run.seed + 100_003
         kw.update(seed=seed, n=cfg.env.eval_size)
     tasks = load_tasks(cfg.env.name, cfg.env.eval_data or cfg.env.train_data, **kw)

@@ -16,7 +16,7 @@ and at the end save(), the HF export and close(). Rollouts never wait for the tr
 admission control (rollout/episode_driver.py). Every collective that may follow a phase only rank 0 runs
 goes through the rank-0 gate (`distributed/gated.py`).
 
-Where the engines run is the placement's business (`trainer/colocated.py`): the loop calls its hooks
+Where the engines run is the placement's business (`trainer/placement.py`): the loop calls its hooks
 (wait for the batch, before/after the train step, evaluate, end of step) the same way for every
 placement; only the colocated one does something in them.
 """
@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from megatron_sao.algorithms import RunningMeanBaseline
 from megatron_sao.buffer import TrajectoryBuffer
 from megatron_sao.config import SAOConfig, dump_config, to_dict
 from megatron_sao.distributed.gated import GatedCollectives
-from megatron_sao.errors import UserError
+from megatron_sao.errors import TrainingInterrupted, TrainingStopped
+from megatron_sao.models.builtin import resolve_model_dir
 from megatron_sao.rollout.prompts import unit_of
 from megatron_sao.rollout.replay import ReplaySource
 from megatron_sao.trainer import checkpoints as ckpts
@@ -46,13 +46,14 @@ from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.hf_export import export_hf_model, export_step
 from megatron_sao.trainer.losses import critic_loss_fn, policy_loss_fn
+from megatron_sao.trainer.placement import Placement
 from megatron_sao.trainer.run_dir import rng_state, set_rng_state
 from megatron_sao.trainer.step import sao_step
-from megatron_sao.trainer.stopping import NonFiniteGuard, TrainingInterrupted, TrainingStopped
-from megatron_sao.trainer.weight_push import NoWeightPush
+from megatron_sao.trainer.stopping import NonFiniteGuard
 from megatron_sao.trajectory import collate_padded
+from megatron_sao.weights.push import NoWeightPush
 
-__all__ = ["SAOTrainer", "TrainingInterrupted", "TrainingStopped"]
+__all__ = ["SAOTrainer"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class SAOTrainer:
             dump_config(cfg, self.run_dir.path / "config.yaml")
             self.run_dir.configure_scalars(cfg.run.tensorboard, cfg.run.wandb, cfg.run.name, to_dict(cfg))
         self.collectives.barrier()
-        self.model_dir = C.resolve_model_dir(cfg, self.run_dir.path) if self.rank0 else None
+        self.model_dir = resolve_model_dir(cfg.model.path, self.run_dir.path, cfg.run.seed) if self.rank0 else None
         self.model_dir = Path(self.collectives.broadcast(str(self.model_dir) if self.model_dir else None))
         C.check_trainer_memory(cfg, self.model_dir, self.ctx)
         self.actor = C.build_actor(cfg, self.model_dir, ctx=self.ctx)
@@ -121,7 +122,8 @@ class SAOTrainer:
         self.policy_loss, self.critic_loss = policy_loss_fn(a), critic_loss_fn()
         self.console = Console(cfg.run.console if self.rank0 else "none", total=self.total)
         self.wait_s = self.busy_s = 0.0
-        self.placement = colo.make_placement(cfg, self.model_dir, self.ctx)
+        self.placement = (colo.ColocatedPlacement(cfg, self.model_dir, self.ctx) if colo.is_colocated(cfg)
+                          else Placement(cfg))
         self.weights = NoWeightPush()
         # Rank 0's source of trajectories: the RolloutSide (every engine, the episode driver, weight
         # sync), or the ReplaySource of trainer.replay. None on the other ranks.
@@ -335,30 +337,14 @@ class SAOTrainer:
         """Load the newest intact checkpoint (falling back past damaged ones, which are named and set
         aside); with none at all, clear what an earlier attempt logged and start fresh."""
         root = self.run_dir.ckpt_root
-        found = self.collectives.broadcast([str(p) for p in ckpts.candidates(root)] if self.rank0 else None)
-        if not found:
+        roles = ("actor",) if self.critic is None else ("actor", "critic")
+        ckpt = ckpts.newest_intact(root, self.collectives, self.ctx.rank, self.ctx.world_size, roles)
+        if ckpt is None:
             if self.rank0:
                 self.run_dir.clear_training()
             logger.warning("--resume: no checkpoint in %s; starting fresh (what an earlier attempt logged "
                            "and buffered is removed: no checkpoint covers it)", root)
             return None
-        damaged: list[tuple[Path, str]] = []
-        for ckpt in map(Path, found):
-            problem = self._checkpoint_damage(ckpt)
-            if problem is None:
-                break
-            logger.warning("checkpoint %s is damaged: %s", ckpt.name, problem)
-            damaged.append((ckpt, problem))
-        else:
-            raise UserError(f"--resume: no intact checkpoint in {root}: "
-                            + "; ".join(f"{c.name}: {p}" for c, p in damaged))
-        if damaged:
-            if self.rank0:
-                for bad, _ in damaged:
-                    ckpts.set_aside(root, bad, ckpt)
-            logger.warning("resuming from %s, the newest intact checkpoint (set aside as *.damaged: %s)",
-                           ckpt.name, ", ".join(bad.name for bad, _ in damaged))
-            self.collectives.barrier()
         state = ckpts.load_trainer_state(ckpt)
         self.actor.load(str(ckpt / "actor"))
         if self.critic is not None:
@@ -380,18 +366,6 @@ class SAOTrainer:
         buffer file of another run), which the train step would refuse; the buffer sets it aside."""
         s = self.actor.spec
         return traj.routes_problem(s.num_layers, s.moe_topk, s.num_experts) if s.is_moe else None
-
-    def _checkpoint_damage(self, ckpt: Path) -> str | None:
-        """Agreed by all ranks: rank 0 checks the manifest and trainer state, every rank its own shards."""
-        r = self.ctx.rank
-        mine = [f"{role}/rank_{r:05d}.pt" for role in ("actor", "critic")
-                if role == "actor" or self.critic is not None]
-        problem = (ckpts.damage(ckpt) if self.rank0 else None) or ckpts.damage(ckpt, rank_files=mine)
-        if self.ctx.world_size == 1:
-            return problem
-        everyone = [None] * self.ctx.world_size
-        dist.all_gather_object(everyone, problem)
-        return next((p for p in everyone if p), None)
 
     # ------------------------------------------------------------------ logging
     def _log(self, m: dict, trajs, batch, step_s: float) -> None:

@@ -28,7 +28,7 @@ def preflight(cfg: SAOConfig, resume: bool, overwrite: bool) -> None:
     """The user errors that can be found before anything is written (every rank runs it; it only
     reads): the run directory against --resume/--overwrite, that --resume has an intact checkpoint,
     the model and init paths, the replay file."""
-    from megatron_sao.trainer.components import is_builtin
+    from megatron_sao.models.builtin import is_builtin
     from megatron_sao.trainer.run_dir import check_train_dir
 
     check_train_dir(Path(cfg.run.dir), resume, overwrite)
@@ -75,7 +75,8 @@ def main(args) -> int:
     cfg = wire_stages(load_config(args.config, args.overrides))
     overwrite = getattr(args, "overwrite", False)
     preflight(cfg, args.resume, overwrite)
-    from megatron_sao.trainer.loop import SAOTrainer, TrainingInterrupted, TrainingStopped
+    from megatron_sao.errors import TrainingInterrupted, TrainingStopped
+    from megatron_sao.trainer.loop import SAOTrainer
 
     trainer = SAOTrainer(cfg, resume=args.resume, overwrite=overwrite)
     try:

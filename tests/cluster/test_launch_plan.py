@@ -156,7 +156,7 @@ def test_trainers_get_gloo_socket_ifname_beside_nccl(env, expected):
 
 
 def test_gloo_interface_rules():
-    from megatron_sao.cluster.socket_ifname import gloo_ifname_from_env, interface_for
+    from megatron_sao.distributed.socket_ifname import gloo_ifname_from_env, interface_for
 
     assert gloo_ifname_from_env({"NCCL_SOCKET_IFNAME": "^lo,docker"}) is None
     assert gloo_ifname_from_env({"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "ib0"}) == "eth0"
@@ -168,14 +168,15 @@ def test_gloo_interface_rules():
 def test_the_plan_and_the_trainer_agree_on_transfer_ports_and_the_per_server_cap():
     """The trainer's view (its config after the plan's overrides) and each vllm serve command agree:
     one rendezvous port per server on the first trainer host (weight_sync_port + i: the ports the one
-    transfer group over every server is formed on in turn, rollout/weights/server_group.py), each
+    transfer group over every server is formed on in turn, weights/server_group.py), each
     server's own rendezvous rule as vLLM computes it (rank offset 1, world 1 + rollout_tp), and its
     --max-num-seqs is the trainer's per-server cap."""
     from pathlib import Path
 
+    from megatron_sao.cluster.layout import max_num_seqs
     from megatron_sao.config import load_config
-    from megatron_sao.rollout.vllm_worker.transfer_group import Rendezvous
-    from megatron_sao.trainer.components import engine_config, max_num_seqs
+    from megatron_sao.trainer.components import engine_config
+    from megatron_sao.weights.vllm_worker.transfer_group import Rendezvous
 
     hosts = ["t0", "t1", "r0", "r1"]
     plan = build_launch_plan(AIME, hosts, run_dir="/r", trainer_nodes=2, gpus_per_node=8)

@@ -68,10 +68,11 @@ def slurm(tmp_path_factory):
 def model_dir(tmp_path_factory):
     """The recipes' built-in model as the HF directory vllm serve loads (SAO_MODEL_DIR)."""
     from megatron_sao.config import load_config
-    from megatron_sao.trainer.components import resolve_model_dir
+    from megatron_sao.models.builtin import resolve_model_dir
 
     d = tmp_path_factory.mktemp("model")
-    return resolve_model_dir(load_config(RECIPES / "disaggregated.yaml"), d)
+    cfg = load_config(RECIPES / "disaggregated.yaml")
+    return resolve_model_dir(cfg.model.path, d, cfg.run.seed)
 
 
 def _job_env(slurm: SlurmCluster, run_root: Path, config: Path, model_dir: Path, **extra: str) -> dict:

@@ -10,7 +10,7 @@ from e2e_util import CONFIG, sao
 def test_value_pretrain_runs_for_a_non_sao_algorithm(tmp_path):
     """Regression: it read the critic's returns from the per-algorithm targets, which have none for
     GRPO or the running-mean baseline (TypeError on `fields["returns"] = None`)."""
-    from megatron_sao.trainer.components import materialize_builtin_model
+    from megatron_sao.models.builtin import materialize_builtin_model
 
     policy = materialize_builtin_model("tiny_qwen3_moe_ci", tmp_path / "policy", seed=3)
     run = tmp_path / "vp"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_sao.checkpoint.names import canonical_name
 from megatron_sao.checkpoint.param_layout import full_param_shapes
 from megatron_sao.checkpoint.sharding import (
     RankLayout,
@@ -16,6 +15,7 @@ from megatron_sao.checkpoint.sharding import (
     unshard_tensor,
 )
 from megatron_sao.models.hf_config import ModelSpec, model_spec_from_hf
+from megatron_sao.models.names import canonical_name
 from megatron_sao.models.parallel_sizes import ParallelSizes
 from megatron_sao.models.presets import qwen3_30b_a3b_config, tiny_hf_config
 from megatron_sao.models.vocab import padded_vocab_size

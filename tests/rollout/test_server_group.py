@@ -19,8 +19,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from megatron_sao.rollout.vllm_worker.transfer_group import free_port  # noqa: E402
-from megatron_sao.rollout.weights.server_group import ServerTransferGroup, member_init_info, rank_offsets  # noqa: E402
+from megatron_sao.weights.server_group import ServerTransferGroup, member_init_info, rank_offsets  # noqa: E402
+from megatron_sao.weights.vllm_worker.transfer_group import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,7 +40,7 @@ class ThreadServer:
     def __init__(self, name: str, tp: int = 1) -> None:
         from vllm.config.parallel import ParallelConfig
 
-        from megatron_sao.rollout.vllm_worker import gloo_engine
+        from megatron_sao.weights.vllm_worker import gloo_engine
 
         cls = gloo_engine._engine_class()
         self.name, self.transfer_world_size = name, tp
@@ -217,7 +217,7 @@ def test_a_server_that_cannot_join_is_left_out_and_the_group_forms_over_the_rest
 
 
 def test_a_packed_bucket_unpacks_to_the_same_tensors():
-    from megatron_sao.rollout.vllm_worker.transfer_group import pack_bucket, unpack_bucket
+    from megatron_sao.weights.vllm_worker.transfer_group import pack_bucket, unpack_bucket
 
     ts = [torch.randn(3, 4), torch.tensor(7, dtype=torch.int64), torch.randn(5).to(torch.bfloat16), torch.ones(0, 2)]
     flat = pack_bucket(ts)

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from megatron_sao.rollout.vllm_worker.transfer_group import (  # noqa: E402
+from megatron_sao.weights.vllm_worker.transfer_group import (  # noqa: E402
     Rendezvous,
     broadcast_bucket,
     free_port,
@@ -67,7 +67,7 @@ def test_trainer_and_tp_workers_meet_and_receive_a_bucket(tp):
     receive the broadcast: the CPU twin of the NCCL path (only the data plane differs)."""
     from vllm.config.parallel import ParallelConfig
 
-    from megatron_sao.rollout.vllm_worker import gloo_engine
+    from megatron_sao.weights.vllm_worker import gloo_engine
 
     engine_cls = gloo_engine._engine_class()
     rv = Rendezvous("127.0.0.1", free_port(), server_world_size=tp)

@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams  # noqa: E402
 from megatron_sao.rollout.engines.vllm_engine import VLLMEngine  # noqa: E402
-from megatron_sao.rollout.weights.sync import WeightSync, WeightSyncError  # noqa: E402
+from megatron_sao.weights.sync import WeightSync, WeightSyncError  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 KINDS = ("dense", "moe")

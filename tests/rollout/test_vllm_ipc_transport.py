@@ -23,14 +23,14 @@ pytest.importorskip("vllm")
 
 from megatron_sao.config import ConfigError, load_config  # noqa: E402
 from megatron_sao.rollout.engines.protocol import EngineConfig  # noqa: E402
-from megatron_sao.rollout.vllm_worker.extension import SAOWorkerExtension  # noqa: E402
-from megatron_sao.rollout.vllm_worker.ipc_handles import decode_ipc_args, decode_update_info  # noqa: E402
-from megatron_sao.rollout.weights.vllm_transport import (  # noqa: E402
+from megatron_sao.weights.inprocess_transports import (  # noqa: E402
     GroupTransport,
     IPCTransport,
     ReloadTransport,
     make_transport,
 )
+from megatron_sao.weights.vllm_worker.extension import SAOWorkerExtension  # noqa: E402
+from megatron_sao.weights.vllm_worker.ipc_handles import decode_ipc_args, decode_update_info  # noqa: E402
 
 UUID = "GPU-4f1c-trainer"
 

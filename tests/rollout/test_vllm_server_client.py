@@ -16,7 +16,7 @@ from megatron_sao.rollout.engines.hf_engine import HFEngine  # noqa: E402
 from megatron_sao.rollout.engines.http_server import start_server  # noqa: E402
 from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams  # noqa: E402
 from megatron_sao.rollout.engines.vllm_server_client import ServerError, VLLMServerClient  # noqa: E402
-from megatron_sao.rollout.weights.sync import WeightSync  # noqa: E402
+from megatron_sao.weights.sync import WeightSync  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -234,7 +234,7 @@ class _NoDataPlane:
         pass
 
     async def send_bucket(self, bucket, retry=None):
-        from megatron_sao.rollout.weights.vllm_transport import bucket_update_info
+        from megatron_sao.weights.buckets import bucket_update_info
 
         try:
             await self.member.receive_bucket(bucket_update_info(bucket))

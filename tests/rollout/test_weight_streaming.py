@@ -172,7 +172,7 @@ class _Consumer:
         self.pushed: list[tuple[int, int]] = []
 
     def push_weights(self, buckets, version, **kw):
-        from megatron_sao.rollout.weights.sync import SyncMetrics
+        from megatron_sao.weights.sync import SyncMetrics
 
         n = sum(1 for _ in buckets)
         self.pushed.append((version, n))
@@ -185,7 +185,7 @@ class _Consumer:
 def _fake_trainer(live: LiveBuckets, policy_lag: int = 0):
     """The trainer's WeightPush on rank 0 of a 1-rank world, with the rollout side as a consumer."""
     from megatron_sao.distributed.gated import GatedCollectives
-    from megatron_sao.trainer.weight_push import WeightPush
+    from megatron_sao.weights.push import WeightPush
 
     actor = types.SimpleNamespace(export_hf_weights=lambda nbytes: iter(live))
     push = WeightPush(actor, _Consumer(), GatedCollectives(types.SimpleNamespace(world_size=1)),
@@ -223,8 +223,8 @@ def test_policy_lag_pushes_explicit_cpu_copies_of_an_older_version(moe_dir):
 def test_a_failed_weight_sync_stops_every_rank_without_hanging(moe_dir):
     """A weight sync that fails on rank 0 (a check mismatch, no server left) is broadcast, so every
     rank stops at the same point instead of waiting in the next collective."""
-    from megatron_sao.rollout.weights.sync import WeightSyncError
-    from megatron_sao.trainer.loop import TrainingStopped
+    from megatron_sao.errors import TrainingStopped
+    from megatron_sao.weights.sync import WeightSyncError
 
     live = LiveBuckets(load_checkpoint(moe_dir), per_bucket=4)
     fake, sync = _fake_trainer(live)

@@ -11,7 +11,7 @@ from engine_fixtures import ScriptedEngine, hf_logprobs, load_checkpoint, make_t
 
 from megatron_sao.rollout.engines.hf_engine import HFEngine
 from megatron_sao.rollout.engines.protocol import SamplingParams
-from megatron_sao.rollout.weights.sync import WeightSync, WeightSyncError
+from megatron_sao.weights.sync import WeightSync, WeightSyncError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -142,7 +142,7 @@ def test_bad_arguments_are_refused(moe_dir):
 def test_check_every_n_checks_only_the_versions_it_names():
     """rollout.weight_sync_check_every: the trainer computes the reference only for due versions, and
     a due version without one is refused, not silently unchecked."""
-    from megatron_sao.rollout.weights.sync import check_due
+    from megatron_sao.weights.sync import check_due
 
     assert [v for v in range(1, 9) if check_due(v, 3)] == [3, 6]
     assert all(check_due(v, 1) for v in range(5))

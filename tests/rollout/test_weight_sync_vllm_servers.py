@@ -53,6 +53,7 @@ def wait_for(cond, timeout_s: float, what: str) -> None:
 @pytest.mark.timeout(900)
 def test_two_vllm_servers_get_every_version_from_one_broadcast_and_survive_a_kill(tmp_path):
     from megatron_sao.config import load_config
+    from megatron_sao.models.builtin import resolve_model_dir
     from megatron_sao.rollout.chat import ChatFormatter
     from megatron_sao.rollout.engines.factory import make_engines
     from megatron_sao.rollout.prompts import PromptStream
@@ -65,7 +66,7 @@ def test_two_vllm_servers_get_every_version_from_one_broadcast_and_survive_a_kil
     plan = build_local_plan(CONFIG, trainer_ranks=1, rollout_servers=2, run_dir=str(run), overrides=overrides,
                             server="vllm")
     cfg = load_config(CONFIG, [*overrides, *plan.plan.trainer_overrides])
-    model_dir = C.resolve_model_dir(cfg, run)
+    model_dir = resolve_model_dir(cfg.model.path, run, cfg.run.seed)
     base = load_checkpoint(model_dir)
     urls = plan.server_urls
     done: list = []

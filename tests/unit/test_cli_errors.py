@@ -47,7 +47,7 @@ def _truncated(path):
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A real HF checkpoint of the built-in CI model, its weights file cut short."""
-    from megatron_sao.trainer.components import materialize_builtin_model
+    from megatron_sao.models.builtin import materialize_builtin_model
 
     d = materialize_builtin_model("tiny_qwen3_moe_ci", tmp_path_factory.mktemp("hf") / "model", seed=0)
     _truncated(d / "model.safetensors")
@@ -57,7 +57,7 @@ def hf_dir(tmp_path_factory):
 def _run_with_damaged_checkpoint(tmp: Path) -> Path:
     """A run directory as a crashed run leaves it: its config, logs, base model, buffer (with a
     stray file in it) and a committed checkpoint that is damaged (no manifest), the only one."""
-    from megatron_sao.trainer.components import materialize_builtin_model
+    from megatron_sao.models.builtin import materialize_builtin_model
 
     run = tmp / "damaged"
     materialize_builtin_model("tiny_qwen3_moe_ci", run / "base_model", seed=3)

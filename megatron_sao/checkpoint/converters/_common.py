@@ -18,9 +18,9 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from megatron_sao.checkpoint.names import canonical_name
 from megatron_sao.checkpoint.param_layout import expected_shape, full_param_shapes
 from megatron_sao.models.hf_config import ModelSpec
+from megatron_sao.models.names import canonical_name
 
 Merge = Callable[[Sequence[torch.Tensor], ModelSpec], torch.Tensor]
 Split = Callable[[torch.Tensor, ModelSpec], Sequence[torch.Tensor]]

@@ -18,7 +18,7 @@ In-flight requests across ``update_weights`` (``EngineConfig.inflight_policy``):
 * ``abort``: ``pause_generation(mode="abort")`` ends every in-flight request; ``generate`` returns its
   partial tokens with ``finish_reason="abort"`` and the agent loop decides what to do.
 
-Weights arrive through ``rollout/weights/vllm_transport.py`` (CUDA IPC on GPU, a gloo transfer group on CPU); the CPU
+Weights arrive through ``weights/inprocess_transports.py`` (CUDA IPC on GPU, a gloo transfer group on CPU); the CPU
 fix-ups after a load (MoE expert prepack, tied LM head) need a *complete* update (every checkpoint tensor).
 Updates are streamed bucket by bucket (``begin_weight_update`` / ``push_weight_bucket`` /
 ``finish_weight_update``); each bucket is checked on arrival and completeness at the end.
@@ -45,8 +45,8 @@ from megatron_sao.rollout.engines.protocol import (
     WeightBucket,
 )
 from megatron_sao.rollout.engines.routes import num_experts_of, routes_tensor, scored_routes
-from megatron_sao.rollout.vllm_worker import WORKER_EXTENSION
-from megatron_sao.rollout.weights.vllm_transport import WeightTransport, make_transport
+from megatron_sao.weights.inprocess_transports import InProcessTransport, make_transport
+from megatron_sao.weights.vllm_worker import WORKER_EXTENSION
 
 
 def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
@@ -98,7 +98,7 @@ logger = logging.getLogger(__name__)
 class VLLMEngine(StreamedUpdate):
     """``RolloutEngine`` over an in-process ``AsyncLLM``. Construct inside or outside an event loop."""
 
-    def __init__(self, cfg: EngineConfig, transport: WeightTransport | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, transport: InProcessTransport | None = None) -> None:
         from vllm.config.model import LogprobsMode
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM

@@ -18,7 +18,7 @@ Weights are streamed bucket by bucket (``begin_weight_update`` / ``push_weight_b
 * ``nccl`` (GPU) / ``gloo`` (CPU): vLLM's routes (``VLLM_SERVER_DEV_MODE=1``): ``/pause``,
   ``/start_weight_update``, ``/update_weights`` per bucket while this process broadcasts it as rank 0
   of the transfer group, ``/finish_weight_update`` with the version label, ``/resume``. The group is
-  one for every server of the update (``rollout/weights/server_group.py``, formed by ``WeightSync``
+  one for every server of the update (``weights/server_group.py``, formed by ``WeightSync``
   through ``join_transfer_group``: ``/init_weight_transfer_engine`` with this server's rank offset);
   a client used on its own (``update_weights``) forms a group of its own server at its own port. A
   bucket sent again after a failed receive is preceded by ``/collective_rpc``
@@ -42,11 +42,9 @@ from megatron_sao.rollout.engines.protocol import (
     EngineConfig,
     GenerationResult,
     SamplingParams,
-    WeightBucket,
-    bucket_bytes,
 )
 from megatron_sao.rollout.engines.routes import decode_b64_routes, num_experts_of, scored_routes
-from megatron_sao.rollout.weights.vllm_transport import serialize_bucket
+from megatron_sao.weights.buckets import WeightBucket, bucket_bytes, serialize_bucket
 
 
 class ServerError(RuntimeError):
@@ -351,7 +349,7 @@ class VLLMServerClient:
             self.last_update_bytes += len(blob)
             return
         if self._solo is None:
-            from megatron_sao.rollout.weights.server_group import ServerTransferGroup
+            from megatron_sao.weights.server_group import ServerTransferGroup
 
             self._solo = ServerTransferGroup(self.cfg.weight_transfer_master_address,
                                              (self.cfg.transfer_port(self.index),), self.transport, self.group_wait_s)

@@ -22,11 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_common import emit, make_batch, mse_loss, tiny_model_dir  # noqa: E402
 
 from megatron_sao.algorithms import ppo_clip_loss  # noqa: E402
-from megatron_sao.checkpoint.names import canonical_name  # noqa: E402
 from megatron_sao.config import AlgorithmConfig, load_config  # noqa: E402
 from megatron_sao.megatron.engine import InitSource, MegatronEngine  # noqa: E402
 from megatron_sao.megatron.optimizer import OptimConfig  # noqa: E402
 from megatron_sao.megatron.parallel import destroy_parallel, init_parallel  # noqa: E402
+from megatron_sao.models.names import canonical_name  # noqa: E402
 from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
 from megatron_sao.trainer import components as C  # noqa: E402
 from megatron_sao.trainer.losses import policy_loss_fn  # noqa: E402

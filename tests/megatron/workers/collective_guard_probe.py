@@ -27,8 +27,9 @@ torch.set_num_threads(1)
 ensure_cpu_compat()
 
 from megatron_sao.distributed import collective_guard  # noqa: E402
+from megatron_sao.distributed.devices import collective_device  # noqa: E402
 from megatron_sao.distributed.gated import GatedCollectives  # noqa: E402
-from megatron_sao.megatron.parallel import collective_device, init_parallel  # noqa: E402
+from megatron_sao.megatron.parallel import init_parallel  # noqa: E402
 from megatron_sao.models.freeze import FreezeReport, check_patterns_matched_globally  # noqa: E402
 from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
 

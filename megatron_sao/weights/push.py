@@ -1,4 +1,5 @@
-"""After each actor step: the actor's weights streamed to every rollout server as the new version.
+"""After each actor step: the actor's weights streamed to every rollout server as the new version (the
+trainer's one entry into weight movement: ``WeightPush.push``).
 
 All ranks call ``push``: the export gathers the TP/EP/PP shards with collectives, bucket by bucket;
 rank 0 hands the bucket generator to the rollout side (``RolloutSide.push_weights``), which sends each
@@ -13,8 +14,8 @@ depends on each server's routes of those tokens, known only after the update: ra
 ``("check", routes)`` from inside the push and every rank runs the forward with them, then rank 0
 broadcasts ``("done", error)``; the other ranks answer each message until "done".
 
-The colocated placement loads weights in-process on every rank instead (``trainer/colocated.py``),
-and replay runs have no engine: both use ``NoWeightPush``.
+The colocated placement loads weights in-process on every rank instead (``trainer/colocated.py``,
+``rollout/colocate/cycle.py``), and replay runs have no engine: both use ``NoWeightPush``.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from collections import deque
 
 import torch
 
-from megatron_sao.rollout.weights.check import check_reference, check_tokens
-from megatron_sao.rollout.weights.sync import check_due
-from megatron_sao.trainer.stopping import TrainingStopped
+from megatron_sao.errors import TrainingStopped
+from megatron_sao.weights.check import check_reference, check_tokens
+from megatron_sao.weights.stream import drain
+from megatron_sao.weights.sync import check_due
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +93,7 @@ class WeightPush:
                 error = f"{type(e).__name__}: {e}"
             self.collectives.broadcast(("done", error), "the end of the weight push")
         else:
-            for _ in buckets:  # the export's collectives pair with rank 0's
-                pass
+            drain(buckets)  # the export's collectives pair with rank 0's
             while True:  # rank 0 may first ask for the check's forward with the servers' routes
                 what, payload = self.collectives.broadcast(None, "the end of the weight push")
                 if what == "done":

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sao.checkpoint.names import canonical_name
 from megatron_sao.checkpoint.sharding import RankLayout, local_to_global_name, tp_partition
 from megatron_sao.models.hf_config import ModelSpec
+from megatron_sao.models.names import canonical_name
 from megatron_sao.models.vocab import padded_vocab_size
 
 # (group, name fragments that put a canonical name into it), first match wins.

@@ -1,6 +1,6 @@
 """The trainer <-> rollout-server weight-transfer group: rendezvous arithmetic and the data plane.
 
-One group for every server in an update (``rollout/weights/server_group.py`` forms it): the trainer's
+One group for every server in an update (``weights/server_group.py`` forms it): the trainer's
 global rank 0 is rank 0, server ``j``'s TP*PP workers are ranks ``rank_offset_j + worker_rank``
 (vLLM's rule, ``nccl_common.worker_init_process_group``), with offsets 1, 1 + tp_0, ..., so the world
 is ``1 + sum(tp_j * pp_j)``. The rendezvous is vLLM's ``StatelessProcessGroup`` (a TCPStore that rank 0

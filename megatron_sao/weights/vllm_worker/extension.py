@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sao.rollout.vllm_worker import gloo_engine
-from megatron_sao.rollout.vllm_worker.cpu_lm_head_repack import repack_cpu_lm_heads
-from megatron_sao.rollout.vllm_worker.cpu_moe_repack import expert_modules, repack_cpu_moe
-from megatron_sao.rollout.vllm_worker.ipc_handles import decode_update_info
+from megatron_sao.weights.vllm_worker import gloo_engine
+from megatron_sao.weights.vllm_worker.cpu_lm_head_repack import repack_cpu_lm_heads
+from megatron_sao.weights.vllm_worker.cpu_moe_repack import expert_modules, repack_cpu_moe
+from megatron_sao.weights.vllm_worker.ipc_handles import decode_update_info
 
 gloo_engine.register()
 
@@ -43,7 +43,7 @@ class SAOWorkerExtension:
 
         vLLM's ``Worker.update_weights`` ends the worker's update session on any error of the engine's
         receive, so the bucket the trainer sends again over a re-formed group (another server died
-        mid-bucket and broke the group for everyone: ``rollout/weights/server_group.py``) would be
+        mid-bucket and broke the group for everyone: ``weights/server_group.py``) would be
         refused. The engine's layerwise reload and its record of the tensors it loaded are intact, so
         the same session goes on: only vLLM's flag is set back."""
         engine = getattr(self, "weight_transfer_engine", None)
@@ -71,7 +71,7 @@ class SAOWorkerExtension:
         vLLM's ``ipc`` engine opens, then vLLM's own ``update_weights`` (its session check, the engine's
         receive and layerwise load, a device synchronize). When this returns, the worker has read the
         bucket; views the layerwise reload keeps for a layer not yet complete stay valid through torch's
-        IPC reference count (``rollout/weights/vllm_transport.py::IPCTransport``)."""
+        IPC reference count (``weights/inprocess_transports.py::IPCTransport``)."""
         self.update_weights(decode_update_info(update_info))  # type: ignore[attr-defined]
 
     def sao_abort_weight_update(self) -> None:

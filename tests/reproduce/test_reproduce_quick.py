@@ -58,6 +58,24 @@ def test_all_experiments_quick(tmp_path):
     p2 = subprocess.run([*cmd[:4], "main", *cmd[5:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p2.returncode == 0, p2.stderr[-3000:]
     assert "start train" not in p2.stdout and "start sft" not in p2.stdout
+    _check_dynamics(cmd, work, out, env)
+
+
+def _check_dynamics(cmd: list[str], work: Path, out: Path, env: dict) -> None:
+    """The long-run experiment (not in `all`): one run trained and committed as a result file, the
+    report partial and naming the rest; a second invocation trains nothing and rebuilds the report."""
+    dyn = [*cmd[:4], "dynamics", "--quick", "--work", str(work), "--out", str(out)]
+    p = subprocess.run([*dyn, "--max-runs", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    files = list((out / "dynamics" / "runs").glob("sao-s1-*.json"))
+    assert len(files) == 1, files
+    result = json.loads(files[0].read_text())
+    assert result["steps"] == [0, 1, 2, 3]  # one critic warm-up step, then three actor steps
+    assert "trainer.policy_lag=4" in result["overrides"] and "<start>" in " ".join(result["overrides"])
+    md = (out / "dynamics" / "results.md").read_text()
+    assert "PARTIAL: 1 of 4 runs finished" in md and "grpo seed 1" in md and "| sao | 1 |" in md
+    p = subprocess.run([*dyn, "--max-runs", "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "start train" not in p.stdout, p.stderr[-3000:]
 
 
 def _lines(run_dir: str, name: str) -> list[dict]:

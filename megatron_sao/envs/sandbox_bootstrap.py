@@ -16,8 +16,9 @@ Namespaced mode (root, or any user where user namespaces work; chosen by sandbox
      drops its capabilities (user namespace) and becomes non-dumpable, forks C, reaps everything,
      and when C ends reports how many processes C left behind and exits -- the kernel then kills
      every process left in the namespace, however it daemonized (fork + setsid included).
-  C  the untrusted code's process: rlimits, a private uid (root) or no capabilities (user
-     namespace), no_new_privs, the seccomp filter, audit hooks for clear network errors.
+  C  the untrusted code's process: a session and process group of its own (not A's and B's),
+     rlimits, a private uid (root) or no capabilities (user namespace), no_new_privs, the seccomp
+     filter (socket families of the network namespace only), audit hooks for clear network errors.
 Process mode (no namespaces possible: root in a container without CAP_SYS_ADMIN, or a non-root
 user without user namespaces whose config allowed running as its own uid) -- two processes:
   A  a non-dumpable child subreaper that forks C, and when C ends kills C's process group and
@@ -157,6 +158,10 @@ def _user_process(cfg: dict, status: _Status, workdir: str, pgid: int | None, pa
         lim = cfg["limits"]
         process.die_with_parent(parent)
         process_mode = pgid is not None
+        if not process_mode:
+            # A session (and process group) of its own: A and B stay in the bootstrap's group, which a
+            # kill(0) or killpg of the code must not reach (in user-namespace mode the code has A's uid).
+            os.setsid()
         same_uid = process_mode and cfg["uid"] is None
         nproc = process.tasks_of_uid(os.getuid()) + lim["nproc"] if same_uid else lim["nproc"]
         process.set_limits(lim, nproc)

@@ -291,6 +291,8 @@ def test_process_mode_seccomp_filter_on_its_own(tmp_path):
             attempt("memfd", lambda: os.memfd_create("x"))
             attempt("plain file", lambda: open(tmp_path / "f", "w").close())
             attempt("chmod", lambda: os.chmod(tmp_path / "f", 0o777))
+            attempt("utime path", lambda: os.utime(tmp_path / "f", (0, 0)))
+            attempt("utime fd", lambda: os.utime(os.open(tmp_path / "f", os.O_RDONLY), (0, 0)))
             attempt("fork", fork_and_wait)
         except BaseException as e:  # noqa: BLE001 (reported to the parent)
             seen.append(f"error: {e!r}")
@@ -302,4 +304,50 @@ def test_process_mode_seccomp_filter_on_its_own(tmp_path):
     assert seen == {"unix socket": "13", "inet socket": "13", "stream pair": "ok", "dgram pair": "13",
                     "prlimit parent": "1", "prlimit self": "ok", "renice parent": "1", "renice uid": "1",
                     "renice self": "ok", "affinity parent": "1", "affinity self": "ok", "exec": "1",
-                    "tmpfile": "1", "memfd": "1", "plain file": "ok", "chmod": "1", "fork": "ok"}, seen
+                    "tmpfile": "1", "memfd": "1", "plain file": "ok", "chmod": "1", "utime path": "1",
+                    "utime fd": "ok", "fork": "ok"}, seen
+
+
+def test_namespaces_seccomp_filter_allows_only_the_namespaced_socket_families():
+    """AF_VSOCK is not covered by the network namespace (virtio-vsock on cloud VMs): refused, as is
+    every family but AF_UNIX / AF_INET / AF_INET6, by the kernel (this child has no audit hook)."""
+    import socket as sk
+
+    from megatron_sao.envs.sandbox_child import syscall_filter
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        seen = []
+        try:
+            syscall_filter.install(syscall_filter.build(same_uid=False))
+            for name, family, kind in (("unix", sk.AF_UNIX, sk.SOCK_STREAM), ("inet", sk.AF_INET, sk.SOCK_STREAM),
+                                       ("inet6", sk.AF_INET6, sk.SOCK_DGRAM), ("vsock", sk.AF_VSOCK, sk.SOCK_STREAM),
+                                       ("packet", sk.AF_PACKET, sk.SOCK_DGRAM), ("netlink", sk.AF_NETLINK, sk.SOCK_RAW),
+                                       ("alg", sk.AF_ALG, sk.SOCK_SEQPACKET)):
+                try:
+                    sk.socket(family, kind).close()
+                    seen.append(f"{name}: ok")
+                except OSError as e:
+                    seen.append(f"{name}: {e.errno}")
+            a, b = sk.socketpair()
+            seen.append("pair: ok")
+        except BaseException as e:  # noqa: BLE001 (reported to the parent)
+            seen.append(f"error: {e!r}")
+        os.write(w, "\n".join(seen).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    seen = dict(line.split(": ", 1) for line in os.read(r, 8192).decode().splitlines())
+    assert seen == {"unix": "ok", "inet": "ok", "inet6": "ok", "vsock": "97", "packet": "97", "netlink": "97",
+                    "alg": "97", "pair": "ok"}, seen
+
+
+def test_namespaced_code_has_a_session_of_its_own():
+    """The code's process leads its own session and process group, not the bootstrap's (whose
+    processes a kill(0) of same-uid code would otherwise reach in user-namespace mode)."""
+    res = run("import os\nprint(os.getsid(0) == os.getpid() == os.getpgid(0))")
+    if "pidns" not in res.isolation:
+        pytest.skip("process mode here: the code's own process group is set up by setpgid")
+    assert res.stdout == "True\n", res

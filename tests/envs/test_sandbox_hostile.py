@@ -29,6 +29,7 @@ NOBODY = 65534
 SECRET = f"hunter2-{uuid.uuid4().hex}"
 OTHER_SECRET = f"neighbour-{uuid.uuid4().hex}"
 TMUX_SESSION = "sao-hostile"
+STAMP = 1_000_000  # the mtime of the files the utime attack goes for
 # The attack's first line: clear the audit hook's `restrict_fs` closure cell (found through gc).
 UNHOOK = ("import gc; [c.__setattr__('cell_contents', False) for f in gc.get_objects() if getattr(f, '__name__', '') "
           "== 'hook' and getattr(f, '__closure__', None) for n, c in zip(f.__code__.co_freevars, f.__closure__) "
@@ -43,7 +44,7 @@ MODES = {
 }
 
 
-def _neighbour_cases(outside: str, other: int, quick: dict) -> list[tuple]:
+def _neighbour_cases(outside: str, other: int, quick: dict, stamps: dict) -> list[tuple]:
     """The same-uid attacks (issue 24), each after UNHOOK; `other` is the neighbour's pid. Every mode
     runs them: in user-namespaces mode, too, the code is the neighbours' uid on the host."""
     tmux_sock = f"/tmp/tmux-{NOBODY}/default"
@@ -93,6 +94,16 @@ def _neighbour_cases(outside: str, other: int, quick: dict) -> list[tuple]:
                       "attempt('setown', lambda: fcntl.fcntl(a, fcntl.F_SETOWN, {PARENT}))\n"
                       "attempt('sysv shm', lambda: raw(libc.shmget(0, 4096, 0o1000 | 0o600)))\n"
                       f"attempt('chmod outside', lambda: os.chmod({os.path.dirname(tmux_sock)!r}, 0o777))\n", quick),
+        # Issue 39: AF_VSOCK is outside the network namespace; timestamps by path are outside Landlock.
+        ("families", UNHOOK + try_ + "import socket\n"
+                     "attempt('vsock', lambda: socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM))\n"
+                     "attempt('packet', lambda: socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM))\n"
+                     "attempt('raw vsock', lambda: raw(libc.socket(40, 1, 0)))\n", quick),
+        ("utime", UNHOOK + try_ + "import os\n"
+                  f"attempt('utime world-writable', lambda: os.utime({str(stamps.get('world_writable'))!r}))\n"
+                  f"attempt('utime nobodys', lambda: os.utime({str(stamps.get('nobodys'))!r}, (5, 5)))\n"
+                  "f = os.open('mine', os.O_WRONLY | os.O_CREAT, 0o600)\n"
+                  "attempt('futimens own', lambda: os.utime(f, (5, 5)))\n", quick),
         ("hide_bytes", UNHOOK + try_ + "import os\nf = open('a', 'wb')\nf.write(b'x' * (1 << 20))\nf.flush()\n"
                        "attempt('unlink open file', lambda: os.remove('a'))\n"
                        "attempt('rename', lambda: os.rename('a', 'b'))\n"
@@ -102,7 +113,8 @@ def _neighbour_cases(outside: str, other: int, quick: dict) -> list[tuple]:
     ]
 
 
-def _cases(secret_file: str, outside: str, port: int, mode: str, other: int = 0) -> list[dict]:
+def _cases(secret_file: str, outside: str, port: int, mode: str, other: int = 0,
+           stamps: dict | None = None) -> list[dict]:
     quick = {"wall_time_s": 20.0, "cpu_time_s": 5, "memory_mb": 256}
     cases = [
         ("environ", "import os\nfor p in ('/proc/{PARENT}/environ', '/proc/self/environ'):\n"
@@ -136,7 +148,19 @@ def _cases(secret_file: str, outside: str, port: int, mode: str, other: int = 0)
                             "except OSError as e:\n    print('stopped at', i, 'errno', e.errno)\n",
                   {"max_files": 500, "memory_mb": 256, "wall_time_s": 60.0, "cpu_time_s": 30,
                    "max_output_bytes": 1 << 16}))
-    cases += _neighbour_cases(outside, other, quick)
+    # Issue 39: a tree whose paths exceed PATH_MAX (the process-mode watch walked it by path strings and
+    # skipped it), then 2 GiB asked for under the same 32 MiB bound as "disk".
+    cases.append(("deep_disk", (UNHOOK if mode.endswith("process") else "") + "import os\nn = 0\ntry:\n"
+                               "    for i in range(20):\n        os.mkdir('x' * 250)\n        os.chdir('x' * 250)\n"
+                               "    print('deep', flush=True)\n"
+                               "    for i in range(256):\n        open(f'f{i}', 'wb').write(b'x' * (8 << 20))\n"
+                               "        n += 8\n        print('wrote', n, flush=True)\n"
+                               "except OSError as e:\n    print('stopped at', n, 'MiB, errno', e.errno)\n",
+                  {"max_disk_mb": 32, "max_file_mb": 16, "memory_mb": 256, "wall_time_s": 60.0, "cpu_time_s": 30,
+                   "max_output_bytes": 1 << 16}))
+    # A session of its own: kill(0) reaches the code's own group, never the bootstrap's processes.
+    cases.append(("kill_group", "import os, signal\nprint('before', flush=True)\nos.kill(0, signal.SIGKILL)\n", quick))
+    cases += _neighbour_cases(outside, other, quick, stamps or {})
     if mode.startswith("root"):  # the cgroup bounds the tree as a whole (root only)
         cases.append(("memory_tree", "import os, time\nkids = []\nfor i in range(4):\n    pid = os.fork()\n"
                                      "    if pid == 0:\n        b = bytearray(100 << 20)\n"
@@ -179,6 +203,13 @@ def world(tmp_path_factory):
     secret = base / "answers.jsonl"
     secret.write_text(SECRET)
     secret.chmod(0o644)
+    stamps = {"world_writable": base / "world_writable.txt", "nobodys": base / "nobodys.txt"}
+    for name, p in stamps.items():
+        p.write_text(name)
+        p.chmod(0o666 if name == "world_writable" else 0o600)
+        if name == "nobodys" and os.geteuid() == 0:
+            os.chown(p, NOBODY, NOBODY)
+        os.utime(p, (STAMP, STAMP))
     pkg = base / "pkg"
     shutil.copytree(REPO / "megatron_sao", pkg / "megatron_sao", ignore=shutil.ignore_patterns("data", "__pycache__"))
     shutil.copy(Path(__file__).with_name("sandbox_runner.py"), pkg / "sandbox_runner.py")
@@ -188,7 +219,7 @@ def world(tmp_path_factory):
     server.bind(("127.0.0.1", 0))
     server.listen(1)
     server.setblocking(False)
-    yield {"base": base, "secret": secret, "pkg": pkg, "server": server}
+    yield {"base": base, "secret": secret, "pkg": pkg, "server": server, "stamps": stamps}
     server.close()
     shutil.rmtree(base, ignore_errors=True)
 
@@ -264,7 +295,8 @@ def run_mode(world, mode: str, cases: list[dict], pool: dict) -> dict:
 def mode_run(request, world, neighbours):
     mode = request.param
     outside = f"/tmp/evil-{uuid.uuid4().hex}"
-    cases = _cases(str(world["secret"]), outside, world["server"].getsockname()[1], mode, neighbours["other"])
+    cases = _cases(str(world["secret"]), outside, world["server"].getsockname()[1], mode, neighbours["other"],
+                   {k: str(p) for k, p in world["stamps"].items()})
     out = run_mode(world, mode, cases, MODES[mode][1])
     return mode, out, outside
 
@@ -295,6 +327,9 @@ def test_nothing_escapes_and_the_trainer_survives(mode_run, world):
     assert esc["stdout"] == "parent done\n" and not esc["timed_out"] and esc["killed_reason"] is None, esc
     assert esc["leftover_processes"] == 1 and esc["elapsed_s"] < 15, esc
     assert not r["fork_bomb"]["exit_code"] == 0 and r["fork_bomb"]["killed_reason"], r["fork_bomb"]
+    # kill(0): the code's own process group only; the bootstrap lives to report the signal.
+    kg = r["kill_group"]
+    assert kg["stdout"] == "before\n" and kg["killed_reason"] == "terminated by signal SIGKILL", kg
     # 7: host files are out of reach (the file is readable by this user outside the sandbox).
     assert SECRET not in r["read_host_file"]["stdout"], r["read_host_file"]
     assert not Path(outside).exists()
@@ -320,8 +355,16 @@ def test_disk_and_memory_are_bounded_for_the_call_as_a_whole(mode_run):
         assert "unhooked" in disk["stdout"] and 32 - 8 <= max(written) <= 32 + 64, disk["stdout"][-300:]
         assert inodes["killed_reason"] == "file count limit of 500 exceeded", inodes
         assert max(made) <= 500 + 2000, inodes["stdout"][-300:]
-    print(f"{mode}: disk stopped at {max(written, default=0)} MiB (bound 32), "
-          f"files at {max(made, default=0)} (bound 500)")
+    deep = r["deep_disk"]
+    deep_written = [int(line.split()[1]) for line in deep["stdout"].splitlines() if line.startswith("wrote")]
+    assert "deep" in deep["stdout"], deep  # the tree past PATH_MAX was made
+    if mode.endswith("namespaces"):
+        assert "stopped at" in deep["stdout"] and "errno 28" in deep["stdout"], deep
+    else:  # walked by directory descriptors: the bytes below PATH_MAX-long paths count like any others
+        assert deep["killed_reason"] == "disk limit of 32 MiB exceeded", deep
+        assert max(deep_written, default=0) <= 32 + 64, deep["stdout"][-300:]
+    print(f"{mode}: disk stopped at {max(written, default=0)} MiB (bound 32), past PATH_MAX at "
+          f"{max(deep_written, default=0)} MiB, files at {max(made, default=0)} (bound 500)")
     if mode.startswith("root"):  # 6: 4 x 100 MiB under a 160 MiB cgroup: the OOM kill is reported
         mem = r["memory_tree"]
         assert any(x.startswith("memory=cgroup") for x in mem["isolation"]), mem["isolation"]
@@ -347,7 +390,7 @@ def _lines(res: dict) -> dict[str, str]:
     return out
 
 
-def test_same_uid_neighbours_are_out_of_reach(mode_run, neighbours):
+def test_same_uid_neighbours_are_out_of_reach(mode_run, neighbours, world):
     """Issue 24, each after the audit hook is off: no unix-socket connect (the tmux server), no exec,
     no prlimit/renice/affinity/ioprio of the trainer or a neighbour, no neighbour's /proc, no hidden bytes.
     Process mode refuses each in seccomp or Landlock (the errno says which); namespaces modes do not
@@ -355,7 +398,7 @@ def test_same_uid_neighbours_are_out_of_reach(mode_run, neighbours):
     mode, out, outside = mode_run
     process_mode = mode.endswith("process")
     r = out["results"]
-    for name in ("tmux", "exec", "limits", "neighbour", "hide_bytes"):
+    for name in ("tmux", "exec", "limits", "neighbour", "hide_bytes", "families", "utime"):
         assert "sandbox_error" not in r[name] and "unhooked" in r[name]["stdout"], (name, r[name])
     # What nobody may do in any mode: the state of the trainer and of the neighbours is untouched.
     assert neighbours["windows"]() == 1 and not Path(outside).exists()
@@ -365,6 +408,10 @@ def test_same_uid_neighbours_are_out_of_reach(mode_run, neighbours):
         assert _nice_and_nofile(pid) == before, pid
     assert os.stat(os.path.dirname(neighbours["socket"])).st_mode & 0o777 == 0o700
     tmux, lim, nb, hide = (_lines(r[k]) for k in ("tmux", "limits", "neighbour", "hide_bytes"))
+    fam, ut = _lines(r["families"]), _lines(r["utime"])
+    assert all(os.stat(p).st_mtime == STAMP for p in world["stamps"].values()), mode  # issue 39: utime by path
+    assert set(fam) == {"vsock", "packet", "raw vsock"} and all(v.startswith("refused") for v in fam.values()), fam
+    assert ut["futimens own"] == "DONE None", ut  # a descriptor the call opened itself
     assert len(lim) == 2 * 9 + 2, lim
     targeted = {k: v for k, v in lim.items() if k.split()[-1] in (str(out["pid"]), str(neighbours["other"]))}
     assert len(targeted) == 18 and all(v.startswith("refused") for v in targeted.values()), targeted
@@ -372,6 +419,8 @@ def test_same_uid_neighbours_are_out_of_reach(mode_run, neighbours):
     assert nb["environ"].startswith("refused"), nb
     if not process_mode:  # another PID namespace and root filesystem: nothing to reach
         assert tmux["unix connect"] == "refused 2" and set(targeted.values()) == {"refused 3"}, (tmux, targeted)
+        assert set(fam.values()) == {"refused 97"}, fam  # the namespaces filter's socket families
+        assert ut["utime world-writable"] == ut["utime nobodys"] == "refused 2", ut
         assert tmux["tmux window"] == "DONE 1", tmux  # tmux runs there, and finds no server
         return
     # Process mode: seccomp (EPERM/EACCES) and Landlock (EACCES) refuse, whatever the interpreter says.
@@ -386,4 +435,6 @@ def test_same_uid_neighbours_are_out_of_reach(mode_run, neighbours):
     assert nb["chmod outside"] == "refused 1", nb
     assert hide["unlink open file"] == "refused 13" and hide["rename"] == "refused 13", hide
     assert hide["O_TMPFILE"] == "refused 1" and hide["memfd"] == "refused 1", hide
+    assert set(fam.values()) == {"refused 13"}, fam  # no socket() at all
+    assert ut["utime world-writable"] == ut["utime nobodys"] == "refused 1", ut
     assert "dir ok" in r["hide_bytes"]["stdout"]

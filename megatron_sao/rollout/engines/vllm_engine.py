@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_sao.rollout.engines.engine_core_processes import engine_core_processes, reap
 from megatron_sao.rollout.engines.protocol import (
     NEUTRAL_SAMPLING,
     EngineConfig,
@@ -335,8 +336,12 @@ class VLLMEngine(StreamedUpdate):
         # second shutdown() fails noisily on already-collected module globals).
         llm, self.llm = self.llm, None
         if llm is not None:
+            processes = engine_core_processes(llm)
             llm.shutdown()
             del llm
+            left = await asyncio.to_thread(reap, processes)  # no zombie per closed engine (engine_core_processes.py)
+            if left:
+                logger.warning("%s: EngineCore process(es) %s did not exit", self.name, left)
 
 
 def _finish(reason: str | None) -> str:

@@ -116,8 +116,10 @@ class ReloadSession(InProcessTransport):
             await llm.start_weight_update()  # type: ignore[attr-defined]
 
     async def _leave_reload(self, llm: object) -> None:
-        """Layers that received nothing get their previous tensors back; layers that did keep the new
-        ones, so the engine holds a partial update until the next complete one."""
+        """Layers that received nothing get their previous tensors back and layers that received all of
+        theirs hold the new ones; a layer that received only some holds uninitialised memory in the
+        others (vLLM materializes it with ``torch.empty_strided``), so the engine's weights are unusable
+        until the next complete update (``SAOWorkerExtension.sao_abort_weight_update``)."""
         if self._loading:
             self._loading = False
             await llm.collective_rpc("sao_abort_weight_update")  # type: ignore[attr-defined]
@@ -275,7 +277,8 @@ class IPCTransport(ReloadSession):
     async def abort(self, llm: object) -> None:
         """Close the workers' layerwise reload (``sao_abort_weight_update``: also after a failed bucket
         ended vLLM's session), then release the bucket that was in flight: the workers no longer hold
-        views of it. The engine keeps a partial update, as with ``GroupTransport.abort``."""
+        views of it. The engine's weights are unusable until a complete update, as after
+        ``GroupTransport.abort`` (``ReloadSession._leave_reload``)."""
         try:
             await self._leave_reload(llm)
         finally:

@@ -197,3 +197,31 @@ def test_abort_policy_returns_partial_tokens(h):
     after = h.run(engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4, seed=0)))
     assert after.versions == [v0 + 1] * len(after.token_ids)
     assert h.run(engine.health())
+
+
+def _children() -> dict[int, tuple[str, str]]:
+    """pid -> (name, state) of this process's children."""
+    import os
+
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
+            if int(rest[1]) == os.getpid():
+                out[int(d)] = (name, rest[0])
+    return out
+
+
+def test_close_reaps_the_engine_core_process(h):
+    """Closing an engine leaves no VLLM::EngineCore zombie in the process (vLLM's shutdown alone did)."""
+    engine = h.engines.pop(("tied", "reload"), None) or h.engine("dense")
+    h.engines = {k: e for k, e in h.engines.items() if e is not engine}
+    cores = {p.pid for p in engine.llm.engine_core.resources.engine_manager.processes}
+    assert cores and all(_children()[pid][0].startswith("VLLM::EngineCor") for pid in cores), _children()
+    h.run(engine.close())
+    left = {pid: st for pid, st in _children().items() if pid in cores}
+    assert not left, f"EngineCore processes not reaped after close: {left}"

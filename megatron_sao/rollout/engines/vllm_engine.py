@@ -271,8 +271,10 @@ class VLLMEngine(StreamedUpdate):
 
         An update refused at its first bucket leaves the weights untouched. One that fails later (a
         missing tensor, a transfer error) is aborted: the version is not advanced, the error
-        propagates, and the workers may hold a partial update (some layers new) until a complete one
-        is pushed; the server pool keeps such a server out of service until then.
+        propagates, and the workers' weights are not usable until a complete update is pushed: some
+        layers hold the new tensors, and a layer that received only part of its tensors holds
+        uninitialised memory in the rest (``sao_abort_weight_update``). The trainer stops on a failed
+        push of this engine; the server pool keeps a server whose update failed out of service.
         """
         try:
             check_complete(self._seen, self._expected, self.name)

@@ -384,9 +384,10 @@ class VLLMServerClient:
 
         A vLLM server's workers must leave their weight-update session (``/finish_weight_update``
         without a version: the label stays the old one), or every later ``/start_weight_update`` is
-        refused ("already active") and the server could never rejoin. Layers that received new
-        tensors keep them: the server holds a partial update until a complete one, which the pool
-        requires before it serves again (``ServerPool.revive``)."""
+        refused ("already active") and the server could never rejoin. Its weights are then not usable:
+        layers that received all their tensors hold the new ones, and a layer that received only some
+        holds uninitialised memory in the others (vLLM's ``finalize_layerwise_reload``), so the pool
+        requires a complete update before the server serves again (``ServerPool.revive``)."""
         if self._update_version is None:
             return
         self._update_version = None

@@ -81,6 +81,9 @@ class SAOWorkerExtension:
         engine's layerwise reload stays open with the model's layers on the meta device, so a plain
         ``finish_weight_update`` would refuse ("without a matching start") and leave a model that
         cannot run. Setting the flag back lets vLLM's finish run its ``finalize_layerwise_reload``:
-        layers that received nothing get their tensors back, layers that did keep the new ones."""
+        layers that received nothing get their previous tensors back and layers that received all of
+        theirs hold the new ones, but a layer that received only some of its tensors (cut by the failed
+        bucket) is materialized with ``torch.empty_strided`` and loaded with what arrived, so its other
+        tensors hold uninitialised memory. The engine must not serve until a complete update."""
         self._weight_update_active = True  # type: ignore[attr-defined]
         self.finish_weight_update()  # type: ignore[attr-defined]

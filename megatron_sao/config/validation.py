@@ -115,6 +115,23 @@ def _check_rollout_servers(r: RolloutConfig, placement: str) -> None:
                f"is {r.start_min_servers} but rollout.server_urls names {len(r.server_urls)} servers")
 
 
+def _check_colocated_routes(cfg: SAOConfig) -> None:
+    """Routes from colocated engine shards need rollout_tp 1 (vLLM 0.33, found by reading it: no GPU run
+    yet). vLLM returns a request's routed experts from the routed-experts capture of the first TP worker
+    only, and in the colocated placement every trainer rank drives its own shard's scheduler in
+    lockstep (the external launcher): the shards of the other TP ranks get outputs with no routes, and
+    the scheduler's routed-experts step asserts on them. So the AIME colocated recipe (rollout_tp 4)
+    cannot replay routes; the disaggregated placement (`vllm serve`, one scheduler per server) can."""
+    r, c = cfg.rollout, cfg.cluster
+    if c.placement != "colocated" or cfg.trainer.replay or not r.returns_routes or c.rollout_tp == 1:
+        return
+    key = "rollout.routing_replay" if r.routing_replay else "rollout.record_routes"
+    raise ConfigError(f"{key}: the colocated placement cannot return routes with cluster.rollout_tp="
+                      f"{c.rollout_tp}: vLLM keeps a request's routed experts on the first TP worker only, and "
+                      "every colocated rank runs its shard's scheduler, which fails on the others' empty routes; "
+                      "use cluster.rollout_tp 1, the disaggregated placement, or turn routes off")
+
+
 def _check_buffer(b: BufferConfig) -> None:
     _check(b.batch_size >= 1, "buffer.batch_size", "must be >= 1")
     _check(b.max_staleness >= 0, "buffer.max_staleness", "must be >= 0")
@@ -161,6 +178,7 @@ def validate(cfg: SAOConfig) -> SAOConfig:
     _check_model_layout(cfg.parallel, cfg.model)
     _check_sampling(cfg.rollout, cfg.algorithm)
     _check_rollout_servers(cfg.rollout, cfg.cluster.placement)
+    _check_colocated_routes(cfg)
     _check_buffer(cfg.buffer)
     _check_policy_lag(cfg)
     _check_run(cfg.run)

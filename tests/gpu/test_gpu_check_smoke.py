@@ -136,3 +136,22 @@ def test_the_device_script_installs_only_the_carried_wheels_this_python_lacks(tm
     probe = subprocess.run([sys.executable, "-c", "import sao_probe; print(sao_probe.VALUE)"],
                            env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True, text=True)
     assert probe.stdout.strip() == "42"
+
+
+@pytest.mark.slow
+def test_the_device_script_runs_when_every_carried_wheel_is_installed(tmp_path):
+    """A wheelhouse whose wheels this Python all has (the second run on a GPU box): nothing to install,
+    and the check runs (it ran `pip install ""` and exited 2)."""
+    import numpy
+
+    house = tmp_path / "whl"
+    house.mkdir()
+    _wheel(house, "numpy", numpy.__version__, {"numpy/__init__.py": "raise ImportError('the carried copy')\n"})
+    env = dict(os.environ, SAO_GPU_PYTHON=sys.executable, SAO_WHEELHOUSE=str(house),
+               SAO_GPU_CHECK_SITE=str(tmp_path / "site"), OMP_NUM_THREADS="1")
+    out = tmp_path / "figures.json"
+    proc = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check_device.sh"), str(out), "--smoke",
+                           "--sections", "env"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "0 of 1 wheels" in proc.stdout and not (tmp_path / "site").exists(), proc.stdout
+    assert json.loads(out.read_text())["sections"]["env"]["ok"]

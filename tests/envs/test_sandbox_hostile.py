@@ -96,8 +96,8 @@ def _neighbour_cases(outside: str, other: int, quick: dict, stamps: dict) -> lis
                       f"attempt('chmod outside', lambda: os.chmod({os.path.dirname(tmux_sock)!r}, 0o777))\n", quick),
         # Issue 39: AF_VSOCK is outside the network namespace; timestamps by path are outside Landlock.
         ("families", UNHOOK + try_ + "import socket\n"
-                     "attempt('vsock', lambda: socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM))\n"
-                     "attempt('packet', lambda: socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM))\n"
+                     "attempt('vsock', lambda: socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).close())\n"
+                     "attempt('packet', lambda: socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM).close())\n"
                      "attempt('raw vsock', lambda: raw(libc.socket(40, 1, 0)))\n", quick),
         ("utime", UNHOOK + try_ + "import os\n"
                   f"attempt('utime world-writable', lambda: os.utime({str(stamps.get('world_writable'))!r}))\n"

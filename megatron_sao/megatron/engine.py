@@ -175,9 +175,11 @@ class MegatronEngine:
         # batch's `routes`; the critic routes by itself and never sees them.
         from megatron_sao.megatron.routing_replay import RouteSlice, RoutingReplay, install_router_replay
 
-        self.routing = RoutingReplay(install_router_replay(model) if role == "actor" else [],
+        moe_actor = role == "actor" and spec.is_moe  # the same on every rank, routers on this stage or not
+        self.routing = RoutingReplay(install_router_replay(model) if moe_actor else [],
                                      RouteSlice(c.tp, c.tp_rank, c.sequence_parallel),
-                                     recompute=self.config.recompute_granularity is not None, device=c.device)
+                                     recompute=self.config.recompute_granularity is not None, device=c.device,
+                                     moe=moe_actor)
         self.replay_routes = False  # rollout.routing_replay: replay the engine's routes, not only measure
         self.last_routing_agreement: dict[str, float] | None = None  # of the latest logprobs() call with routes
         self.layout = self._rank_layout()
@@ -320,8 +322,9 @@ class MegatronEngine:
 
     def _routing_agreement(self, routing) -> dict[str, float]:
         """Shares of routed token x layer top-k sets where the trainer's own choice (and the set the
-        forward used) equals the engine's, over every rank (a collective; with SP each token is counted
-        on one TP rank). {} when the batch had no routes."""
+        forward used) equals the engine's, over every rank (a collective every rank of an MoE actor joins,
+        a pipeline stage without routers included; with SP each token is counted on one TP rank). {} when
+        the batch had no routes."""
         if routing is None:
             return {}
         counts = routing.end(self.ctx.device)

@@ -52,6 +52,13 @@ def test_agreement_metric(results, layout):
     assert r["forced_used_replay_off"] == r["forced_agreement_replay_off"], r
 
 
+def test_a_pipeline_stage_without_routers_joins_the_agreement(results):
+    """PP=2 with the second stage's routers gone (dense layers there): its ranks still take the batch's
+    routes and join the agreement's all-reduce, which the first stage's routers make (it hung before);
+    the trainer's own routes agree on every token of the first stage's layers."""
+    assert results["pp2"]["agreement_with_a_routerless_stage"] == 1.0, results["pp2"]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_recompute_replays_the_same_routes(results, layout):
     """Full activation recompute re-runs every forward in the backward pass (counted) and replays the routes

@@ -140,6 +140,13 @@ for name in names:
     out["forced_agreement_replay_off"] = a.last_routing_agreement["moe/routing_agreement"]
     out["forced_used_replay_off"] = a.last_routing_agreement["moe/routing_agreement_used"]
     out["forced_measure_vs_hf_free"] = (lp_measure_forced - lp_free_hf).abs().max().item()
+    if sizes.pp > 1:  # issue 39: a stage of dense layers (no router) must still join the agreement's all-reduce
+        routers = a.routing.routers
+        if not ctx.is_first_stage:
+            a.routing.routers = []
+        a.logprobs({**batch, "routes": enc(own)})
+        out["agreement_with_a_routerless_stage"] = a.last_routing_agreement.get("moe/routing_agreement")
+        a.routing.routers = routers
     a.replay_routes = True
     step = a.train_step({**batch, "routes": enc(forced)}, nll_loss)
     out["train_agreement"] = step.metrics.get("moe/routing_agreement")

@@ -77,6 +77,7 @@ def _cases(tmp: Path, hf: Path):
     (occupied / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
     (tmp / "config.bin").write_bytes(bytes(range(256)) * 8)
     (tmp / "a_directory").mkdir()
+    (tmp / "empty.yaml").write_text("# nothing set: every default would train\n")
     damaged = _run_with_damaged_checkpoint(tmp)
     return {
         "unknown environment": (["train", CONFIG, f"run.dir={run}", "env.name=nope_env"],
@@ -107,6 +108,11 @@ def _cases(tmp: Path, hf: Path):
         "replay too short": (["train", CONFIG, f"run.dir={run}", "run.total_steps=20",
                               f"trainer.replay={_replay(tmp / 'short.safetensors')}"], "holds 40 trainable", run),
         "run directory in use": (["train", CONFIG, f"run.dir={occupied}"], "already holds a training run", occupied),
+        "run.dir is a file": (["train", CONFIG, f"run.dir={tmp / 'config.bin'}"], "exists and is not a directory",
+                              tmp / "config.bin"),
+        "sft run.dir below a file": (["sft", CONFIG, f"run.dir={tmp / 'config.bin' / 'run'}"],
+                                     "config.bin is not a directory", tmp / "config.bin"),
+        "empty config": (["train", str(tmp / "empty.yaml"), f"run.dir={run}"], "the config is empty", run),
         "sft config error": (["sft", CONFIG, f"run.dir={run}", "sft.steps=many"], "sft.steps", run),
         "convert truncated safetensors": (
             ["convert", "hf-to-megatron", "--hf-dir", str(hf), "--out-dir", str(tmp / "mc"), "--no-progress"],
@@ -158,3 +164,29 @@ def test_files_in_buffer_that_do_not_parse_are_set_aside_on_resume(tmp_path, cap
     text = caplog.text
     assert "notes.safetensors is not a trajectory file of this buffer" in text
     assert f"{good[1].name} cannot be read" in text
+
+
+def _garbage_weights(d: Path) -> Path:
+    """`model.safetensors` with a valid header and seeded random bytes for its data (the right size)."""
+    import random
+    import struct
+
+    data = bytearray((d / "model.safetensors").read_bytes())
+    start = 8 + struct.unpack("<Q", data[:8])[0]
+    data[start:] = random.Random(0).randbytes(len(data) - start)
+    (d / "model.safetensors").write_bytes(bytes(data))
+    return d
+
+
+def test_garbage_weights_are_refused_naming_the_file_before_any_checkpoint(tmp_path):
+    """Random bytes of the right size load as weights with NaN/inf among them: refused when read, naming
+    the file and the tensor (it trained, wrote a checkpoint of them, and stopped on rollout log-probs)."""
+    from megatron_sao.trainer.components import materialize_builtin_model
+
+    model = _garbage_weights(materialize_builtin_model("tiny_qwen3_moe_ci", tmp_path / "model", seed=0))
+    run = tmp_path / "run"
+    p = sao("train", CONFIG, f"run.dir={run}", f"model.path={model}")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert "model.safetensors: tensor" in last and "non-finite value(s)" in last, last
+    assert not list((run / "checkpoints").glob("step_*")) and not (run / "final_model").exists()

@@ -3,10 +3,14 @@ and its smallest version for tests; written as an HF directory with the characte
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # name -> (architecture preset, overrides). The demo model is Qwen3-MoE-shaped (q/k norm, GQA, top-k
 # routed experts).
@@ -25,14 +29,29 @@ def is_builtin(path: str) -> bool:
     return path in BUILTIN_MODELS
 
 
+# Which built-in (and seed) a materialized directory holds: a run folder's base_model/ is reused only
+# for the same one (an --overwrite with another built-in, or another seed, rebuilds it).
+BUILTIN_RECORD = "sao_builtin.json"
+
+
 def materialize_builtin_model(name: str, out_dir: str | os.PathLike, seed: int) -> Path:
-    """Write a randomly initialised built-in model + the char tokenizer as an HF directory."""
+    """Write a randomly initialised built-in model + the char tokenizer as an HF directory (kept when
+    it already holds this built-in at this seed, rebuilt when it holds another or says nothing)."""
     from megatron_sao.models.presets import tiny_hf_config, tiny_hf_model
     from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
 
     out = Path(out_dir)
+    record = {"name": name, "seed": seed}
     if (out / "config.json").exists():
-        return out
+        try:
+            held = json.loads((out / BUILTIN_RECORD).read_text())
+        except (OSError, ValueError):
+            held = None
+        if held == record:
+            return out
+        logger.warning("%s holds %s, not built-in %s at seed %d: building it anew", out,
+                       f"built-in {held.get('name')} at seed {held.get('seed')}" if isinstance(held, dict)
+                       else "a model with no built-in record", name, seed)
     spec = dict(BUILTIN_MODELS[name])
     arch = spec.pop("arch")
     tok = build_char_tokenizer()
@@ -45,6 +64,14 @@ def materialize_builtin_model(name: str, out_dir: str | os.PathLike, seed: int) 
     tmp.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
+    (tmp / BUILTIN_RECORD).write_text(json.dumps(record) + "\n")
+    if out.exists():  # another built-in's (or seed's): set aside first (a directory is not replaced over)
+        stale = out.parent / f".{out.name}.stale-{os.getpid()}"
+        try:
+            os.replace(out, stale)
+        except OSError:  # another process set it aside already
+            pass
+        shutil.rmtree(stale, ignore_errors=True)
     try:
         os.replace(tmp, out)
     except OSError:  # the other process won the race; its copy is identical (same seed)

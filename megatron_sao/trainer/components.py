@@ -266,8 +266,9 @@ def start_stage(cfg: SAOConfig):
     """
     from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
     from megatron_sao.megatron.parallel import init_parallel, process_group_timeout_s
-    from megatron_sao.trainer.run_dir import RunDir
+    from megatron_sao.trainer.run_dir import RunDir, check_run_dir
 
+    check_run_dir(Path(cfg.run.dir))  # one line, before the world starts (every stage: sft, value-pretrain, train)
     set_threads()
     ensure_cpu_compat()
     ctx = init_parallel(parallel_sizes(cfg), timeout_s=process_group_timeout_s(cfg.rollout.timeout_s))

@@ -69,6 +69,25 @@ def existing_training(run: Path) -> list[str]:
     return found
 
 
+def check_run_dir(run: Path) -> None:
+    """Before any stage starts: `run.dir` is a directory this process can write, or can be created
+    (a file there, or a parent that is a file or read-only, is one line naming it, not a traceback
+    from the first mkdir after the models are built)."""
+    if run.exists():
+        if not run.is_dir():
+            raise UserError(f"run.dir: {run} exists and is not a directory")
+        if not os.access(run, os.W_OK | os.X_OK):
+            raise UserError(f"run.dir: {run} is not writable by this user")
+        return
+    parent = run.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"run.dir: {run} cannot be created: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"run.dir: {run} cannot be created: {parent} is not writable by this user")
+
+
 def check_train_dir(run: Path, resume: bool, overwrite: bool) -> None:
     """Before anything is written: refuse to mix a new run into an old one."""
     if resume and overwrite:
@@ -98,10 +117,14 @@ class RunDir:
         # Only what the trainer itself writes: other processes (a rollout server materializing the
         # base model) may be writing their own temp files into the run directory right now.
         patterns = [(self.path, f".{name}.tmp-*") for name in TRAIN_LOGS]
+        patterns += [(self.path, ".final_model.tmp-*")]  # the end-of-run HF export, killed mid-write
         patterns += [(self.buffer_dir, "*.tmp-*"), (self.buffer_dir / "failed", "*.tmp-*")]
         for d, pattern in patterns:
             for p in d.glob(pattern) if d.is_dir() else ():
-                p.unlink(missing_ok=True)
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
                 gone.append(p)
         if gone:
             logger.info("removed %d half-written file(s) of an earlier process: %s", len(gone),

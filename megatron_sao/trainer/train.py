@@ -29,8 +29,9 @@ def preflight(cfg: SAOConfig, resume: bool, overwrite: bool) -> None:
     reads): the run directory against --resume/--overwrite, that --resume has an intact checkpoint,
     the model and init paths, the replay file."""
     from megatron_sao.models.builtin import is_builtin
-    from megatron_sao.trainer.run_dir import check_train_dir
+    from megatron_sao.trainer.run_dir import check_run_dir, check_train_dir
 
+    check_run_dir(Path(cfg.run.dir))
     check_train_dir(Path(cfg.run.dir), resume, overwrite)
     if resume:
         _check_some_checkpoint_is_intact(Path(cfg.run.dir) / "checkpoints")

@@ -8,7 +8,7 @@ import torch
 
 from megatron_sao.errors import UserError
 from megatron_sao.trainer import checkpoints as C
-from megatron_sao.trainer.run_dir import RunDir, check_train_dir
+from megatron_sao.trainer.run_dir import RunDir, check_run_dir, check_train_dir
 
 
 def _parts(d):
@@ -99,3 +99,26 @@ def test_clear_and_truncate_keep_only_what_a_checkpoint_covers(tmp_path):
     rd.clear_training()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["buffer", "checkpoints", "eval", "sft_model"]
     assert list((tmp_path / "buffer").rglob("*.safetensors")) == []
+
+
+def test_a_killed_final_export_is_removed_on_the_next_start(tmp_path):
+    """atomic_output_dir's temp folder of the end-of-run HF export, left by a kill mid-write, goes; a
+    base model another process may be materializing right now stays."""
+    rd = RunDir(tmp_path)
+    stale = tmp_path / ".final_model.tmp-4242-0a1b2c3d"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    other = tmp_path / ".base_model.tmp-77"
+    other.mkdir()
+    assert rd.remove_stale() == [stale]
+    assert not stale.exists() and other.is_dir()
+
+
+def test_a_run_dir_that_cannot_be_a_directory_is_refused_naming_it(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(UserError, match="run.dir: .*a_file exists and is not a directory"):
+        check_run_dir(tmp_path / "a_file")
+    with pytest.raises(UserError, match="run.dir: .*a_file/deeper/run cannot be created: .*a_file is not a directory"):
+        check_run_dir(tmp_path / "a_file" / "deeper" / "run")
+    check_run_dir(tmp_path / "new" / "run")  # to be created below a directory: fine
+    check_run_dir(tmp_path)

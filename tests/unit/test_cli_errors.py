@@ -181,7 +181,7 @@ def _garbage_weights(d: Path) -> Path:
 def test_garbage_weights_are_refused_naming_the_file_before_any_checkpoint(tmp_path):
     """Random bytes of the right size load as weights with NaN/inf among them: refused when read, naming
     the file and the tensor (it trained, wrote a checkpoint of them, and stopped on rollout log-probs)."""
-    from megatron_sao.trainer.components import materialize_builtin_model
+    from megatron_sao.models.builtin import materialize_builtin_model
 
     model = _garbage_weights(materialize_builtin_model("tiny_qwen3_moe_ci", tmp_path / "model", seed=0))
     run = tmp_path / "run"

@@ -24,7 +24,9 @@ How an episode ends (``info["end_reason"]``):
     ``info["bootstrap"] = "no_room_for_observation"``): a trained state, and with the stop token's
     reward 0 the return there is that value, as for any cut episode, not the 0 of a failure.
 * ``error``: the environment (or anything but the engine call) raised -> ``failed``, reward 0, ``error`` =
-  type + message; ``engine_error``: the engine's generate raised (a dead or unreachable server). A
+  type + message; ``env_timeout``: an environment call did not return within ``env_timeout_s`` (the
+  error names the environment and the tool call; rollout/env_calls.py); ``engine_error``: the engine's
+  generate raised (a dead or unreachable server). A
   failure ends only its own episode; the trainer counts failed trajectories and never trains on them,
   and the driver re-runs an ``engine_error`` episode on another server if its server is unhealthy.
 
@@ -58,6 +60,7 @@ from typing import Any
 from megatron_sao.envs.base import Environment, Task
 from megatron_sao.rollout.chat import ChatFormatter
 from megatron_sao.rollout.engines.protocol import GenerationResult, RolloutEngine, SamplingParams
+from megatron_sao.rollout.env_calls import EnvCalls, EnvTimeoutError, call_env
 from megatron_sao.trajectory import Trajectory, TrajectoryBuilder
 
 EnvFactory = Callable[[Task], "Environment | Awaitable[Environment]"]
@@ -90,6 +93,9 @@ class AgentLoopConfig:
     # MoE routing replay: every turn asks the engine for the routes of the tokens not yet covered
     # (routes_start) and stitches them into the trajectory's routed_experts (TrajectoryBuilder.add_routes)
     return_routes: bool = False
+    # Bound of one environment reset() or step() (None: unbounded); past it the episode fails naming the
+    # environment and the tool call (rollout/env_calls.py). The trainer sets rollout.timeout_s.
+    env_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_total_tokens", "max_new_tokens_per_turn", "max_concurrency"):
@@ -100,6 +106,8 @@ class AgentLoopConfig:
             raise ValueError(f"AgentLoopConfig.max_abort_retries must be an int >= 0, got {self.max_abort_retries!r}")
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"AgentLoopConfig.sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if self.env_timeout_s is not None and not self.env_timeout_s > 0:
+            raise ValueError(f"AgentLoopConfig.env_timeout_s must be > 0 or None, got {self.env_timeout_s!r}")
 
 
 class EngineActivity:
@@ -113,6 +121,7 @@ class EngineActivity:
         self.active = 0
         self.idle_s = 0.0
         self._idle_since: float | None = time.monotonic()
+        self.env_calls = EnvCalls()  # what the episodes not generating are waiting on
 
     def begin(self) -> None:
         if self.active == 0 and self._idle_since is not None:
@@ -200,9 +209,10 @@ async def run_episode(engine: RolloutEngine, env: Environment, task: Task, forma
     info: dict[str, Any] = {"turns": 0, "abort_retries": 0, "finish_reasons": []}
     stop_ids = tuple(dict.fromkeys(cfg.sampling.stop_token_ids + formatter.stop_token_ids))
     status, reward, error, bootstrap = "failed", 0.0, None, None
+    calls = activity.env_calls if activity is not None else None
     try:
         t0 = time.monotonic()
-        await env.reset(task)
+        await call_env(env.reset(task), task.env, "reset()", cfg.env_timeout_s, calls)
         b.timings["env_s"] += time.monotonic() - t0
         prompt = formatter.prompt_ids(task.messages)
         b.add_prompt(prompt)
@@ -224,7 +234,8 @@ async def run_episode(engine: RolloutEngine, env: Environment, task: Task, forma
                 status, bootstrap, info["end_reason"] = "truncated", "critic", "max_total_tokens"  # mid-action
                 break
             t0 = time.monotonic()
-            step = await env.step(formatter.action_text(result.token_ids))
+            action = formatter.action_text(result.token_ids)
+            step = await call_env(env.step(action), task.env, "step()", cfg.env_timeout_s, calls, action)
             b.timings["env_s"] += time.monotonic() - t0
             if step.info:
                 info["env_info"] = dict(step.info)
@@ -251,10 +262,11 @@ async def run_episode(engine: RolloutEngine, env: Environment, task: Task, forma
     except Exception as e:  # an episode's failure must never stop the others
         engine_side = isinstance(e, EngineCallError)  # its message already names the engine's exception
         status, reward, error = "failed", 0.0, str(e) if engine_side else f"{type(e).__name__}: {e}"
-        info["end_reason"] = "engine_error" if engine_side else "error"
+        info["end_reason"] = "engine_error" if engine_side else "env_timeout" if isinstance(e, EnvTimeoutError) \
+            else "error"
     finally:
         try:
-            await env.close()
+            await call_env(env.close(), task.env, "close()", cfg.env_timeout_s, calls)
         except Exception as e:  # the data is valid; record and go on
             info["close_error"] = f"{type(e).__name__}: {e}"
     if status == "failed" and len(b) == 0:

@@ -114,6 +114,10 @@ class RolloutSide:
     def state(self) -> dict[str, Any]:
         return self.driver.state()
 
+    def waiting_on(self) -> str:
+        """What episodes wait on besides the engines: the environment call in progress the longest ("" if none)."""
+        return self.driver.activity.env_calls.describe_oldest()
+
     def engine_idle_fraction(self) -> float:
         return self.driver.engine_idle_fraction()
 

@@ -223,7 +223,8 @@ def agent_loop_config(cfg: SAOConfig):
                            max_new_tokens_per_turn=min(r.max_new_tokens_per_turn, max_total),
                            sampling=SamplingParams(max_new_tokens=min(r.max_new_tokens_per_turn, max_total),
                                                    temperature=r.temperature, top_p=r.top_p),
-                           max_concurrency=r.concurrency, return_routes=r.returns_routes)
+                           max_concurrency=r.concurrency, return_routes=r.returns_routes,
+                           env_timeout_s=r.timeout_s)  # a hung tool call fails its episode, naming the env
 
 
 def env_factory(cfg: SAOConfig):

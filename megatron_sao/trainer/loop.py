@@ -34,7 +34,7 @@ import torch
 
 from megatron_sao.algorithms import RunningMeanBaseline
 from megatron_sao.buffer import TrajectoryBuffer
-from megatron_sao.config import SAOConfig, dump_config, to_dict
+from megatron_sao.config import SAOConfig, to_dict
 from megatron_sao.distributed.gated import GatedCollectives
 from megatron_sao.errors import TrainingInterrupted, TrainingStopped
 from megatron_sao.models.builtin import resolve_model_dir
@@ -104,7 +104,7 @@ class SAOTrainer:
         if self.rank0:
             self.run_dir.start_train(overwrite=overwrite)
         if self.rank0 and not resume:  # a resume writes its config once it has resumed (below)
-            dump_config(cfg, self.run_dir.path / "config.yaml")
+            self.run_dir.write_config(cfg, keep_previous=False)
             self.run_dir.configure_scalars(cfg.run.tensorboard, cfg.run.wandb, cfg.run.name, to_dict(cfg))
         self.collectives.barrier()
         self.model_dir = resolve_model_dir(cfg.model.path, self.run_dir.path, cfg.run.seed) if self.rank0 else None
@@ -134,7 +134,9 @@ class SAOTrainer:
                                            max_stale_drops=cfg.buffer.max_stale_drops)
         state = self._resume() if resume else None
         if self.rank0 and resume:  # a failed resume leaves the run's config.yaml as the run wrote it
-            dump_config(cfg, self.run_dir.path / "config.yaml")
+            kept = self.run_dir.write_config(cfg, keep_previous=True)  # (checked in train.preflight)
+            if kept is not None:
+                logger.info("resumed with other settings: the run's previous config is kept as %s", kept.name)
         self._start_rollouts(state)
         if state is not None and not cfg.trainer.replay:  # the engine starts from the base model
             # rank 0 started the rollout engines alone: meet it outside the export's collectives
@@ -239,9 +241,11 @@ class SAOTrainer:
                 elif self._rejoin_due():
                     trajs = "rejoin"
                 else:
+                    waiting = getattr(self.rollout, "waiting_on", lambda: "")()  # a hung environment, named
                     trajs = (f"no batch of {self.cfg.buffer.batch_size} trajectories within rollout.timeout_s="
                              f"{self.cfg.rollout.timeout_s}s (finished {self.rollout.finished}, failed "
-                             f"{self.rollout.failed}, in flight {len(self.rollout.in_flight)})")
+                             f"{self.rollout.failed}, in flight {len(self.rollout.in_flight)})"
+                             + (f"; {waiting}" if waiting else ""))
         trajs = self.collectives.broadcast(trajs)
         if trajs == "interrupted":
             self.save()
@@ -254,7 +258,7 @@ class SAOTrainer:
             return self._next_batch()
         if isinstance(trajs, str):
             self.save()
-            raise TrainingStopped(f"rollout engine: {trajs}; checkpoint written at step {self.step}")
+            raise TrainingStopped(f"rollouts: {trajs}; checkpoint written at step {self.step}")
         return trajs
 
     def _rejoin_due(self) -> bool:

@@ -113,9 +113,14 @@ def _check_env_name(name: str) -> None:
         raise ConfigError(f"env.name: unknown environment {name!r}; available: {', '.join(available_envs())}")
 
 
+def config_text(cfg: SAOConfig) -> str:
+    """The resolved config as the run's snapshot holds it (YAML, sections in schema order)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
 def dump_config(cfg: SAOConfig, path: str | Path) -> None:
     """Write the resolved config (the run's snapshot) atomically."""
     p = Path(path)
     tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.write_text(config_text(cfg))
     tmp.replace(p)

@@ -1,6 +1,7 @@
 """The run directory: everything a run writes, and the only place resume reads from.
 
-    <run>/config.yaml              resolved config snapshot
+    <run>/config.yaml              resolved config snapshot (a resume with other settings keeps the
+                                   previous one as config.<n>.yaml)
     <run>/metrics.jsonl            one JSON object per step (append, flushed each step)
     <run>/batches.jsonl            which trajectories and prompts each step trained on (audit trail)
     <run>/tensorboard/             TensorBoard event files with the same scalars
@@ -12,7 +13,10 @@
 
 `sao train` refuses a run directory that already holds a training run unless it is resumed
 (`--resume`) or started over (`--overwrite`); what a run leaves half-written (temp files of a
-killed process) is removed when the next one starts.
+killed process) is removed when the next one starts. A resume compares its config with the run's
+(`resume_config_changes`): a change of what is trained, on what, or of the shapes its checkpoint
+holds (`RESUME_FIXED`) is refused with the diff; any other change is logged, and the run's previous
+config.yaml is kept as config.<n>.yaml.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import yaml
 
-from megatron_sao.config import WandbConfig
+from megatron_sao.config import SAOConfig, WandbConfig, config_text
+from megatron_sao.config.strict_yaml import load_strict
 from megatron_sao.errors import UserError
 from megatron_sao.faults import fault_point
 from megatron_sao.trainer import checkpoints as ckpts
@@ -67,6 +73,60 @@ def existing_training(run: Path) -> list[str]:
     if (run / "final_model").exists():
         found.append("final_model/")
     return found
+
+
+# What a resumed run may not change, as dotted config keys (a key or a section): what is trained (the
+# model, its tokenizer, dtype and context, the critic's initialisation, which models the algorithm
+# has), on what (the environment, its data and task settings: the checkpoint's data position indexes
+# those tasks), and the shapes the checkpoint holds (parallel layout of its shards; which parameters
+# train, i.e. the optimizer state). Anything else (steps, learning rates, batch size, timeouts, ...) may
+# change on resume and is logged.
+RESUME_FIXED = ("model", "actor.init", "critic.init", "critic.freeze", "algorithm.name", "algorithm.group_size",
+                "env.name", "env.train_data", "env.kwargs", "env.task_kwargs", "parallel.tp", "parallel.pp",
+                "parallel.ep", "parallel.etp")
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict) and tree:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def config_changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) of every leaf that differs; "<unset>" where one side lacks it."""
+    a, b = _flat(old), _flat(new)
+    return [(k, a.get(k, "<unset>"), b.get(k, "<unset>")) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+            or (k in a) != (k in b)]
+
+
+def _fixed(key: str) -> bool:
+    return any(key == f or key.startswith(f + ".") for f in RESUME_FIXED)
+
+
+def resume_config_changes(run: Path, cfg: SAOConfig) -> list[str]:
+    """Before a resume starts (every rank; it only reads): `cfg` against the run's config.yaml. Raises
+    UserError with the diff when a RESUME_FIXED key changed; returns the other changes as "key: old ->
+    new" lines (to log). Nothing to compare without a config.yaml or a checkpoint (the resume then
+    starts fresh)."""
+    snapshot = run / "config.yaml"
+    if not snapshot.is_file() or not (run / "checkpoints").is_dir() or not ckpts.candidates(run / "checkpoints"):
+        return []
+    try:
+        old = load_strict(snapshot.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
+        raise UserError(f"--resume: the run's {snapshot} cannot be read ({e}); it is the record of what the run "
+                        "trains, restore it or start over with --overwrite") from None
+    new = load_strict(config_text(cfg))  # the same normalisation as the file (what dump_config writes)
+    changes = config_changes(old if isinstance(old, dict) else {}, new)
+    lines = [f"{k}: {a!r} -> {b!r}" for k, a, b in changes]
+    refused = [line for (k, _, _), line in zip(changes, lines) if _fixed(k)]
+    if refused:
+        raise UserError(f"--resume: the config changes what {run} trains, on what, or the shapes of its checkpoint; "
+                        f"a resume keeps them: {'; '.join(refused)} (start another run.dir, or --overwrite)")
+    return lines
 
 
 def check_run_dir(run: Path) -> None:
@@ -136,6 +196,20 @@ class RunDir:
         self.remove_stale()
         if overwrite:
             self.clear_training()
+
+    def write_config(self, cfg: SAOConfig, keep_previous: bool) -> Path | None:
+        """Rank 0: the run's config snapshot, atomically. `keep_previous` (a resume): a config.yaml with
+        other settings is kept as config.<n>.yaml (the next free n), never overwritten; returns it."""
+        p = self.path / "config.yaml"
+        text, kept = config_text(cfg), None
+        if keep_previous and p.is_file() and p.read_text(encoding="utf-8") != text:
+            n = 1
+            while (self.path / f"config.{n}.yaml").exists():
+                n += 1
+            kept = self.path / f"config.{n}.yaml"
+            os.replace(p, kept)
+        atomic_write_text(p, text)
+        return kept
 
     def clear_training(self) -> None:
         """Delete what an earlier training run wrote (--overwrite, or --resume with no checkpoint:

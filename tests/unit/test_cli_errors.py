@@ -70,6 +70,24 @@ def _run_with_damaged_checkpoint(tmp: Path) -> Path:
     return run
 
 
+def _resumable_run(tmp: Path) -> Path:
+    """A run folder a resume would continue: tiny_ci's config.yaml and a committed checkpoint."""
+    import torch
+
+    from megatron_sao.config import load_config
+    from megatron_sao.trainer import checkpoints as ckpts
+    from megatron_sao.trainer.run_dir import RunDir
+
+    run = tmp / "resumable"
+    RunDir(run).write_config(load_config(CONFIG, [f"run.dir={run}"]), keep_previous=False)
+
+    def parts(d):
+        (d / "actor").mkdir()
+        torch.save({"w": torch.zeros(4)}, d / "actor" / "rank_00000.pt")
+    ckpts.save(run / "checkpoints", 1, parts, {"step": 1}, is_writer=True)
+    return run
+
+
 def _cases(tmp: Path, hf: Path):
     run = tmp / "run"
     occupied = tmp / "occupied"
@@ -79,6 +97,7 @@ def _cases(tmp: Path, hf: Path):
     (tmp / "a_directory").mkdir()
     (tmp / "empty.yaml").write_text("# nothing set: every default would train\n")
     damaged = _run_with_damaged_checkpoint(tmp)
+    resumable = _resumable_run(tmp)
     return {
         "unknown environment": (["train", CONFIG, f"run.dir={run}", "env.name=nope_env"],
                                 "env.name: unknown environment 'nope_env'; available: ", run),
@@ -113,6 +132,9 @@ def _cases(tmp: Path, hf: Path):
         "sft run.dir below a file": (["sft", CONFIG, f"run.dir={tmp / 'config.bin' / 'run'}"],
                                      "config.bin is not a directory", tmp / "config.bin"),
         "empty config": (["train", str(tmp / "empty.yaml"), f"run.dir={run}"], "the config is empty", run),
+        "resume with another model": (
+            ["train", CONFIG, f"run.dir={resumable}", "model.path=tiny_qwen3_moe", "--resume"],
+            "model.path: 'tiny_qwen3_moe_ci' -> 'tiny_qwen3_moe'", resumable),
         "sft config error": (["sft", CONFIG, f"run.dir={run}", "sft.steps=many"], "sft.steps", run),
         "convert truncated safetensors": (
             ["convert", "hf-to-megatron", "--hf-dir", str(hf), "--out-dir", str(tmp / "mc"), "--no-progress"],

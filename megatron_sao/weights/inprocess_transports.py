@@ -18,19 +18,24 @@ vLLM's weight-update API changed several times before 0.33; everything version-s
   for the final load, but the whole model crosses the process boundary at once: measured on
   SmolLM2-135M fp32, a sync raised the machine's memory by about 4 GiB (trainer +2.2, EngineCore
   +1.5, worker +0.3) for a 0.54 GB model.
-* ``IPCTransport`` (``auto`` with CUDA): vLLM's ``ipc`` weight-transfer engine. The in-process engine's
-  worker runs on the trainer's own GPU, where NCCL refuses a group of two ranks, and AsyncLLM always
-  runs its EngineCore (and so the worker) in another process (vLLM refuses an in-process EngineCore
-  under asyncio), so the worker opens CUDA IPC handles of the trainer's bucket tensors and loads
-  from them: no copy on the wire, no second copy of the model. Lifetime: the transport holds a
-  bucket's tensors until the worker acknowledged it (vLLM's ``update_weights`` returned, after its
-  device synchronize), or, when it failed, until ``abort`` has closed the workers' layerwise reload;
-  then it drops them and calls ``torch.cuda.ipc_collect``. A view the layerwise reload still holds
-  for a layer not yet complete (a layer cut by a bucket boundary; a padded one until ``finish``)
-  keeps its memory reserved in the trainer through torch's IPC reference count (a freed block whose
-  consumer has not released it waits in torch's "limbo" and is not reused), so the extra GPU memory
-  is the bucket in flight, the next one being produced and those views. A handle the worker never
-  opened (a bucket refused before its receive) keeps its block until the trainer process exits.
+* ``IPCTransport`` (``auto`` with CUDA): vLLM's ``ipc`` weight-transfer engine in its packed mode. The
+  in-process engine's worker runs on the trainer's own GPU, where NCCL refuses a group of two ranks, and
+  AsyncLLM always runs its EngineCore (and so the worker) in another process (vLLM refuses an in-process
+  EngineCore under asyncio), so the worker maps the trainer's memory by CUDA IPC. One handle per
+  *bucket*, not per tensor: each bucket is copied (on the device) into one staging buffer, exported once
+  per update, and the worker's packed consumer unpacks it (vLLM's ``packed_ipc_consumer``, which clones
+  each tensor before the layerwise reload keeps it). Why not a handle per tensor (the first design, no
+  staging copy): Qwen3-30B-A3B has 18,867 tensors, and the per-tensor handles cost the CPU about 25x
+  what per-bucket ones do on both sides of AsyncLLM's process boundary (encode, msgpack, decode:
+  benchmarks/bench_ipc_handles.py, median 5.3 s against 0.21 s per refit at load 10 on 2 shared
+  cores), besides a cudaIpcOpenMemHandle per distinct allocation on the worker; a device copy of a
+  1 GiB bucket takes about a millisecond on an H200. Cost: the staging buffer (one bucket) during an
+  update. Lifetime: the buffer is held from the update's first bucket until the workers have left the
+  update (``finish`` or ``abort``: vLLM's engine releases its mapping in ``finish_weight_update``), then
+  dropped and ``torch.cuda.ipc_collect`` gives its block back; a bucket is written only after the
+  workers acknowledged the previous one (vLLM's ``update_weights`` returned, after its device
+  synchronize). A handle the worker never opened (an update refused before its receive) keeps its
+  block until the trainer process exits.
 """
 
 from __future__ import annotations
@@ -195,12 +200,12 @@ class GroupTransport(ReloadSession):
 
 
 class IPCTransport(ReloadSession):
-    """vLLM's ``ipc`` engine: the worker loads from CUDA IPC handles of the trainer's tensors (module
-    docstring). GPU-ONLY, NOT RUN on a GPU yet: the CPU suite runs it against a stand-in engine with
-    the CUDA calls (``reduce_tensor``, the device's UUID, ``ipc_collect``) faked.
+    """vLLM's ``ipc`` engine, packed: the worker loads each bucket from one CUDA IPC staging buffer of the
+    trainer (module docstring). GPU-ONLY, NOT RUN on a GPU yet: the CPU suite runs it against a stand-in
+    engine with the CUDA calls (``reduce_tensor``, the device's UUID, ``ipc_collect``) faked, and vLLM's
+    real packed receive.
 
-    ``device``: where the shared tensors must live, the trainer's current CUDA device unless given
-    (a tensor elsewhere, e.g. a CPU snapshot of ``trainer.policy_lag``, is copied there first).
+    ``device``: where the staging buffer lives, the trainer's current CUDA device unless given.
     """
 
     engine_backend = "ipc"
@@ -215,7 +220,8 @@ class IPCTransport(ReloadSession):
         self.cfg = cfg
         self.device = device
         self.gpu_uuid: str | None = None
-        self.in_flight: list[torch.Tensor] = []  # the shared tensors the workers have not acknowledged
+        self.staging: torch.Tensor | None = None  # this update's shared buffer (uint8), exported once
+        self._handle: dict | None = None  # {gpu_uuid: encoded reduce_tensor args} of `staging`
 
     async def setup(self, llm: object) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -228,9 +234,8 @@ class IPCTransport(ReloadSession):
             raise RuntimeError(f"CUDA IPC weight transfer needs the vLLM worker on the trainer's GPU "
                                f"({self.device}, {self.gpu_uuid}); the worker(s) run on {list(workers)}: start the "
                                "trainer with this rank's GPU as the first visible device (CUDA_VISIBLE_DEVICES)")
-        # packed=False: one handle per tensor, so no staging copy of the bucket (vLLM's packed mode copies
-        # every tensor into one producer buffer).
-        await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"packed": False}))  # type: ignore[attr-defined]
+        # packed=True: one handle per bucket (module docstring), the worker unpacks with vLLM's own consumer.
+        await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"packed": True}))  # type: ignore[attr-defined]
 
     async def begin(self, llm: object, version: int) -> None:
         if self.gpu_uuid is None:
@@ -238,46 +243,54 @@ class IPCTransport(ReloadSession):
         # As GroupTransport: the layerwise reload starts with the first bucket that passed validation.
         self._loading = False
 
-    def _update_info(self, tensors: list[torch.Tensor], names: list[str]) -> dict:
-        """What ``sao_ipc_update_weights`` gets for one bucket: vLLM's ``IPCWeightTransferUpdateInfo``
-        fields with each handle (``reduce_tensor``'s arguments) in plain data."""
+    def _stage(self, bucket: WeightBucket) -> dict:
+        """Copy the bucket into the staging buffer (a new one, exported, for the update's first bucket or
+        one larger than any before); vLLM's packed ``IPCWeightTransferUpdateInfo`` fields, the handle in
+        plain data."""
         from torch.multiprocessing import reductions
 
         from megatron_sao.weights.vllm_worker.ipc_handles import encode_ipc_args
 
-        handles = []
-        for t in tensors:
-            rebuild, args = reductions.reduce_tensor(t)
+        flats = [t.detach().to(self.device).contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
+        sizes = [int(f.numel()) for f in flats]
+        if self.staging is None or self.staging.numel() < sum(sizes):
+            self.staging = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+            rebuild, args = reductions.reduce_tensor(self.staging)
             if rebuild is not reductions.rebuild_cuda_tensor:
-                raise ValueError(f"CUDA IPC: tensor on {t.device} is not a CUDA tensor ({rebuild.__name__})")
-            handles.append({self.gpu_uuid: encode_ipc_args(args)})
-        return {**bucket_update_info(list(zip(names, tensors))), "ipc_handles": handles}
+                raise ValueError(f"CUDA IPC: the staging buffer on {self.device} is not a CUDA tensor "
+                                 f"({rebuild.__name__})")
+            self._handle = {self.gpu_uuid: encode_ipc_args(args)}
+        offset = 0
+        for flat, n in zip(flats, sizes):
+            self.staging[offset:offset + n].copy_(flat)
+            offset += n
+        if self.staging.is_cuda:  # the worker reads the buffer from its own stream
+            torch.cuda.current_stream(self.device).synchronize()
+        return {**bucket_update_info(bucket), "tensor_sizes": sizes, "ipc_handles": self._handle}
 
     async def push_bucket(self, llm: object, bucket: WeightBucket) -> int:
         await self._start(llm)
-        # The tensors whose memory the worker maps: on the trainer's GPU, dense. The export's buckets
-        # are fresh copies already there, so this copies nothing on the usual path.
-        tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
-        info = self._update_info(tensors, [n for n, _ in bucket])
-        self.in_flight = tensors
+        info = self._stage(bucket)
+        # Returns once every worker has read the buffer (vLLM synchronised its device); the next bucket
+        # may then overwrite it.
         await llm.collective_rpc("sao_ipc_update_weights", kwargs={"update_info": info})  # type: ignore[attr-defined]
-        self._release()  # acknowledged: every worker read it (vLLM synchronised its device)
         return bucket_bytes(bucket)
 
     def _release(self) -> None:
-        self.in_flight = []
-        torch.cuda.ipc_collect()  # give back the blocks whose views the workers have dropped
+        """After the workers left the update (their engine released its mapping): drop the buffer."""
+        self.staging, self._handle = None, None
+        torch.cuda.ipc_collect()  # give back the block whose mapping the workers have closed
 
     async def finish(self, llm: object, version: int) -> None:
         await self._start(llm)
         await llm.finish_weight_update(str(version))  # type: ignore[attr-defined]
         self._loading = False
-        self._release()  # the layerwise reload held its last views until here
+        self._release()
 
     async def abort(self, llm: object) -> None:
         """Close the workers' layerwise reload (``sao_abort_weight_update``: also after a failed bucket
-        ended vLLM's session), then release the bucket that was in flight: the workers no longer hold
-        views of it. The engine's weights are unusable until a complete update, as after
+        ended vLLM's session; its finish releases the engine's mapping of the buffer), then drop the
+        buffer. The engine's weights are unusable until a complete update, as after
         ``GroupTransport.abort`` (``ReloadSession._leave_reload``)."""
         try:
             await self._leave_reload(llm)

@@ -159,12 +159,12 @@ def test_config_refuses_nccl_for_the_embedded_vllm_backend():
 # --- the update-info the trainer sends, and what vLLM's ipc engine makes of it -------------------
 
 
-def test_setup_checks_the_worker_gpu_and_inits_unpacked(monkeypatch):
+def test_setup_checks_the_worker_gpu_and_inits_packed(monkeypatch):
     FakeCuda(monkeypatch)
     llm = FakeLLM()
     t = IPCTransport(_cfg(), device=torch.device("cpu"))
     asyncio.run(t.setup(llm))
-    assert llm.calls == [("sao_gpu_uuid", None), ("init_weight_transfer_engine", {"packed": False})]
+    assert llm.calls == [("sao_gpu_uuid", None), ("init_weight_transfer_engine", {"packed": True})]
     other = IPCTransport(_cfg(), device=torch.device("cpu"))
     with pytest.raises(RuntimeError, match=r"on the trainer's GPU .*GPU-4f1c-trainer.*\['GPU-other'\]"):
         asyncio.run(other.setup(FakeLLM(worker_uuids=["GPU-other"])))
@@ -172,60 +172,68 @@ def test_setup_checks_the_worker_gpu_and_inits_unpacked(monkeypatch):
         asyncio.run(IPCTransport(_cfg()).begin(llm, 1))
 
 
-def test_update_info_crosses_msgpack_and_vllm_ipc_engine_loads_the_trainer_tensors(monkeypatch):
-    from vllm.distributed.weight_transfer import ipc_engine
+def test_one_handle_per_bucket_crosses_msgpack_and_vllm_packed_receive_loads_the_tensors(monkeypatch):
+    """Issue 39: a handle per bucket, not per tensor (18,867 of them for Qwen3-30B-A3B:
+    benchmarks/bench_ipc_handles.py). Two buckets of one update go through one staging buffer, exported
+    once; vLLM's real packed receive opens it once on the worker's device and loads every tensor."""
+    from vllm.distributed.weight_transfer import ipc_engine, packed_tensor
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     cuda = FakeCuda(monkeypatch)
     llm = FakeLLM()
     t = IPCTransport(_cfg(), device=torch.device("cpu"))
-    bucket = _bucket()
+    first, second = _bucket(), [("model.embed_tokens.weight", torch.randn(3, 6, dtype=torch.bfloat16))]
 
     async def run():
         await _ready(t, llm)
-        return await t.push_bucket(llm, bucket)
+        return [await t.push_bucket(llm, first), await t.push_bucket(llm, second)]
 
-    assert asyncio.run(run()) == 4 * 6 * 2 + 6 * 4
-    method, kwargs = llm.calls[-1]
-    assert method == "sao_ipc_update_weights" and ("start_weight_update",) in llm.calls
-    info = kwargs["update_info"]
-    assert info["names"] == [n for n, _ in bucket]
+    assert asyncio.run(run()) == [4 * 6 * 2 + 6 * 4, 3 * 6 * 2]
+    rpcs = [c[1] for c in llm.calls if c[0] == "sao_ipc_update_weights"]
+    sent = [kw["update_info"] for kw in rpcs]
+    assert len(sent) == 2 and ("start_weight_update",) in llm.calls
+    info = sent[0]
+    assert info["names"] == [n for n, _ in first] and info["tensor_sizes"] == [4 * 6 * 2, 6 * 4]
     assert info["dtype_names"] == ["bfloat16", "float32"] and info["shapes"] == [[4, 6], [6]]
-    # Each handle is reduce_tensor's own argument tuple, in plain data the worker turns back exactly.
-    assert len(info["ipc_handles"]) == len(cuda.args) == 2
-    for h, args, (_, tensor) in zip(info["ipc_handles"], cuda.args, bucket):
-        assert list(h) == [UUID] and decode_ipc_args(h[UUID]) == args
-        assert cuda.ptrs[args[7]] == tensor.data_ptr()  # the bucket's own memory was shared, not a copy
+    # One reduce_tensor export for the update: the staging buffer, in plain data the worker turns back exactly.
+    assert len(cuda.args) == 1 and list(info["ipc_handles"]) == [UUID]
+    assert decode_ipc_args(info["ipc_handles"][UUID]) == cuda.args[0] and sent[1]["ipc_handles"] == info["ipc_handles"]
     # AsyncLLM's process boundary: vLLM's msgpack encoder refuses the raw tuple (classes, dtypes) but
     # takes the plain form unchanged.
     raw = reductions.reduce_tensor(torch.zeros(2))[1]
     with pytest.raises(TypeError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
-        MsgpackEncoder().encode({"update_info": {"ipc_handles": [{UUID: raw}]}})
-    received = MsgpackDecoder().decode(MsgpackEncoder().encode(kwargs))["update_info"]
-    assert received == info
+        MsgpackEncoder().encode({"update_info": {"ipc_handles": {UUID: raw}}})
 
     # The worker extension hands vLLM's Worker.update_weights the fields vLLM's ipc engine takes; its
-    # receive_weights (the real one) opens each handle on the worker's device and loads the tensors.
-    seen = {}
-    worker = SimpleNamespace(update_weights=lambda d: seen.setdefault("info", d))
-    SAOWorkerExtension.sao_ipc_update_weights(worker, received)
+    # receive_weights (the real one, packed) opens the buffer on the worker's device and unpacks it.
     engine = object.__new__(ipc_engine.IPCWeightTransferEngine)
     loaded = []
-    engine.packed, engine.device = False, torch.device("cuda", 3)
+    engine.packed, engine.device = True, torch.device("cuda", 3)
+    engine._packed_importer = packed_tensor.PackedBufferImporter()
     engine.model = SimpleNamespace(load_weights=lambda weights: loaded.extend(weights))
     opened = []
-
-    memory = {x.data_ptr(): x for _, x in bucket}
+    staging = t.staging
 
     def rebuild(*args):  # the CUDA call: map the producer's memory
         opened.append(args[6])
-        return memory[cuda.ptrs[args[7]]]
+        assert cuda.ptrs[args[7]] == staging.data_ptr()
+        return staging
 
-    monkeypatch.setattr(ipc_engine, "rebuild_cuda_tensor", rebuild)
-    engine.receive_weights(engine.parse_update_info(seen["info"]))
-    assert [n for n, _ in loaded] == [n for n, _ in bucket]
-    assert all(a.data_ptr() == b.data_ptr() for (_, a), (_, b) in zip(loaded, bucket))  # the trainer's memory
-    assert opened == [3, 3]  # on the worker's own device index
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", rebuild)  # what vLLM's PackedBufferImporter calls
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid=UUID))
+    for kwargs, bucket in zip(rpcs, (first, second)):
+        received = MsgpackDecoder().decode(MsgpackEncoder().encode(kwargs))["update_info"]
+        assert received == kwargs["update_info"]
+        seen = {}
+        worker = SimpleNamespace(update_weights=lambda d: seen.setdefault("info", d))
+        SAOWorkerExtension.sao_ipc_update_weights(worker, received)
+        # (the buffer holds this bucket when the worker reads it: the trainer writes the next one after)
+        staging[:sum(received["tensor_sizes"])].copy_(torch.cat([x.reshape(-1).view(torch.uint8)
+                                                                 for _, x in bucket]))
+        engine.receive_weights(engine.parse_update_info(seen["info"]))
+    assert [n for n, _ in loaded] == [n for n, _ in first + second]
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(loaded, first + second))
+    assert opened == [3]  # once for the update, on the worker's own device index
 
 
 def test_decode_refuses_anything_but_the_handle_types():
@@ -235,12 +243,16 @@ def test_decode_refuses_anything_but_the_handle_types():
         decode_ipc_args([["dtype", "Tensor"]])
     with pytest.raises(ValueError, match="ipc_handles"):
         decode_update_info({"names": ["a"]})
+    assert decode_update_info({"ipc_handles": {UUID: [["value", 1]]}})["ipc_handles"] == {UUID: (1,)}
 
 
 # --- the bucket lifetime rule and the abort path ---------------------------------------------------
 
 
-def test_a_bucket_is_released_only_after_the_worker_acknowledged_it(monkeypatch):
+def test_the_staging_buffer_is_held_until_the_workers_left_the_update(monkeypatch):
+    """The buffer the worker maps stays with the transport through the update's buckets (each written
+    only after the worker acknowledged the previous one) and is dropped once the workers have left the
+    update (vLLM's engine releases its mapping in finish_weight_update), then ipc_collect."""
     cuda = FakeCuda(monkeypatch)
     llm = FakeLLM()
     t = IPCTransport(_cfg(), device=torch.device("cpu"))
@@ -251,17 +263,19 @@ def test_a_bucket_is_released_only_after_the_worker_acknowledged_it(monkeypatch)
         push = asyncio.ensure_future(t.push_bucket(llm, _bucket()))
         while "sao_ipc_update_weights" not in llm.methods():
             await asyncio.sleep(0)
-        shared = [r() for r in cuda.shared.values()]
-        assert len(t.in_flight) == 2 and all(a is b for a, b in zip(t.in_flight, shared))  # held by the transport
+        [shared] = [r() for r in cuda.shared.values()]
+        assert t.staging is shared  # held by the transport while the worker reads it
         del shared
-        assert cuda.collects == 0
         llm.gate.set()  # the worker acknowledges
         await push
+        assert t.staging is not None and cuda.collects == 0  # the next bucket of the update reuses it
+        await t.push_bucket(llm, _bucket())
+        await t.finish(llm, 1)
 
     asyncio.run(run())
-    assert t.in_flight == [] and cuda.collects == 1
+    assert t.staging is None and cuda.collects == 1 and len(cuda.shared) == 1
     gc.collect()
-    assert all(r() is None for r in cuda.shared.values())  # the transport keeps nothing after the acknowledgement
+    assert all(r() is None for r in cuda.shared.values())  # the transport keeps nothing after the update
 
 
 def test_abort_after_a_failed_bucket_closes_the_reload_then_releases(monkeypatch):
@@ -276,14 +290,14 @@ def test_abort_after_a_failed_bucket_closes_the_reload_then_releases(monkeypatch
     with pytest.raises(RuntimeError, match="IPC handle not found"):
         asyncio.run(push_failing())
     gc.collect()
-    refs = list(cuda.shared.values())  # the shared tensors, weakly
-    assert len(refs) == 2 and all(r() is not None for r in refs)  # not acknowledged: still held
+    refs = list(cuda.shared.values())  # the shared buffer, weakly
+    assert len(refs) == 1 and refs[0]() is not None  # the worker has not left the update: still held
     alive_during_abort = []
-    llm.during_abort = lambda: alive_during_abort.append(all(r() is not None for r in refs))
+    llm.during_abort = lambda: alive_during_abort.append(refs[0]() is not None)
     asyncio.run(t.abort(llm))
     assert llm.methods()[-1] == "sao_abort_weight_update" and alive_during_abort == [True]
     gc.collect()
-    assert all(r() is None for r in refs) and t.in_flight == [] and cuda.collects == 1
+    assert refs[0]() is None and t.staging is None and cuda.collects == 1
     asyncio.run(t.abort(llm))  # nothing open: no second abort call
     assert llm.methods().count("sao_abort_weight_update") == 1
 
@@ -295,7 +309,7 @@ def test_abort_after_a_failed_bucket_closes_the_reload_then_releases(monkeypatch
 
     asyncio.run(next_update())
     assert llm.methods()[-3:] == ["start_weight_update", "sao_ipc_update_weights", "finish_weight_update"]
-    assert llm.calls[-1] == ("finish_weight_update", "2")
+    assert llm.calls[-1] == ("finish_weight_update", "2") and len(cuda.args) == 2  # a new export per update
 
 
 def test_worker_abort_finishes_the_reload_after_vllm_ended_the_session():
@@ -360,7 +374,7 @@ def test_vllm_engine_starts_vllm_with_the_ipc_backend_and_streams_through_it(mon
     assert args.weight_transfer_config.backend == "ipc"
     assert args.distributed_executor_backend is None  # vLLM's own choice (uni at TP 1)
     asyncio.run(engine.update_weights([_bucket()[:1], _bucket()[1:]], version=1))
-    assert engine.version == 1 and cuda.collects == 3  # each bucket's ack, then the finish
+    assert engine.version == 1 and cuda.collects == 1 and len(cuda.args) == 1  # one export, released at the finish
     assert llm.methods() == ["update_weight_version", "sao_gpu_uuid", "init_weight_transfer_engine",
                              "pause_generation", "start_weight_update", "sao_ipc_update_weights",
                              "sao_ipc_update_weights", "finish_weight_update", "update_weight_version",
@@ -374,6 +388,6 @@ def test_vllm_engine_aborts_an_incomplete_update_and_stays_usable(monkeypatch, t
     with pytest.raises(ValueError, match="missing 1 of 2"):
         asyncio.run(engine.update_weights([_bucket()[:1]], version=1))
     assert engine.version == 0 and "sao_abort_weight_update" in llm.methods()
-    assert engine.transport.in_flight == [] and llm.methods()[-1] == "resume_generation"
+    assert engine.transport.staging is None and llm.methods()[-1] == "resume_generation"
     asyncio.run(engine.update_weights([_bucket()], version=1))
     assert engine.version == 1 and llm.calls[-2] == ("update_weight_version", "1")

@@ -67,11 +67,11 @@ class SAOWorkerExtension:
         return str(torch.cuda.get_device_properties(self.device).uuid)  # type: ignore[attr-defined]
 
     def sao_ipc_update_weights(self, update_info: dict) -> None:
-        """One bucket by CUDA IPC: the trainer's handles in plain data (``ipc_handles``) back to the tuples
-        vLLM's ``ipc`` engine opens, then vLLM's own ``update_weights`` (its session check, the engine's
-        receive and layerwise load, a device synchronize). When this returns, the worker has read the
-        bucket; views the layerwise reload keeps for a layer not yet complete stay valid through torch's
-        IPC reference count (``weights/inprocess_transports.py::IPCTransport``)."""
+        """One bucket by CUDA IPC: the trainer's handle of its staging buffer in plain data (``ipc_handles``)
+        back to the tuple vLLM's ``ipc`` engine opens, then vLLM's own ``update_weights`` (its session
+        check, the packed receive, which clones each tensor out of the buffer, the layerwise load, a device
+        synchronize). When this returns, the worker has read the buffer and the trainer may overwrite it
+        with the next bucket (``weights/inprocess_transports.py::IPCTransport``)."""
         self.update_weights(decode_update_info(update_info))  # type: ignore[attr-defined]
 
     def sao_abort_weight_update(self) -> None:

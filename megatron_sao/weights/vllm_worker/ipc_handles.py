@@ -1,6 +1,7 @@
 """CUDA IPC handles of the trainer's tensors as plain data, both ways (the in-process vLLM on CUDA).
 
-vLLM's ``ipc`` weight-transfer engine opens, per tensor, ``{gpu_uuid: args}`` where ``args`` is what
+vLLM's ``ipc`` weight-transfer engine opens ``{gpu_uuid: args}`` (packed: one for the bucket's staging
+buffer, what the trainer sends; unpacked: one per tensor) where ``args`` is what
 ``torch.multiprocessing.reductions.reduce_tensor`` returns for a CUDA tensor (the arguments of
 ``rebuild_cuda_tensor``: tensor and storage classes, a dtype, a ``torch.Size``, stride, the
 ``cudaIpcMemHandle`` bytes, the producer's ref-counter file and offset, an event handle). Those cross
@@ -74,10 +75,15 @@ def decode_ipc_args(encoded: list[list]) -> tuple:
 
 
 def decode_update_info(update_info: dict) -> dict:
-    """vLLM's ``IPCWeightTransferUpdateInfo`` fields from what the trainer sent: the same names, dtypes
-    and shapes, and each ``ipc_handles`` entry ``{gpu_uuid: encoded args}`` back to ``{gpu_uuid: args}``."""
+    """vLLM's ``IPCWeightTransferUpdateInfo`` fields from what the trainer sent: the same names, dtypes,
+    shapes (and ``tensor_sizes``), and ``ipc_handles`` back to vLLM's form: packed (what the trainer
+    sends, ``weights/inprocess_transports.py``), one ``{gpu_uuid: encoded args}`` for the bucket's
+    buffer becomes ``{gpu_uuid: args}``; unpacked, a list of them, one per tensor."""
     handles = update_info.get("ipc_handles")
+    if isinstance(handles, dict):
+        return {**update_info, "ipc_handles": {uuid: decode_ipc_args(args) for uuid, args in handles.items()}}
     if not isinstance(handles, list):
-        raise ValueError("CUDA IPC update_info needs 'ipc_handles': one {gpu_uuid: args} per tensor")
+        raise ValueError("CUDA IPC update_info needs 'ipc_handles': {gpu_uuid: args} of the bucket's buffer "
+                         "(packed), or one per tensor")
     return {**update_info, "ipc_handles": [{uuid: decode_ipc_args(args) for uuid, args in h.items()}
                                            for h in handles]}

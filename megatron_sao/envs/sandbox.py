@@ -10,9 +10,11 @@ standard library read-only, a private tmpfs of ``max_disk_mb`` for /tmp and its 
 and a /proc of its own processes only -- no home directories, datasets, answers, run directory, or
 other processes (the trainer's environment included). It has no network interface. Its first process
 is PID 1 of the namespace: when the program ends, everything it started is killed by the kernel,
-however it daemonized. As root the code runs under a private uid from ``[uid_base, uid_base + 1024)``
-and the whole tree is in a cgroup (memory and process count of the call as a whole, OOM reported);
-as non-root it has no capabilities and RLIMIT_NPROC counts only its own user namespace.
+however it daemonized. The code leads a session of its own, and may open sockets of the families its
+network namespace governs only (no AF_VSOCK). As root the code runs under a private uid from
+``[uid_base, uid_base + 1024)`` and the whole tree is in a cgroup (memory and process count of the
+call as a whole, OOM reported); as non-root it has no capabilities and RLIMIT_NPROC counts only its
+own user namespace.
 
 **process** (no namespaces: root in a container without CAP_SYS_ADMIN, or a non-root user without
 user namespaces): the call's own process group under a child subreaper, a private uid as root, and
@@ -21,10 +23,11 @@ working directory only, no file removal there; TCP, signals and abstract sockets
 kernels) and the process-mode seccomp filter (sandbox_child/syscall_filter.py: no signal outside
 the group and no leaving it, no socket() of any family -- so no unix-socket connect to a same-uid
 tmux/screen/D-Bus/systemd server --, no prlimit, renice, affinity, ioprio or page migration of
-another process, no execve after the interpreter started, no SysV IPC, no ptrace). The call can
-fork (up to its process budget) but not start another program. Disk: the parent watches the
-working directory and kills the call past ``max_disk_mb`` / ``max_files`` (sandbox_call.py; the
-bound is that plus one watch period's writes), each file bounded by RLIMIT_FSIZE. Running
+another process, no execve after the interpreter started, no SysV IPC, no ptrace, no chmod, chown
+or timestamps by path). The call can fork (up to its process budget) but not start another program.
+Disk: the parent watches the working directory by directory descriptors and kills the call past
+``max_disk_mb`` / ``max_files``, or when it cannot read a directory there (sandbox_call.py; the bound
+is that plus one watch period's writes), each file bounded by RLIMIT_FSIZE. Running
 untrusted code as the trainer's *own* uid this way is refused unless
 ``SandboxPool(allow_same_uid=True)`` (config: ``env.sandbox_allow_same_uid``) and needs Landlock;
 the trainer then makes itself non-dumpable so the code cannot read its /proc entries.

@@ -37,14 +37,18 @@ _WATCHERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sandbox-disk-w
 
 
 def planned_isolation(mode: str, uid: int | None, limits: SandboxLimits, cg: CallCgroup | None,
-                       factory: CgroupFactory | None) -> list[str]:
+                       factory: CgroupFactory | None, workspace: bool = False) -> list[str]:
     """The layers the parent sets up or asks for; the child appends what it installed itself."""
     out = [f"uid={uid}" if uid is not None else ("userns" if mode == "namespaces" else "uid=same")]
     if mode == "namespaces":
         out += ["pidns", "netns", "mountns", "ipcns", "utsns", "rootfs=private", f"disk=tmpfs:{limits.max_disk_mb}m",
                 f"files=tmpfs:{limits.max_files}"]
+        if workspace:  # the workspace is a host directory: watched, as in process mode (/tmp stays a tmpfs)
+            out += ["workspace", f"disk=watched:{limits.max_disk_mb}m", f"files=watched:{limits.max_files}"]
     else:
         out += ["pgroup", "subreaper", f"disk=watched:{limits.max_disk_mb}m", f"files=watched:{limits.max_files}"]
+        if workspace:
+            out.append("workspace")
         if uid is None:
             out.append("parent=nondumpable")
     if cg is not None:

@@ -279,6 +279,17 @@ class TrajectoryBuffer:
         return list(restored)
 
 
+    def set_aside(self, traj_ids: list[str], why: str) -> None:
+        """Take restored trajectories out of the ready queue and move their files aside (never deleted)."""
+        with self._cond:
+            for tid in traj_ids:
+                entry = self._ready.pop(tid, None)
+                if entry is not None and entry.path is not None:
+                    _set_aside(entry.path, why)
+                if self._restored is not None:
+                    self._restored = [t for t in self._restored if t.traj_id != tid]
+
+
 # ---------------------------------------------------------------------- files that are not the buffer's
 SET_ASIDE = "set_aside"  # <dir>/set_aside/: files found in the buffer that resume cannot use
 

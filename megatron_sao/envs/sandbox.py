@@ -106,10 +106,12 @@ _NAMESPACES_WORK: dict[bool, bool] = {}  # userns? -> whether namespaced calls w
 _CGROUPS: dict[str, CgroupFactory | None] = {}
 
 
-def _readonly_paths(allow_site_packages: bool) -> list[str]:
+def _readonly_paths(allow_site_packages: bool, extra: tuple[str, ...] = ()) -> list[str]:
     """What the call may read besides the system directories: the interpreter's install tree
-    (standard library, lib-dynload, libpython), and the environment's site-packages only when asked."""
+    (standard library, lib-dynload, libpython), the environment's site-packages only when asked, and
+    the pool's ``readonly_paths`` (a repository's own Python environment for its tests)."""
     paths = {os.path.realpath(sys.base_prefix), os.path.dirname(os.path.realpath(os.__file__))}
+    paths.update(os.path.realpath(p) for p in extra)
     if allow_site_packages:
         for key in ("purelib", "platlib"):
             paths.add(os.path.realpath(sysconfig.get_paths()[key]))
@@ -141,10 +143,11 @@ class SandboxPool:
 
     ``isolation``: "auto" (namespaces where the host allows them, else process mode), or
     "namespaces" / "process" to insist on one. ``allow_same_uid``: let process mode run the code as
-    the trainer's own uid (non-root without user namespaces); refused otherwise."""
+    the trainer's own uid (non-root without user namespaces); refused otherwise. ``readonly_paths``:
+    host directories every call may also read, e.g. the Python environment a repository's tests need."""
 
     def __init__(self, max_concurrency: int = 8, uid_base: int = 200_000, allow_same_uid: bool = False,
-                 isolation: str = "auto", cgroups: bool = True) -> None:
+                 isolation: str = "auto", cgroups: bool = True, readonly_paths: tuple[str, ...] = ()) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if not 1000 <= uid_base <= 2**31 - _UidSlots.SIZE:
@@ -153,6 +156,7 @@ class SandboxPool:
             raise ValueError(f"isolation must be auto, namespaces or process, got {isolation!r}")
         self.max_concurrency, self.uid_base = max_concurrency, uid_base
         self.allow_same_uid, self.isolation, self.cgroups = allow_same_uid, isolation, cgroups
+        self.readonly_paths = tuple(readonly_paths)  # more directories every call may read (and execute)
         self.privileged = os.geteuid() == 0
         # asyncio primitives bind to one loop; keep one semaphore per loop.
         self._sems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -263,7 +267,7 @@ class SandboxPool:
             os.chown(workdir, uid, uid)
             os.chown(code_file, uid, uid)
         isolation = planned_isolation(mode, uid, limits, cg, factory, workspace=workspace is not None)
-        readonly = _readonly_paths(limits.allow_site_packages)
+        readonly = _readonly_paths(limits.allow_site_packages, self.readonly_paths)
         # Process mode with a workspace: the code's own directory is readable, the workspace writable.
         read_roots = readonly + [str(workdir)] if workspace is not None and mode == "process" else readonly
         status_r, status_w = os.pipe()

@@ -37,6 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_sao.envs.sandbox_child.rootfs import WORKDIR
 from megatron_sao.envs.sandbox_types import SandboxError, SandboxLimits, SandboxResult
 
 if TYPE_CHECKING:
@@ -108,6 +109,50 @@ def _copy_file(src: str, dst: str, mode: int) -> None:
         os.close(fd)
 
 
+def _write_files(root: Path, files: dict[str, str], owner: int | None) -> None:
+    for rel, text in files.items():
+        parts = Path(rel).parts
+        if not parts or Path(rel).is_absolute() or ".." in parts:
+            raise ValueError(f"workspace file {rel!r} must be a relative path inside the workspace")
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for name in parts[:-1]:
+                fd = _enter_dir(fd, name, owner)
+            try:
+                st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    raise ValueError(f"workspace file {rel!r} is a directory in the workspace")
+                os.unlink(parts[-1], dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            out = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=fd)
+            try:
+                os.write(out, text.encode())
+                if owner is not None:
+                    os.fchown(out, owner, owner)
+            finally:
+                os.close(out)
+        finally:
+            os.close(fd)
+
+
+def _enter_dir(parent: int, name: str, owner: int | None) -> int:
+    """The directory ``name`` below ``parent`` (an fd; closed), made afresh when it is not a real directory."""
+    try:
+        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=parent)
+            raise FileNotFoundError
+    except FileNotFoundError:
+        os.mkdir(name, 0o755, dir_fd=parent)
+        if owner is not None:
+            os.chown(name, owner, owner, dir_fd=parent, follow_symlinks=False)
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+    finally:
+        os.close(parent)
+
+
 class SandboxWorkspace:
     """A host directory every call of ``pool.run(..., workspace=self)`` works in (module docstring)."""
 
@@ -131,6 +176,23 @@ class SandboxWorkspace:
             await asyncio.shield(asyncio.ensure_future(remove_tree(path)))
             raise
         return cls(pool, mode, path, uid)
+
+    @property
+    def cwd(self) -> str:
+        """The working directory as the calls see it (namespaces: their own root filesystem's)."""
+        return WORKDIR if self.mode == "namespaces" else str(self.path)
+
+    async def fork(self) -> SandboxWorkspace:
+        """A fresh workspace holding a copy of this one as it is now (between two calls)."""
+        async with self._lock:
+            return await self.pool.open_workspace(self.path)
+
+    async def write_files(self, files: dict[str, str]) -> None:
+        """Write ``files`` (relative path -> text) into the workspace from the host, between calls, replacing
+        whatever the code left at those paths: a symlink or a file where a directory is needed is removed,
+        never followed (the code may have planted ``tests -> /etc``)."""
+        async with self._lock:
+            await asyncio.to_thread(_write_files, self.path, files, self.uid)
 
     def check_usable(self, pool: Any) -> None:
         if self.closed:

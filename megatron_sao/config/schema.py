@@ -165,6 +165,9 @@ class AgentEndpointConfig:
     # The host name harnesses use to reach it (a cluster's node name); "" = `host`.
     public_host: str = ""
     model_name: str = "policy"  # what /v1/models lists and requests name
+    # Write every assistant turn as the engine returned it (ids, log-probs, versions) to
+    # <run>/agent_turns.jsonl, to audit trajectories against (one line per turn: large for long runs).
+    log_turns: bool = False
 
 
 @dataclass

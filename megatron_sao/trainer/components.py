@@ -226,7 +226,8 @@ def agent_endpoint(cfg: SAOConfig, formatter):
 
     e = cfg.rollout.agent_endpoint
     return AgentEndpoint(formatter, host=e.host, port=e.port, model_name=e.model_name,
-                         public_host=e.public_host or None)
+                         public_host=e.public_host or None,
+                         turn_log=Path(cfg.run.dir) / "agent_turns.jsonl" if e.log_turns else None)
 
 
 @contextlib.asynccontextmanager

@@ -21,6 +21,7 @@ the deadlines (no timer removes it under the scorer); the harness's wall limit p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -79,6 +80,18 @@ class SWEEnv:
     readonly_paths: list = field(default_factory=list)  # host dirs the commands may read (a repo's Python env)
     model_kwargs: dict = field(default_factory=dict)  # more litellm arguments
     name: str = ENV_NAME
+
+    @classmethod
+    def limits_of(cls, kwargs: dict) -> dict[str, float]:
+        """The wall limit and grading time ``env.kwargs`` give (the config's deadline check)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown SWEEnv argument(s) {unknown}; known: {sorted(names - {'name'})}")
+        out = {k: float(kwargs.get(k, getattr(cls, k))) for k in ("wall_limit_s", "grade_timeout_s")}
+        if min(out.values()) <= 0:
+            raise ValueError(f"wall_limit_s and grade_timeout_s must be > 0, got {out}")
+        return out
 
     def __post_init__(self) -> None:
         self.pool = sandbox_pool(self.isolation, tuple(self.readonly_paths))

@@ -21,8 +21,11 @@ elsewhere by the driver).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -45,9 +48,13 @@ class AgentEndpoint:
     """The endpoint of one run (module docstring). Start it on the loop the episodes run on."""
 
     def __init__(self, formatter: Any, *, host: str = "127.0.0.1", port: int = 0, model_name: str = "policy",
-                 public_host: str | None = None) -> None:
+                 public_host: str | None = None, turn_log: str | os.PathLike | None = None) -> None:
         self.formatter, self.host, self.port, self.model_name = formatter, host, port, model_name
         self.public_host = public_host or host
+        # One JSON line per assistant turn as the engine returned it (ids, log-probs, versions), to audit
+        # the trajectories against (rollout.agent_endpoint.log_turns).
+        self.turn_log = Path(turn_log) if turn_log else None
+        self._log = None
         self.tool_format = ToolFormat(formatter)
         self.sessions: dict[str, EndpointSession] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -61,6 +68,9 @@ class AgentEndpoint:
             web.get("/v1/models", self._models), web.get("/sessions/{key}/v1/models", self._models),
             web.post("/v1/chat/completions", self._chat), web.post("/sessions/{key}/v1/chat/completions", self._chat),
         ])
+        if self.turn_log is not None:
+            self.turn_log.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.turn_log, "a", encoding="utf-8")
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -74,6 +84,9 @@ class AgentEndpoint:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     @property
     def url(self) -> str:
@@ -85,7 +98,7 @@ class AgentEndpoint:
         if self._runner is None:
             raise RuntimeError("the agent endpoint is not started")
         s = EndpointSession(engine, self.formatter, self.tool_format, cfg, prompt_id=prompt_id, env=env,
-                            activity=activity)
+                            activity=activity, on_turn=self._log_turn if self._log is not None else None)
         self.sessions[s.key] = s
         self._locks[s.key] = asyncio.Lock()
         return s
@@ -99,6 +112,11 @@ class AgentEndpoint:
         """What the harness is given: the episode's base URL, its key, the model's name."""
         return ModelEndpoint(base_url=f"{self.url}/sessions/{session.key}/v1", api_key=session.key,
                              model=self.model_name, stop=stop)
+
+    def _log_turn(self, session: EndpointSession, record: Any) -> None:
+        self._log.write(json.dumps({"episode": session.episode_id, "prompt_id": session.prompt_id,
+                                    **dataclasses.asdict(record)}) + "\n")
+        self._log.flush()
 
     # ------------------------------------------------------------------ routes
     async def _health(self, request: web.Request) -> web.Response:

@@ -39,7 +39,7 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from megatron_sao.rollout.agent_endpoint.messages import RequestError, canonical_messages, continues
 from megatron_sao.rollout.agent_endpoint.tools import ToolFormat
@@ -102,9 +102,10 @@ class EndpointSession:
     """The token state of one harness episode (module docstring)."""
 
     def __init__(self, engine: Any, formatter: Any, tool_format: ToolFormat, cfg: AgentLoopConfig, *,
-                 prompt_id: str, env: str, activity: EngineActivity | None = None, key: str | None = None) -> None:
+                 prompt_id: str, env: str, activity: EngineActivity | None = None, key: str | None = None,
+                 on_turn: Callable[[EndpointSession, TurnRecord], None] | None = None) -> None:
         self.engine, self.formatter, self.tool_format, self.cfg = engine, formatter, tool_format, cfg
-        self.prompt_id, self.env, self.activity = prompt_id, env, activity
+        self.prompt_id, self.env, self.activity, self.on_turn = prompt_id, env, activity, on_turn
         self.key = key or uuid.uuid4().hex
         self.episode_id = uuid.uuid4().hex
         self.segments: list[_Segment] = []
@@ -156,8 +157,11 @@ class EndpointSession:
         seg.turns += 1
         self.stats.turns += 1
         seg.last_action = list(result.token_ids)
-        self.records.append(TurnRecord(len(self.segments) - 1, list(result.token_ids), list(result.logprobs),
-                                       list(result.versions), result.finish_reason))
+        record = TurnRecord(len(self.segments) - 1, list(result.token_ids), list(result.logprobs),
+                            list(result.versions), result.finish_reason)
+        self.records.append(record)
+        if self.on_turn is not None:
+            self.on_turn(self, record)
         content, calls = self.tool_format.parse(self.formatter.action_text(result.token_ids))
         message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
         if calls:

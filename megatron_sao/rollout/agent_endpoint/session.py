@@ -125,8 +125,6 @@ class EndpointSession:
         if self.closed or self.error is not None:
             raise SessionClosed(f"episode {self.prompt_id!r} is over" + (f" (engine error: {self.error})"
                                                                           if self.error is not None else ""))
-        if self.limit is not None:
-            raise LimitReached(self._limit_message())
         unknown = sorted(set(body) - _KNOWN)
         if unknown:
             raise RequestError(f"unsupported request fields {unknown}")
@@ -138,6 +136,8 @@ class EndpointSession:
         if tools is not None and not isinstance(tools, list):
             raise RequestError("tools must be a list")
         messages = canonical_messages(body.get("messages"))
+        if self.limit is not None:
+            raise LimitReached(self._limit_message())
         seg = self._extend_or_fork(messages, tools)
         b = seg.builder
         room = self.cfg.max_total_tokens - len(b)

@@ -12,7 +12,7 @@ from pathlib import Path
 from megatron_sao.rollout.engines.protocol import GenerationResult
 from megatron_sao.tokenizers import build_char_tokenizer
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "smollm2_tokenizer"
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "smollm2_tokenizer"
 
 # Qwen3's tool layout (our own template, written to behave like Qwen3's at the places the endpoint depends
 # on): a "# Tools" system section listing each tool as JSON, <tool_call> blocks after an assistant's text,

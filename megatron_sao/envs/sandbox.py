@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import marshal
 import os
-import shutil
 import sys
 import sysconfig
 import tempfile
@@ -53,7 +52,7 @@ import time
 import weakref
 from pathlib import Path
 
-from megatron_sao.envs.sandbox_call import StatusReader, collect, kill_all_of_uid, planned_isolation
+from megatron_sao.envs.sandbox_call import StatusReader, collect, kill_all_of_uid, planned_isolation, remove_tree
 from megatron_sao.envs.sandbox_cgroup import CallCgroup, CgroupFactory
 from megatron_sao.envs.sandbox_types import SandboxError, SandboxLimits, SandboxResult
 from megatron_sao.envs.sandbox_workspace import SandboxWorkspace
@@ -101,7 +100,6 @@ class _UidSlots:
 
 
 _UIDS = _UidSlots()
-_RM = shutil.which("rm")
 _NAMESPACES_WORK: dict[bool, bool] = {}  # userns? -> whether namespaced calls work on this host
 _CGROUPS: dict[str, CgroupFactory | None] = {}
 
@@ -299,17 +297,6 @@ class SandboxPool:
         return await collect(proc, status, limits, t0, cg, watch_dir=watch)
 
 
-async def remove_tree(path: Path) -> None:
-    """Remove a directory the sandbox's code wrote, off the event loop (thousands of files at worst)."""
-    if _RM is not None:  # another process: no GIL held against the rollouts for thousands of unlinks
-        quiet = asyncio.subprocess.DEVNULL
-        rm = await asyncio.create_subprocess_exec(_RM, "-rf", "--one-file-system", "--", str(path), stdin=quiet,
-                                                  stdout=quiet, stderr=quiet, env={}, close_fds=True)
-        await rm.wait()
-    if os.path.lexists(path):  # no rm, or directories the code made unreadable
-        await asyncio.to_thread(_remove_tree, path)
-
-
 async def _clean_up(workdir: Path, uid: int | None, mode: str, cg: CallCgroup | None,
                     release_uid: bool = True) -> None:
     """After a call, off the event loop: the cgroup (kill, rmdir retries), what a private uid left
@@ -323,22 +310,6 @@ async def _clean_up(workdir: Path, uid: int | None, mode: str, cg: CallCgroup | 
     finally:
         if uid is not None and release_uid:
             _UIDS.release(uid)
-
-
-def _remove_tree(path: Path) -> None:
-    """rmtree that first opens up directories the code made unreadable (its own uid may chmod)."""
-    def reopen(func, p, _exc):
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            if os.path.isdir(p) and not os.path.islink(p):
-                os.chmod(p, 0o700)
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                func(p)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=reopen)
 
 
 _DEFAULT_POOLS: dict[int, SandboxPool] = {}

@@ -35,13 +35,11 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from megatron_sao.envs.sandbox_call import remove_tree
 from megatron_sao.envs.sandbox_child.rootfs import WORKDIR
 from megatron_sao.envs.sandbox_types import SandboxError, SandboxLimits, SandboxResult
-
-if TYPE_CHECKING:
-    from megatron_sao.envs.sandbox import SandboxPool
 
 # The call's code for a shell command: stderr joins stdout (what a terminal shows, and what
 # mini-swe-agent's local environment returns), then the interpreter becomes bash, so the command's
@@ -156,13 +154,13 @@ def _enter_dir(parent: int, name: str, owner: int | None) -> int:
 class SandboxWorkspace:
     """A host directory every call of ``pool.run(..., workspace=self)`` works in (module docstring)."""
 
-    def __init__(self, pool: SandboxPool, mode: str, path: Path, uid: int | None) -> None:
+    def __init__(self, pool: Any, mode: str, path: Path, uid: int | None) -> None:
         self.pool, self.mode, self.path, self.uid = pool, mode, path, uid
         self.closed = False
         self._lock = asyncio.Lock()  # calls in one workspace run one at a time: one agent, one shell
 
     @classmethod
-    async def create(cls, pool: SandboxPool, mode: str, uid: int | None, source: str | os.PathLike | None,
+    async def create(cls, pool: Any, mode: str, uid: int | None, source: str | os.PathLike | None,
                      max_bytes: int, max_files: int) -> SandboxWorkspace:
         path = Path(tempfile.mkdtemp(prefix="sao-workspace-"))
         try:
@@ -171,8 +169,6 @@ class SandboxWorkspace:
             if uid is not None:
                 os.chown(path, uid, uid)
         except BaseException:
-            from megatron_sao.envs.sandbox import remove_tree
-
             await asyncio.shield(asyncio.ensure_future(remove_tree(path)))
             raise
         return cls(pool, mode, path, uid)

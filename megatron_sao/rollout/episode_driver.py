@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 from megatron_sao.envs.base import Task
 from megatron_sao.rollout.agent_loop import AgentLoopConfig, EngineActivity, run_unit
-from megatron_sao.rollout.prompts import PromptStream, Unit, ends_episode, unit_of
+from megatron_sao.rollout.prompts import PromptStream, Unit, unit_of
 from megatron_sao.rollout.server_pool import ServerPool, ServerSlot
 from megatron_sao.trajectory import Trajectory
 
@@ -141,7 +141,7 @@ class EpisodeDriver:
     def requeue(self, traj: Trajectory) -> None:
         """The buffer dropped ``traj`` as stale: its episode runs again. An earlier segment of a harness
         episode is only dropped (its episode's end, dropped or trained, decides)."""
-        if ends_episode(traj):
+        if traj.ends_episode:
             self._requeue_unit(unit_of(traj))
 
     def _requeue_unit(self, unit: Unit) -> None:

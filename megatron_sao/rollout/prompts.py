@@ -18,18 +18,11 @@ def unit_of(traj: Trajectory) -> Unit:
     return int(traj.info["data_pos"]), int(traj.info.get("sample", 0))
 
 
-def ends_episode(traj: Trajectory) -> bool:
-    """Whether ``traj`` ends its episode: any agent-loop trajectory, or the last segment of a harness
-    episode (rollout/agent_endpoint/session.py: ``info["segment"]`` of ``info["segments"]``)."""
-    n = traj.info.get("segments")
-    return n is None or int(traj.info.get("segment", 0)) == int(n) - 1
-
-
 def complete_units(trajs: list[Trajectory]) -> tuple[set[Unit], list[str]]:
     """Resume: the units whose episode is whole in ``trajs`` (their trajectory, or all their segments: the
     driver hands an episode's segments over in order, its end last), and the ids of segments whose episode
     has no end here (the run stopped between two of its files): those are set aside and the unit re-runs."""
-    ended = {unit_of(t) for t in trajs if ends_episode(t)}
+    ended = {unit_of(t) for t in trajs if t.ends_episode}
     partial = [t.traj_id for t in trajs if unit_of(t) not in ended]
     return ended, partial
 

@@ -190,9 +190,9 @@ class _ClientHarness:
                     self.errors.append(e.status_code)
                     return
                 msgs += [{"role": "assistant", "content": m.content}, {"role": "user", "content": "next"}]
-        t = threading.Thread(target=agent)
-        t.start()
-        await asyncio.to_thread(t.join)
+        self.thread = threading.Thread(target=agent)
+        self.thread.start()
+        await asyncio.to_thread(self.thread.join)
         return HarnessOutcome(reward=0.75, info={"graded": True})
 
     async def close(self) -> None:
@@ -214,4 +214,5 @@ def test_a_harness_episode_ends_with_the_environment_s_reward_or_fails_with_its_
     dead = ScriptedTextEngine(TOK, STOP, ["a", "b"], fail_on=1)
     [traj] = lt.run(run_harness_episode(dead, env, task, ep, cfg()))
     assert traj.status == "failed" and traj.info["end_reason"] == "engine_error" and "went away" in traj.error
+    env.thread.join(30)  # the episode did not wait for its harness: it gets 503 (the failed turn) or 404 (closed)
     assert env.errors and env.errors[0] in (503, 404) and env.closed

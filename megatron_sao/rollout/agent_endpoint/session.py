@@ -26,10 +26,11 @@ turn's budget). The sampled ids, log-probs, versions and -- under routing replay
 segment's builder exactly as the engine returned them.
 
 Limits: ``max_turns`` over the episode and ``max_total_tokens`` per segment (a trajectory is one row of
-``model.max_seq_len``). The turn that reaches one is answered; the next request gets
-``LimitReached`` (HTTP 400 ``context_length_exceeded``, which litellm and OpenAI clients raise as a
-context-window error, and mini-swe-agent stops on), and the episode ends ``truncated`` with bootstrap 0:
-the environment still grades the final state, and no later state exists.
+``model.max_seq_len``). The turn that reaches one is answered; a further request gets ``LimitReached``
+(HTTP 400 ``context_length_exceeded``, which litellm and OpenAI clients raise as a context-window error,
+and mini-swe-agent stops on), and the episode ends ``truncated`` with bootstrap 0: the environment still
+grades the final state, and no later state exists. A harness that stops by itself at the limit ends
+``terminated``.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ class EndpointSession:
         self.segments: list[_Segment] = []
         self.records: list[TurnRecord] = []
         self.stats = SessionStats()
-        self.limit: str | None = None  # the loop limit the episode reached
+        self.limit: str | None = None  # the loop limit that refused a turn: the episode was cut there
+        self._exhausted: str | None = None  # a limit the last turn reached (the next request is refused)
         self.error: BaseException | None = None  # the engine failed: the episode fails (and may re-run)
         self.closed = False
         self.failed = asyncio.Event()  # set with `error`: the episode stops waiting for its harness
@@ -136,6 +138,8 @@ class EndpointSession:
         if tools is not None and not isinstance(tools, list):
             raise RequestError("tools must be a list")
         messages = canonical_messages(body.get("messages"))
+        if self._exhausted is not None:
+            self.limit = self._exhausted
         if self.limit is not None:
             raise LimitReached(self._limit_message())
         seg = self._extend_or_fork(messages, tools)
@@ -168,9 +172,9 @@ class EndpointSession:
             message["tool_calls"] = calls
         seg.messages = messages + [canonical_messages([message])[0]]
         if result.finish_reason == "length" and len(b) >= self.cfg.max_total_tokens:
-            self.limit = "max_total_tokens"
+            self._exhausted = "max_total_tokens"  # the episode is cut if the harness asks for another turn
         elif self.stats.turns >= self.cfg.max_turns:
-            self.limit = "max_turns"
+            self._exhausted = "max_turns"
         finish = "tool_calls" if calls else ("length" if result.finish_reason == "length" else "stop")
         self.stats.request_s += time.monotonic() - t0
         return {

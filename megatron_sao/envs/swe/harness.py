@@ -20,6 +20,7 @@ capped at 3 (a request to the local endpoint that fails twice will not succeed l
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,8 @@ def run_agent(problem: str, endpoint: ModelEndpoint, shell: Any, agent_config: s
     from minisweagent.models import get_model_class
 
     litellm.suppress_debug_info = True  # its "Provider List" banner on every price it does not know
+    for name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy", "httpx", "agent", "minisweagent", "litellm_model"):
+        logging.getLogger(name).setLevel(logging.WARNING)  # a line per model call otherwise, under the trainer's INFO
 
     model_cfg = {k: v for k, v in config["model"].items() if k not in ("model_name", "model_class", "model_kwargs",
                                                                        "cost_tracking")}

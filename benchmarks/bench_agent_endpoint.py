@@ -81,7 +81,7 @@ def main() -> None:
     from megatron_sao.rollout.engines.factory import make_engine
     from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams
     from megatron_sao.rollout.turns import AgentLoopConfig
-    from megatron_sao.trainer.components import materialize_builtin_model
+    from megatron_sao.models.builtin import materialize_builtin_model
 
     model = Path(args.model) if args.model else materialize_builtin_model(
         "tiny_qwen3_moe_ci", Path(tempfile.mkdtemp(prefix="bench-endpoint-")) / "tiny", seed=0)

@@ -51,9 +51,9 @@ def spans_of(traj, kind):
 
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory):
+    from megatron_sao.models.builtin import materialize_builtin_model
     from megatron_sao.rollout.engines.factory import make_engine
     from megatron_sao.rollout.engines.protocol import EngineConfig
-    from megatron_sao.models.builtin import materialize_builtin_model
 
     d = materialize_builtin_model("tiny_qwen3_moe_ci", tmp_path_factory.mktemp("tiny"), seed=0)
     return make_engine(EngineConfig(backend="hf", model_path=str(d), max_model_len=4096, seed=0))

@@ -221,6 +221,18 @@ class Trajectory:
     def trainable(self) -> bool:
         return self.status != "failed"
 
+    @property
+    def episode(self) -> str:
+        """The episode it belongs to: a harness episode's id, which its segments share
+        (rollout/agent_endpoint/session.py), else the trajectory's own id (one episode, one trajectory)."""
+        return str(self.info.get("episode", self.traj_id))
+
+    @property
+    def ends_episode(self) -> bool:
+        """Whether it is its episode's last trajectory (``info["segment"]`` of ``info["segments"]``)."""
+        n = self.info.get("segments")
+        return n is None or int(self.info.get("segment", 0)) == int(n) - 1
+
     def min_version(self) -> int:
         v = self.versions[self.action_mask]
         return int(v.min()) if v.numel() else -1

@@ -155,6 +155,22 @@ GROUPED_ALGORITHMS = ("grpo", "grpo_rollout_ratio", "grpo_dis")
 
 
 @dataclass
+class AgentEndpointConfig:
+    """`rollout.agent_endpoint`: the OpenAI-compatible endpoint a harness environment's agent (mini-swe-agent
+    in `swe`) reaches the policy through (rollout/agent_endpoint/, docs/agent_harness.md). On whenever the
+    environment runs a harness."""
+
+    host: str = "127.0.0.1"  # where it listens; 0.0.0.0 for harnesses on other machines
+    port: int = 0  # 0: any free port (the harness is given the URL)
+    # The host name harnesses use to reach it (a cluster's node name); "" = `host`.
+    public_host: str = ""
+    model_name: str = "policy"  # what /v1/models lists and requests name
+    # Write every assistant turn as the engine returned it (ids, log-probs, versions) to
+    # <run>/agent_turns.jsonl, to audit trajectories against (one line per turn: large for long runs).
+    log_turns: bool = False
+
+
+@dataclass
 class RolloutConfig:
     backend: Backend = "hf"
     server_urls: list[str] = field(default_factory=list)  # vllm_server / disaggregated
@@ -205,6 +221,7 @@ class RolloutConfig:
     # Return and store the engines' routes without replaying them: moe/routing_agreement measured with the
     # trainer's own routing (routing_replay implies it).
     record_routes: bool = False
+    agent_endpoint: AgentEndpointConfig = field(default_factory=AgentEndpointConfig)
 
     @property
     def returns_routes(self) -> bool:

@@ -166,6 +166,29 @@ def _check_run(run: RunConfig) -> None:
         _check(bool(run.wandb.project.strip()), "run.wandb.project", "must be a non-empty name (or null: W&B off)")
 
 
+def _check_harness_env(cfg: SAOConfig) -> None:
+    """An environment that runs an agent harness (``swe``): its deadlines, and what its segments rule out."""
+    if cfg.env.name != "swe":
+        return
+    from megatron_sao.envs.swe.env import SWEEnv
+
+    try:
+        env = SWEEnv.limits_of(cfg.env.kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"env.kwargs: {e}") from None
+    budget = env["wall_limit_s"] + env["grade_timeout_s"]
+    _check(budget < cfg.rollout.timeout_s, "env.kwargs.wall_limit_s",
+           f"the episode's wall limit ({env['wall_limit_s']:g} s) plus its grading (env.kwargs.grade_timeout_s, "
+           f"{env['grade_timeout_s']:g} s) must end before rollout.timeout_s ({cfg.rollout.timeout_s:g} s): the "
+           "trainer stops waiting for trajectories after that long")
+    # A harness may rewrite its history, which splits an episode into several trajectories (segments,
+    # rollout/agent_endpoint/session.py); a group baseline counts trajectories per prompt as its rollouts.
+    _check(not cfg.algorithm.uses_groups, "algorithm.name",
+           f"{cfg.algorithm.name} counts the trajectories of a prompt as its group's rollouts, but an episode of "
+           "env swe may be several trajectories (a rewritten history starts a segment); use sao or "
+           "running_mean")
+
+
 def _check_optimizers(cfg: SAOConfig) -> None:
     for role in ("actor", "critic"):
         o = getattr(cfg, role).optim
@@ -183,6 +206,7 @@ def validate(cfg: SAOConfig) -> SAOConfig:
     _check_policy_lag(cfg)
     _check_run(cfg.run)
     _check_optimizers(cfg)
+    _check_harness_env(cfg)
     _check(cfg.model.max_seq_len >= 2, "model.max_seq_len", "must be >= 2")
     _check(0 <= cfg.sft.error_rate <= 1, "sft.error_rate", "must be in [0, 1]")
     if cfg.preset is not None:

@@ -18,7 +18,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from megatron_sao.envs.base import Environment, TaskSource
+from megatron_sao.envs.base import Environment, TaskSource, is_harness
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ _BUILTIN: dict[str, EnvEntry] = {
                          demonstrations="make_demonstrations", module="megatron_sao.envs.toy_tool"),
     "arith_python": EnvEntry("ArithPythonEnv", "load_arith_tasks", demonstrations="make_demonstrations",
                              module="megatron_sao.envs.arith_python"),
+    "swe": EnvEntry("SWEEnv", "load_swe_tasks", module="megatron_sao.envs.swe.env"),  # a harness: mini-swe-agent
 }
 _CUSTOM: dict[str, EnvEntry] = {}
 
@@ -78,6 +79,13 @@ def generates_tasks(name: str) -> bool:
     return _entry(name).generated_tasks
 
 
+def runs_harness(name: str) -> bool:
+    """Whether environment ``name`` runs an agent harness of its own (``base.HarnessEnvironment``): its
+    episodes then need the agent endpoint. Unknown names are False (``make_env`` names them)."""
+    entry = _CUSTOM.get(name) or _BUILTIN.get(name)
+    return entry is not None and is_harness(_resolve(entry, entry.factory))
+
+
 def make_env(name: str, **kwargs: Any) -> Environment:
     """A fresh environment instance (one per trajectory); ``kwargs`` go to its constructor."""
     entry = _entry(name)
@@ -95,9 +103,9 @@ def load_tasks(name: str, path_or_spec: str | None = None, **kwargs: Any) -> Tas
 
     ``path_or_spec`` is a dataset path or short name for ``math_python`` (``"aime25"`` with
     ``data_dir=`` or $SAO_DATA_DIR), a jsonl path or ``"builtin"`` for ``coding``, the split
-    (``"train"`` / ``"eval"``, disjoint by content) for ``arith_python``; environments whose tasks are
-    generated (``generates_tasks``) take no path and are configured by ``kwargs`` (``n``, ``seed``,
-    ``max_ops``...).
+    (``"train"`` / ``"eval"``, disjoint by content) for ``arith_python`` and for ``swe``'s generated tasks
+    (or a SWE-bench jsonl, with ``repos_dir=``); environments whose tasks are generated
+    (``generates_tasks``) take no path and are configured by ``kwargs`` (``n``, ``seed``, ``max_ops``...).
     """
     entry = _entry(name)
     loader = _resolve(entry, entry.loader)

@@ -60,7 +60,7 @@ class RolloutSide:
     def __init__(self, engines: list[RolloutEngine], env_factory: Callable, stream: PromptStream, formatter,
                  loop_cfg: AgentLoopConfig, on_done: Callable[[Trajectory], None], cfg: RolloutSideConfig, *,
                  labels: list[str] | None = None, next_pos: int = 0, requeue: list[Unit] | None = None,
-                 skip: set[Unit] | None = None, step_offset: int = 0):
+                 skip: set[Unit] | None = None, step_offset: int = 0, endpoint=None):
         self.cfg, self.formatter = cfg, formatter
         self.pool = ServerPool(engines, labels, cfg.max_num_seqs, starting=cfg.start_timeout_s is not None)
         self.sync = WeightSync(self.pool.engines, cfg.sync_timeout_s, check=cfg.check_weights, atol=cfg.check_atol,
@@ -72,7 +72,7 @@ class RolloutSide:
                                     health_timeout_s=cfg.health_timeout_s,
                                     server_deadline_s=cfg.server_deadline_s,
                                     start_timeout_s=cfg.start_timeout_s or 0.0,
-                                    start_min_servers=cfg.start_min_servers)
+                                    start_min_servers=cfg.start_min_servers, endpoint=endpoint)
         self.last_sync: SyncMetrics | None = None
 
     # ------------------------------------------------------------------ what the trainer reads
@@ -202,7 +202,8 @@ class RolloutSide:
                         raise RuntimeError(f"no rollout server left to evaluate on: {self.pool.describe_dead()}")
                     engine = self.pool.pin(slot)
                     try:
-                        return await run_one(engine, env_factory, task, self.formatter, loop_cfg)
+                        return await run_one(engine, env_factory, task, self.formatter, loop_cfg,
+                                             endpoint=self.driver.endpoint)
                     finally:
                         self.pool.unpin(slot, finished=False)
             return list(await asyncio.gather(*(one(t) for t in tasks)))

@@ -5,6 +5,7 @@ Kept apart from the loop so the loop reads as the algorithm and nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -207,10 +208,41 @@ def build_rollout_side(cfg: SAOConfig, model_dir: Path, on_done, *, group_size: 
         health_interval_s=r.health_check_interval_s, server_deadline_s=r.server_deadline_s,
         start_timeout_s=r.server_start_timeout_s if servers else None,  # servers: up once they answer /health
         start_min_servers=r.start_min_servers)
+    formatter = ChatFormatter(load_tokenizer(cfg, model_dir))
     return RolloutSide(engines, env_factory(cfg), PromptStream(train_tasks(cfg), cfg.run.seed),
-                       ChatFormatter(load_tokenizer(cfg, model_dir)), agent_loop_config(cfg), on_done, side_cfg,
+                       formatter, agent_loop_config(cfg), on_done, side_cfg,
                        labels=labels, next_pos=drv.get("next_pos", 0), requeue=requeue, skip=in_buffer,
-                       step_offset=step_offset)
+                       step_offset=step_offset, endpoint=agent_endpoint(cfg, formatter))
+
+
+def agent_endpoint(cfg: SAOConfig, formatter):
+    """The OpenAI-compatible endpoint of rollout.agent_endpoint (not started: it starts on the loop its
+    episodes run on), when the environment runs an agent harness; else None."""
+    from megatron_sao.envs.registry import runs_harness
+
+    if not runs_harness(cfg.env.name):
+        return None
+    from megatron_sao.rollout.agent_endpoint.server import AgentEndpoint
+
+    e = cfg.rollout.agent_endpoint
+    return AgentEndpoint(formatter, host=e.host, port=e.port, model_name=e.model_name,
+                         public_host=e.public_host or None,
+                         turn_log=Path(cfg.run.dir) / "agent_turns.jsonl" if e.log_turns else None)
+
+
+@contextlib.asynccontextmanager
+async def started_endpoint(cfg: SAOConfig, formatter):
+    """``agent_endpoint`` started on the running loop for a stage that runs episodes on its own loop
+    (evaluation of a model dir, value pre-training); None when the environment runs no harness."""
+    endpoint = agent_endpoint(cfg, formatter)
+    if endpoint is None:
+        yield None
+        return
+    await endpoint.start()
+    try:
+        yield endpoint
+    finally:
+        await endpoint.stop()
 
 
 def agent_loop_config(cfg: SAOConfig):

@@ -38,7 +38,7 @@ from megatron_sao.config import SAOConfig, to_dict
 from megatron_sao.distributed.gated import GatedCollectives
 from megatron_sao.errors import TrainingInterrupted, TrainingStopped
 from megatron_sao.models.builtin import resolve_model_dir
-from megatron_sao.rollout.prompts import unit_of
+from megatron_sao.rollout.prompts import complete_units
 from megatron_sao.rollout.replay import ReplaySource
 from megatron_sao.trainer import checkpoints as ckpts
 from megatron_sao.trainer import colocated as colo
@@ -283,7 +283,9 @@ class SAOTrainer:
             return
         self.placement.start(self.actor, self.models)
         if self.rank0:
-            in_buffer = {unit_of(t) for t in self.buffer.restore()} if state else set()
+            in_buffer, partial = complete_units(self.buffer.restore()) if state else (set(), [])
+            if partial:  # segments of a harness episode whose last file was never written: it runs again
+                self.buffer.set_aside(partial, "its episode's end was not written before the run stopped")
             self.rollout = C.build_rollout_side(cfg, self.model_dir, self.buffer.put, group_size=self.group,
                                                 state=state, in_buffer=in_buffer, step_offset=self.step,
                                                 engines=self.placement.engines)

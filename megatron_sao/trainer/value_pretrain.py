@@ -44,7 +44,9 @@ def collect_rollouts(cfg: SAOConfig, policy_dir: Path, n: int) -> list:
     async def go():
         engine = C.build_rollout_engine(cfg, policy_dir)
         try:
-            return await run_many(engine, C.env_factory(cfg), tasks, formatter, C.agent_loop_config(cfg))
+            async with C.started_endpoint(cfg, formatter) as endpoint:
+                return await run_many(engine, C.env_factory(cfg), tasks, formatter, C.agent_loop_config(cfg),
+                                      endpoint=endpoint)
         finally:
             await engine.close()
     return asyncio.run(go())

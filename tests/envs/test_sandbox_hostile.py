@@ -113,6 +113,24 @@ def _neighbour_cases(outside: str, other: int, quick: dict, stamps: dict) -> lis
     ]
 
 
+def _shell_cases(secret_file: str, outside: str, port: int, quick: dict) -> list[tuple]:
+    """An agent harness's bash commands, one after another in one sandbox workspace (issue 37: mini-swe-agent
+    runs its commands so); each prints `rc=<status>` of its attack. The escapee names itself after the
+    runner's TMPDIR so the survivors check sees it."""
+    sh = {**quick, "shell": True}
+    tmux_sock = f"/tmp/tmux-{NOBODY}/default"
+    return [
+        ("sh_read", f"cat {secret_file}; echo rc=$?; cat /proc/{{PARENT}}/environ; echo rc=$?", sh),
+        ("sh_write", f"echo pwned > {outside}; echo rc=$?; touch /usr/pwned; echo rc=$?", sh),
+        ("sh_network", f"(exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null; echo rc=$?", sh),
+        ("sh_kill", "kill -9 {PARENT}; echo rc=$?; kill -9 -1 2>/dev/null; echo done", sh),
+        ("sh_escapee", "(exec -a {TMP}/escapee sleep 300 &); (setsid sleep 300 &) 2>/dev/null; echo started", sh),
+        ("sh_tmux", f"tmux -S {tmux_sock} new-window 'touch {outside}' 2>/dev/null; echo rc=$?", sh),
+        ("sh_plant", f"mkfifo fifo; ln -s {secret_file} leak; ln -s / root; cat root{secret_file} 2>/dev/null; "
+                     "echo rc=$?; ls", sh),
+    ]
+
+
 def _cases(secret_file: str, outside: str, port: int, mode: str, other: int = 0,
            stamps: dict | None = None) -> list[dict]:
     quick = {"wall_time_s": 20.0, "cpu_time_s": 5, "memory_mb": 256}
@@ -161,6 +179,7 @@ def _cases(secret_file: str, outside: str, port: int, mode: str, other: int = 0,
     # A session of its own: kill(0) reaches the code's own group, never the bootstrap's processes.
     cases.append(("kill_group", "import os, signal\nprint('before', flush=True)\nos.kill(0, signal.SIGKILL)\n", quick))
     cases += _neighbour_cases(outside, other, quick, stamps or {})
+    cases += _shell_cases(secret_file, outside, port, quick)
     if mode.startswith("root"):  # the cgroup bounds the tree as a whole (root only)
         cases.append(("memory_tree", "import os, time\nkids = []\nfor i in range(4):\n    pid = os.fork()\n"
                                      "    if pid == 0:\n        b = bytearray(100 << 20)\n"
@@ -168,7 +187,8 @@ def _cases(secret_file: str, outside: str, port: int, mode: str, other: int = 0,
                                      "        time.sleep(3)\n        os._exit(0)\n    kids.append(pid)\n"
                                      "for p in kids:\n    os.waitpid(p, 0)\nprint('all allocated')\n",
                       {"memory_mb": 160, "max_processes": 8, "wall_time_s": 60.0, "cpu_time_s": 20}))
-    return [{"name": n, "code": c, "limits": lim} for n, c, lim in cases]
+    return [{"name": n, "code": c, "limits": {k: v for k, v in lim.items() if k != "shell"},
+             "shell": bool(lim.get("shell"))} for n, c, lim in cases]
 
 
 def _interpreter_for(uid: int) -> str:
@@ -438,3 +458,33 @@ def test_same_uid_neighbours_are_out_of_reach(mode_run, neighbours, world):
     assert set(fam.values()) == {"refused 13"}, fam  # no socket() at all
     assert ut["utime world-writable"] == ut["utime nobodys"] == "refused 1", ut
     assert "dir ok" in r["hide_bytes"]["stdout"]
+
+
+def test_an_agent_s_shell_commands_in_a_workspace_stay_inside(mode_run, world, neighbours):
+    """Issue 37: the bash commands of an agent harness, run one after another in one workspace (programs
+    allowed), reach no host file, network, trainer, neighbour or tmux server; a background process dies
+    with its command; what they plant (a FIFO, symlinks to the host) is copied back as links, not
+    followed; the workspace is gone after close."""
+    mode, out, outside = mode_run
+    r = out["results"]
+    for name in ("sh_read", "sh_write", "sh_network", "sh_kill", "sh_escapee", "sh_tmux", "sh_plant"):
+        assert "sandbox_error" not in r[name], (name, r[name])
+    assert "workspace" in r["sh_read"]["isolation"], r["sh_read"]["isolation"]
+    if mode.endswith("process"):
+        assert any(x.startswith("seccomp=process+exec") for x in r["sh_read"]["isolation"])
+    assert SECRET not in r["sh_read"]["stdout"] and "rc=0" not in r["sh_read"]["stdout"], r["sh_read"]
+    assert not Path(outside).exists(), r["sh_write"]  # namespaces: the call's own /tmp took it; process: refused
+    assert r["sh_write"]["stdout"].rstrip().endswith("rc=1"), r["sh_write"]  # /usr is read-only in every mode
+    if mode.endswith("process"):
+        assert "Permission denied\nrc=1\ntouch" in r["sh_write"]["stdout"], r["sh_write"]  # Landlock
+    assert r["sh_network"]["stdout"].strip() != "rc=0", r["sh_network"]
+    with pytest.raises(BlockingIOError):
+        world["server"].accept()
+    assert out["alive"] and "rc=0" not in r["sh_kill"]["stdout"], r["sh_kill"]
+    assert r["sh_escapee"]["stdout"] == "started\n" and r["sh_escapee"]["elapsed_s"] < 15, r["sh_escapee"]
+    assert out["survivors"] == []  # the background sleeps died with their command
+    assert r["sh_tmux"]["stdout"].strip() != "rc=0" and neighbours["windows"]() == 1, r["sh_tmux"]
+    assert SECRET not in r["sh_plant"]["stdout"] and "rc=0" not in r["sh_plant"]["stdout"], r["sh_plant"]
+    assert out["fork"]["leak"] == {"link": True, "exists": True}, out["fork"]  # copied as a link, not read
+    assert out["fork"]["fifo"] == {"link": False, "exists": False}, out["fork"]  # skipped: it would block
+    assert out["workspace_removed"]

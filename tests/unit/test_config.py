@@ -23,7 +23,7 @@ def test_presets_and_precedence(tmp_path):
     assert cfg.algorithm.eps_high == 2.5  # the file wins over the preset
     assert cfg.algorithm.critic_steps == 3  # overrides win over the file
     assert cfg.rollout.server_urls == ["http://a:8000"]
-    assert cfg.env.name == "coding"
+    assert cfg.env.name == "swe"
 
 
 @pytest.mark.parametrize("overrides, needle", [

@@ -30,14 +30,19 @@ What it denies (EPERM unless noted):
     the caller's pid, so "self" is the value 0, which is how glibc's setrlimit, nice and Python's
     os.sched_setaffinity(0, ...) call them; naming even one's own pid explicitly is refused;
   - execve and execveat: the filter is installed in the already running interpreter, so the call
-    can fork but never start another program (a shell, tmux, a setuid binary);
+    can fork but never start another program (a shell, tmux, a setuid binary); except for a
+    workspace's shell commands (`allow_exec`, envs/sandbox_workspace.py), which run programs from the
+    system directories under this same filter, Landlock and no_new_privs (so no setuid gain, no
+    socket, no signal outside the group: what a started program may do is what the call may do);
   - SysV IPC and POSIX message queues (other processes of the uid may hold segments), kcmp,
     process_madvise, process_mrelease, memfd_create (unnamed memory outside the disk watch and
     outside RLIMIT_AS until mapped), open/openat with O_TMPFILE (an unnamed file the disk watch
     cannot see), openat2 (ENOSYS: its flags sit in a struct the filter cannot read; libc falls back);
   - chmod, chown and extended-attribute writes of any file (Landlock does not govern them, and as
     the user's own uid they would reach every file of the user: `chmod 644 ~/.ssh/id_rsa`); so
-    shutil.copy/copy2, which copy the mode, fail in this mode (shutil.copyfile works);
+    shutil.copy/copy2, which copy the mode, fail in this mode (shutil.copyfile works). A workspace
+    under a private uid (root) may chmod, chown and set timestamps (`allow_modes`): that uid owns
+    nothing but the workspace, and the kernel lets a non-root uid change only its own files;
   - for the same reason, setting a file's timestamps by path: utime, utimes, futimesat, and
     utimensat unless its path is NULL (futimens on a descriptor, which Landlock checked when the
     file was opened).
@@ -116,6 +121,8 @@ _SAME_UID = ("tkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open", "pid
              "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat", "setxattr", "lsetxattr",
              "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "setxattrat", "removexattrat",
              "utime", "utimes", "futimesat")
+_MODES = ("chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat", "utime", "utimes",
+          "futimesat")  # and utimensat with a path, which the filter otherwise checks below
 # process mode: allowed only when the first argument is 0 (the calling process itself)
 _SELF_ONLY = ("prlimit64", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr",
               "migrate_pages", "move_pages")
@@ -167,8 +174,12 @@ class _Program:
         return b"".join(out)
 
 
-def build(same_uid: bool = False, pgid: int = 0, machine: str | None = None) -> bytes:
-    """The filter program for this machine; `pgid` is the call's process group (same-uid mode)."""
+def build(same_uid: bool = False, pgid: int = 0, machine: str | None = None, allow_exec: bool = False,
+          allow_modes: bool = False) -> bytes:
+    """The filter program for this machine; `pgid` is the call's process group (same-uid mode);
+    `allow_exec` keeps execve/execveat open in same-uid mode (a workspace's shell commands);
+    `allow_modes` keeps chmod, chown and timestamps open there (a workspace under a private uid, which owns no file
+    but the workspace's: git sets modes on its lock files)."""
     machine = machine or os.uname().machine
     if machine not in _ARCH:
         raise OSError(errno.ENOSYS, f"no seccomp syscall table for {machine}")
@@ -182,6 +193,8 @@ def build(same_uid: bool = False, pgid: int = 0, machine: str | None = None) -> 
     if machine == "x86_64":
         p.emit(_JGE, _X32_BIT, "deny", 0)
     denied = _ALWAYS + (_SAME_UID if same_uid else ())
+    opened = (("execve", "execveat") if allow_exec else ()) + (_MODES if allow_modes else ())
+    denied = tuple(n for n in denied if n not in opened)
     for name in denied:
         if name in nr:
             p.emit(_JEQ, nr[name], "deny", 0)
@@ -205,7 +218,8 @@ def build(same_uid: bool = False, pgid: int = 0, machine: str | None = None) -> 
         p.emit(_JEQ, nr["openat"], "openat", 0)
         if "open" in nr:
             p.emit(_JEQ, nr["open"], "open", 0)
-        p.emit(_JEQ, nr["utimensat"], "utimensat", 0)
+        if not allow_modes:
+            p.emit(_JEQ, nr["utimensat"], "utimensat", 0)
     p.ret(_ALLOW)
     # Argument checks, then the shared verdicts (classic BPF jumps only forward).
     p.label("clone")

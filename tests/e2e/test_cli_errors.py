@@ -10,14 +10,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_sao.trajectory import TrajectoryBuilder, save_trajectories
+from tests.paths import REPO
 
 pytestmark = pytest.mark.slow
-CONFIG = str(Path(__file__).resolve().parents[1] / "e2e" / "tiny_ci.yaml")
+CONFIG = str(REPO / "tests" / "e2e" / "tiny_ci.yaml")
 
 
 def sao(*args, cwd=None):
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+           "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "megatron_sao.cli", *args], capture_output=True, text=True,
                           timeout=300, env=env, cwd=cwd)
 

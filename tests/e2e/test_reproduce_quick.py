@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import REPO
+
 EXPERIMENTS = {  # experiment -> (figures, labels that must appear in results.md)
     "main": (["main_comparison.png"], ["sft (start)", "grpo", "grpo_dis", "sao"]),
     "ablations": (["ablations.png"], ["k1", "attention_trained", "running_mean", "no_value_pretrain",
@@ -35,7 +36,7 @@ def test_all_experiments_quick(tmp_path):
     cmd = [sys.executable, "-m", "megatron_sao.cli", "bench", "all", "--quick", "--jobs", "2",
            "--work", str(work), "--out", str(out)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1400)
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1400)
     assert p.returncode == 0, f"sao bench all --quick failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     for name, (figures, labels) in EXPERIMENTS.items():
         d = out / name
@@ -55,7 +56,7 @@ def test_all_experiments_quick(tmp_path):
     assert len({d.name for d in (work / "runs").iterdir() if d.name.startswith("sao-s1-")}) == 2  # + online's
     _check_algorithm_switches(main_runs, ablation_runs)
     # A second invocation reuses every finished run instead of training again.
-    p2 = subprocess.run([*cmd[:4], "main", *cmd[5:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    p2 = subprocess.run([*cmd[:4], "main", *cmd[5:]], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p2.returncode == 0, p2.stderr[-3000:]
     assert "start train" not in p2.stdout and "start sft" not in p2.stdout
     _check_dynamics(cmd, work, out, env)

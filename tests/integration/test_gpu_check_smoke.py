@@ -14,17 +14,18 @@ import sys
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-SCRIPT = os.path.join(ROOT, "tools", "gpu_check.py")
+from tests.paths import REPO
+
+SCRIPT = os.path.join(REPO, "tools", "gpu_check.py")
 SECTIONS = ["env", "build", "parity", "export", "train", "memory", "logits", "generate", "colocated", "mfu"]
 
 
 def _run(tmp_path, *args):
     out = tmp_path / "figures.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, SCRIPT, "--out", str(out), "--smoke", *args], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, SCRIPT, "--out", str(out), "--smoke", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     return proc, json.loads(out.read_text())
 
@@ -80,7 +81,6 @@ def test_a_broken_section_is_recorded_and_the_run_goes_on(tmp_path):
 
 def test_a_section_whose_package_is_missing_is_skipped_not_failed(tmp_path, monkeypatch):
     """A bare GPU box has no vLLM: the colocated section is skipped with the reason and the run passes."""
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
     import gpu_check
 
     monkeypatch.setitem(gpu_check.NEEDS, "env", ("a_package_that_is_not_installed",))
@@ -127,8 +127,8 @@ def test_the_device_script_installs_only_the_carried_wheels_this_python_lacks(tm
     env = dict(os.environ, SAO_GPU_PYTHON=sys.executable, SAO_WHEELHOUSE=str(house), SAO_GPU_CHECK_SITE=str(site),
                OMP_NUM_THREADS="1")
     out = tmp_path / "figures.json"
-    proc = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check_device.sh"), str(out), "--smoke",
-                           "--sections", "env"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(["bash", os.path.join(REPO, "tools", "gpu_check_device.sh"), str(out), "--smoke",
+                           "--sections", "env"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "1 of 2 wheels" in proc.stdout and "sao_probe-1.0-py3-none-any.whl" in proc.stdout, proc.stdout
     assert (site / "sao_probe" / "__init__.py").exists() and not (site / "numpy").exists()

@@ -22,7 +22,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.paths import REPO
+
 GPU_FILE = REPO / "requirements-gpu.txt"
 TE_FILE = REPO / "requirements-te.txt"
 PYTHON = "3.12"

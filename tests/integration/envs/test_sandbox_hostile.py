@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.paths import REPO
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
 SECRET = f"hunter2-{uuid.uuid4().hex}"
 OTHER_SECRET = f"neighbour-{uuid.uuid4().hex}"

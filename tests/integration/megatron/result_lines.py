@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+from tests.paths import REPO
 
 
 def parse_tagged(out: str) -> dict[str, object]:
@@ -30,13 +30,13 @@ def parse_untagged(out: str) -> list:
 
 
 def run_worker(worker: str, *args: str, done: str, timeout: int = 400) -> dict[str, object]:
-    """Run a one-process Megatron worker script (a fresh interpreter: ensure_cpu_compat patches torch
+    """Run a one-process Megatron worker module (``python -m``, a fresh interpreter: ensure_cpu_compat patches torch
     process-wide) outside any torchrun environment; check it exited 0 and printed ``done``; return
     its `RESULT <tag> <json>` lines by tag."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, worker, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", worker, *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert done in proc.stdout, proc.stdout[-3000:]

@@ -8,11 +8,12 @@ import subprocess
 import sys
 
 import pytest
-from launch import torchrun_cmd
-from result_lines import parse_tagged
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "algo_engine.py")
+from tests.integration.megatron.result_lines import parse_tagged
+from tests.launch import torchrun_cmd
+from tests.paths import REPO
+
+WORKER = "tests.integration.megatron.workers.algo_engine"
 # tiny qwen3_moe (megatron_sao/models/presets.py): vocab 128, hidden 64, 2 layers, 4 experts of 32.
 VOCAB, HIDDEN, LAYERS, EXPERTS, MOE_FFN = 128, 64, 2, 4, 32
 
@@ -20,10 +21,10 @@ pytestmark = pytest.mark.slow  # a worker subprocess and a 2-rank torchrun launc
 
 
 def _run(cmd) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "ALGO_ENGINE DONE" in proc.stdout
     return parse_tagged(proc.stdout)
@@ -32,8 +33,8 @@ def _run(cmd) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("algo_engine")
-    out = _run([sys.executable, WORKER, str(tmp), "single"])
-    out.update(_run(torchrun_cmd(2, WORKER, str(tmp), "tp2sp_ep2", "pp2")))
+    out = _run([sys.executable, "-m", WORKER, str(tmp), "single"])
+    out.update(_run(torchrun_cmd(2, "-m", WORKER, str(tmp), "tp2sp_ep2", "pp2")))
     return out
 
 

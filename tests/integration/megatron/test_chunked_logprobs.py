@@ -2,20 +2,19 @@
 sizes from one token to the whole batch, and its entropy against the full softmax's. One process (no
 TP group), and the entropy once at TP 2 (a torchrun worker; one case gives a rank a shard of padding
 only); the multi-rank engine tests run the log-probs under TP 2 and 4 against the HF model
-(tests/megatron/test_engine_parallel.py, models_equivalence)."""
+(tests/integration/megatron/test_engine_parallel.py, models_equivalence)."""
 
 import math
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
-from launch import torchrun_cmd
-from result_lines import parse_tagged
 
 from megatron_sao.megatron.forward import token_logprobs
 from megatron_sao.megatron.logprobs import vocab_parallel_logprobs
+from tests.integration.megatron.result_lines import parse_tagged
+from tests.launch import torchrun_cmd
 
 
 def reference_logprobs(logits, labels, vocab_size):
@@ -110,10 +109,9 @@ def test_token_logprobs_shifts_the_entropy_like_the_logprobs():
 
 @pytest.mark.slow  # a torchrun subprocess pair
 def test_entropy_and_logprobs_at_tp2_match_the_full_softmax(tmp_path):
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
-    worker = Path(__file__).with_name("workers") / "chunked_entropy_tp.py"
-    p = subprocess.run(torchrun_cmd(2, str(worker)), cwd=tmp_path, env=env, capture_output=True, text=True,
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    worker = "tests.integration.megatron.workers.chunked_entropy_tp"
+    p = subprocess.run(torchrun_cmd(2, "-m", worker), cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     results = parse_tagged(p.stdout)

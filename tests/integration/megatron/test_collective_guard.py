@@ -14,8 +14,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "collective_guard_probe.py")
+from tests.paths import REPO
+
+WORKER = "tests.integration.megatron.workers.collective_guard_probe"
 
 REFUSED = ["host_factory", "explicit_cpu", "source_stays_on_host", "derived_from_host", "stacked_host",
            "moved_back_to_host", "to_cpu_string", "all_gather_list", "object_without_device", "default_group_object",
@@ -27,10 +28,11 @@ PROJECT_SITES = ["freeze_check", "loop_stop_agreed", "loop_broadcast"]
 
 @pytest.fixture(scope="module")
 def verdicts():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, WORKER], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", WORKER], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT guard "))
     return json.loads(line[len("RESULT guard "):])

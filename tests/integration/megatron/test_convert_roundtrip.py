@@ -12,15 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(HERE, "workers"))
-
-from models_hf_dirs import make_hf_dirs  # noqa: E402
-
-from megatron_sao.checkpoint.convert import convert_hf_to_megatron, convert_megatron_to_hf  # noqa: E402
-from megatron_sao.checkpoint.hf_io import HFCheckpointReader, is_weight_file  # noqa: E402
-from megatron_sao.checkpoint.megatron_format import MegatronCheckpointReader  # noqa: E402
+from megatron_sao.checkpoint.convert import convert_hf_to_megatron, convert_megatron_to_hf
+from megatron_sao.checkpoint.hf_io import HFCheckpointReader, is_weight_file
+from megatron_sao.checkpoint.megatron_format import MegatronCheckpointReader
+from tests.integration.megatron.workers.models_hf_dirs import make_hf_dirs
+from tests.paths import REPO
 
 torch.set_num_threads(1)
 

@@ -8,11 +8,12 @@ import os
 import subprocess
 
 import pytest
-from launch import torchrun_cmd
-from result_lines import parse_tagged
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "engine_balanced.py")
+from tests.integration.megatron.result_lines import parse_tagged
+from tests.launch import torchrun_cmd
+from tests.paths import REPO
+
+WORKER = "tests.integration.megatron.workers.engine_balanced"
 DISPATCHERS = ["allgather", "alltoall"]
 # A rank that ran one forward more than its EP peer would wait in the dispatcher's collective forever;
 # the launch's timeout turns such a hang into a failure instead of a blocked CI job.
@@ -23,10 +24,10 @@ pytestmark = pytest.mark.slow  # a torchrun launch of 2 ranks
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = torchrun_cmd(2, WORKER, str(tmp_path_factory.mktemp("engine_balanced")), *DISPATCHERS)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = torchrun_cmd(2, "-m", WORKER, str(tmp_path_factory.mktemp("engine_balanced")), *DISPATCHERS)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the EP=2 launch did not finish in {HANG_TIMEOUT_S} s (a rank waiting in a collective its "
                     f"peer never entered?)\n{(e.stdout or b'')[-3000:]!r}")

@@ -9,16 +9,16 @@ import sys
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+from tests.paths import REPO
 
 
 @pytest.mark.slow
 def test_bench_mfu_tiny_prints_mfu():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_mfu.py"), "--tiny", "--steps", "1"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_mfu.py"), "--tiny", "--steps", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     m = re.search(r"MFU ([0-9.eE+-]+)% of 989 TFLOP/s peak", proc.stdout)
     assert m is not None, proc.stdout

@@ -6,20 +6,21 @@ import os
 import subprocess
 
 import pytest
-from launch import torchrun_cmd
-from result_lines import parse_tagged
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "engine_parallel.py")
+from tests.integration.megatron.result_lines import parse_tagged
+from tests.launch import torchrun_cmd
+from tests.paths import REPO
+
+WORKER = "tests.integration.megatron.workers.engine_parallel"
 LAYOUTS = ["dp2", "tp2sp", "ep2", "pp2", "tp2sp_ep2"]
 
 pytestmark = pytest.mark.slow  # torchrun launches of 2 and 4 ranks
 
 
 def _launch(tmp, nproc: int, layouts: list[str]) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = torchrun_cmd(nproc, WORKER, str(tmp), *layouts)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = torchrun_cmd(nproc, "-m", WORKER, str(tmp), *layouts)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "ENGINE_PARALLEL DONE" in proc.stdout
     return parse_tagged(proc.stdout)

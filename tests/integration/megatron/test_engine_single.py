@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "engine_single.py")
+from tests.paths import REPO
+
+WORKER = "tests.integration.megatron.workers.engine_single"
 
 pytestmark = pytest.mark.slow  # one Megatron worker subprocess for all the tests
 
@@ -21,10 +22,10 @@ pytestmark = pytest.mark.slow  # one Megatron worker subprocess for all the test
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine_single")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, WORKER, str(tmp)], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", WORKER, str(tmp)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "ENGINE_SINGLE DONE" in proc.stdout

@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(HERE, "workers"))
-
-from launch import torchrun_cmd  # noqa: E402
-from models_hf_dirs import make_hf_dirs  # noqa: E402
-from result_lines import parse_untagged  # noqa: E402
+from tests.integration.megatron.result_lines import parse_untagged
+from tests.integration.megatron.workers.models_hf_dirs import make_hf_dirs
+from tests.launch import torchrun_cmd
+from tests.paths import REPO
 
 TOL = 1e-5
 ARCHS = ("qwen3_moe", "qwen3", "llama")
@@ -54,7 +50,7 @@ def dirs(tmp_path_factory):
 
 def _launch(nproc: int, *args: str) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = torchrun_cmd(nproc, os.path.join(HERE, "workers", "models_equivalence.py"), *args)
+    cmd = torchrun_cmd(nproc, "-m", "tests.integration.megatron.workers.models_equivalence", *args)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=REPO)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

@@ -5,12 +5,11 @@ One subprocess (ensure_cpu_compat patches torch process-wide) runs workers/offlo
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from result_lines import run_worker
 
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "offload_roundtrip.py")
+from tests.integration.megatron.result_lines import run_worker
+
+WORKER = "tests.integration.megatron.workers.offload_roundtrip"
 
 pytestmark = pytest.mark.slow  # one Megatron worker subprocess for all the tests
 

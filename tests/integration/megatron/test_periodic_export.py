@@ -3,12 +3,11 @@ ensure_cpu_compat patches torch process-wide), and the actor step's entropy agai
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from result_lines import run_worker
 
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "periodic_export.py")
+from tests.integration.megatron.result_lines import run_worker
+
+WORKER = "tests.integration.megatron.workers.periodic_export"
 
 pytestmark = pytest.mark.slow  # one Megatron worker subprocess for all the tests
 

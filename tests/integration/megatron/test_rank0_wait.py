@@ -12,19 +12,20 @@ import os
 import subprocess
 
 import pytest
-from launch import torchrun_cmd
-from result_lines import parse_untagged
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "rank0_wait.py")
+from tests.integration.megatron.result_lines import parse_untagged
+from tests.launch import torchrun_cmd
+from tests.paths import REPO
+
+WORKER = "tests.integration.megatron.workers.rank0_wait"
 PG_TIMEOUT_S, PHASE_S = 2.0, 7.0
 
 
 @pytest.mark.slow
 def test_other_ranks_outwait_a_rank0_phase_longer_than_the_collective_timeout(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = torchrun_cmd(2, WORKER, str(tmp_path), str(PG_TIMEOUT_S), str(PHASE_S))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = torchrun_cmd(2, "-m", WORKER, str(tmp_path), str(PG_TIMEOUT_S), str(PHASE_S))
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "RANK0_WAIT DONE" in proc.stdout
     res = parse_untagged(proc.stdout)[0]

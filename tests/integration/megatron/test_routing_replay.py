@@ -7,11 +7,12 @@ import os
 import subprocess
 
 import pytest
-from launch import torchrun_cmd
-from result_lines import parse_tagged
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "routing_replay.py")
+from tests.integration.megatron.result_lines import parse_tagged
+from tests.launch import torchrun_cmd
+from tests.paths import REPO
+
+WORKER = "tests.integration.megatron.workers.routing_replay"
 LAYOUTS = ["ep2", "tp2sp_ep2", "pp2", "dp2"]
 
 pytestmark = pytest.mark.slow  # one torchrun launch of 2 ranks
@@ -19,9 +20,9 @@ pytestmark = pytest.mark.slow  # one torchrun launch of 2 ranks
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = torchrun_cmd(2, WORKER, str(tmp_path_factory.mktemp("routing_replay")), *LAYOUTS)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = torchrun_cmd(2, "-m", WORKER, str(tmp_path_factory.mktemp("routing_replay")), *LAYOUTS)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "ROUTING_REPLAY DONE" in proc.stdout
     return parse_tagged(proc.stdout)

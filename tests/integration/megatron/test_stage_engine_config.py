@@ -11,9 +11,10 @@ import sys
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "stage_engines.py")
-CONFIG = os.path.join(ROOT, "tests", "e2e", "tiny_ci.yaml")
+from tests.paths import REPO
+
+WORKER = "tests.integration.megatron.workers.stage_engines"
+CONFIG = os.path.join(REPO, "tests", "e2e", "tiny_ci.yaml")
 COMMON = ["parallel.recompute=full", "model.dtype=bfloat16", "run.console=none"]
 STAGES = {  # stage -> (overrides, the roles it builds)
     "sft": (["sft.steps=1", "sft.batch_size=8", "sft.demonstrations=64", "sft.eval=false"], ["actor"]),
@@ -26,14 +27,14 @@ STAGES = {  # stage -> (overrides, the roles it builds)
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stages")
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
     out = {}
     for stage, (overrides, _) in STAGES.items():  # in order: each stage reads the previous one's output
         record = tmp / f"{stage}.jsonl"
-        proc = subprocess.run([sys.executable, WORKER, str(record), stage, CONFIG, f"run.dir={tmp / 'run'}",
-                               *COMMON, *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([sys.executable, "-m", WORKER, str(record), stage, CONFIG, f"run.dir={tmp / 'run'}",
+                               *COMMON, *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"{stage}: " + proc.stdout[-2000:] + proc.stderr[-4000:]
         out[stage] = [json.loads(line) for line in record.read_text().splitlines()]
     return out

@@ -12,20 +12,21 @@ import os
 import subprocess
 
 import pytest
-from launch import torchrun_cmd
-from result_lines import parse_tagged
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "weight_check_replay.py")
+from tests.integration.megatron.result_lines import parse_tagged
+from tests.launch import torchrun_cmd
+from tests.paths import REPO
+
+WORKER = "tests.integration.megatron.workers.weight_check_replay"
 
 pytestmark = pytest.mark.slow  # one torchrun launch of 2 ranks
 
 
 @pytest.fixture(scope="module")
 def everyone(tmp_path_factory):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = torchrun_cmd(2, WORKER, str(tmp_path_factory.mktemp("weight_check_replay")))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = torchrun_cmd(2, "-m", WORKER, str(tmp_path_factory.mktemp("weight_check_replay")))
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "WEIGHT CHECK REPLAY DONE" in proc.stdout
     return parse_tagged(proc.stdout)

@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 import torch
-from engine_fixtures import EOS_ID, hf_logprobs, load_checkpoint, make_tiny_model, perturbed
 
 from megatron_sao.rollout.engines.factory import make_engine
 from megatron_sao.rollout.engines.hf_engine import HFEngine
 from megatron_sao.rollout.engines.protocol import EngineConfig, GenerationResult, SamplingParams
 from megatron_sao.rollout.engines.sampling import processed_logprobs
+from tests.engine_fixtures import EOS_ID, hf_logprobs, load_checkpoint, make_tiny_model, perturbed
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -15,12 +15,12 @@ import asyncio
 
 import pytest
 import torch
-from engine_fixtures import make_tiny_model
 from torch.overrides import TorchFunctionMode
 
 from megatron_sao.distributed import collective_guard as guard
 from megatron_sao.rollout.engines.hf_engine import HFEngine
 from megatron_sao.rollout.engines.protocol import SamplingParams
+from tests.engine_fixtures import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,7 +10,6 @@ import io
 import numpy as np
 import pytest
 import torch
-from test_agent_loop_fakes import CountingEnv, qwen_shape_tokenizer, task
 
 from megatron_sao.models.presets import tiny_hf_config, tiny_hf_model
 from megatron_sao.rollout.agent_loop import AgentLoopConfig, run_episode
@@ -18,6 +17,7 @@ from megatron_sao.rollout.chat import ChatFormatter
 from megatron_sao.rollout.engines.hf_engine import HFEngine
 from megatron_sao.rollout.engines.protocol import SamplingParams
 from megatron_sao.rollout.engines.routes import decode_b64_routes
+from tests.unit.rollout.test_agent_loop_fakes import CountingEnv, qwen_shape_tokenizer, task
 
 TOK = qwen_shape_tokenizer()
 
@@ -128,12 +128,12 @@ def test_server_client_gets_the_routes_of_a_served_engine(tmp_path, route):
     """VLLMServerClient -> rollout/engines/http_server.py (vLLM's routes, an HF engine behind them): the client
     sends routed_experts_prompt_start and decodes the base64 routes, on both of vLLM's generation routes."""
     pytest.importorskip("aiohttp")
-    from engine_fixtures import make_tiny_model
     from transformers import AutoModelForCausalLM
 
     from megatron_sao.rollout.engines.factory import make_engine
     from megatron_sao.rollout.engines.http_server import start_server
     from megatron_sao.rollout.engines.protocol import EngineConfig
+    from tests.engine_fixtures import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path, "moe")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)

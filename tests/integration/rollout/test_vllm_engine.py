@@ -8,13 +8,14 @@ import asyncio
 
 import pytest
 import torch
-from engine_fixtures import hf_logprobs, load_checkpoint, make_tiny_model, perturbed
+
+from tests.engine_fixtures import hf_logprobs, load_checkpoint, make_tiny_model, perturbed
 
 pytest.importorskip("vllm")
 
-from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams  # noqa: E402
-from megatron_sao.rollout.engines.vllm_engine import VLLMEngine  # noqa: E402
-from megatron_sao.weights.sync import WeightSync, WeightSyncError  # noqa: E402
+from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams
+from megatron_sao.rollout.engines.vllm_engine import VLLMEngine
+from megatron_sao.weights.sync import WeightSync, WeightSyncError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 KINDS = ("dense", "moe")

@@ -13,20 +13,21 @@ tokens, where a repetition penalty would act) equal a plain fp32 softmax's withi
 
 import asyncio
 import json
-from pathlib import Path
 
 import pytest
-from engine_fixtures import hf_logprobs, make_tiny_model
+
+from tests.engine_fixtures import hf_logprobs, make_tiny_model
 
 pytest.importorskip("vllm")
 
-from megatron_sao.cluster.launch_local import build_local_plan  # noqa: E402
-from megatron_sao.cluster.supervisor import Supervisor  # noqa: E402
-from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams  # noqa: E402
-from megatron_sao.rollout.engines.vllm_server_client import VLLMServerClient  # noqa: E402
+from megatron_sao.cluster.launch_local import build_local_plan
+from megatron_sao.cluster.supervisor import Supervisor
+from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams
+from megatron_sao.rollout.engines.vllm_server_client import VLLMServerClient
+from tests.paths import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-CONFIG = Path(__file__).resolve().parents[1] / "e2e" / "tiny_ci.yaml"
+CONFIG = REPO / "tests" / "e2e" / "tiny_ci.yaml"
 PENALTIES = {"repetition_penalty": 1.3, "min_p": 0.2, "do_sample": True}
 
 

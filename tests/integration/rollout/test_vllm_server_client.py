@@ -7,16 +7,17 @@ import socket
 
 import pytest
 import torch
-from engine_fixtures import hf_logprobs, load_checkpoint, make_tiny_model, perturbed
+
+from tests.engine_fixtures import hf_logprobs, load_checkpoint, make_tiny_model, perturbed
 
 pytest.importorskip("aiohttp")
 
-from megatron_sao.rollout.engines.factory import make_engine  # noqa: E402
-from megatron_sao.rollout.engines.hf_engine import HFEngine  # noqa: E402
-from megatron_sao.rollout.engines.http_server import start_server  # noqa: E402
-from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams  # noqa: E402
-from megatron_sao.rollout.engines.vllm_server_client import ServerError, VLLMServerClient  # noqa: E402
-from megatron_sao.weights.sync import WeightSync  # noqa: E402
+from megatron_sao.rollout.engines.factory import make_engine
+from megatron_sao.rollout.engines.hf_engine import HFEngine
+from megatron_sao.rollout.engines.http_server import start_server
+from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams
+from megatron_sao.rollout.engines.vllm_server_client import ServerError, VLLMServerClient
+from megatron_sao.weights.sync import WeightSync
 
 pytestmark = pytest.mark.timeout(300)
 

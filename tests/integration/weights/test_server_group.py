@@ -5,7 +5,7 @@ tensor exactly once; the group is formed once, reused, and re-formed when the se
 The servers' workers are our vLLM transfer engine (`vllm_worker/gloo_engine.py`, what `vllm serve`
 runs on CPU) in threads of this process, driven through the calls the HTTP routes make
 (`init_transfer_engine`, `update_weights`); the group, the rendezvous and gloo are real. What a real
-`vllm serve` adds (HTTP, the layerwise reload) is covered by tests/cluster/test_weight_sync_servers.py.
+`vllm serve` adds (HTTP, the layerwise reload) is covered by test_weight_sync_vllm_servers.py beside this file.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from megatron_sao.weights.server_group import ServerTransferGroup, member_init_info, rank_offsets  # noqa: E402
-from megatron_sao.weights.vllm_worker.transfer_group import free_port  # noqa: E402
+from megatron_sao.weights.server_group import ServerTransferGroup, member_init_info, rank_offsets
+from megatron_sao.weights.vllm_worker.transfer_group import free_port
 
 pytestmark = pytest.mark.timeout(300)
 

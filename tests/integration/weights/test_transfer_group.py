@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from megatron_sao.weights.vllm_worker.transfer_group import (  # noqa: E402
+from megatron_sao.weights.vllm_worker.transfer_group import (
     Rendezvous,
     broadcast_bucket,
     free_port,

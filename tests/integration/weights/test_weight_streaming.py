@@ -20,21 +20,22 @@ import weakref
 
 import pytest
 import torch
-from engine_fixtures import hf_logprobs, load_checkpoint, make_tiny_model, perturbed
+
+from tests.engine_fixtures import hf_logprobs, load_checkpoint, make_tiny_model, perturbed
 
 pytest.importorskip("aiohttp")
 
-from megatron_sao.envs import make_env  # noqa: E402
-from megatron_sao.envs.toy_tool import ToyToolTasks  # noqa: E402
-from megatron_sao.rollout.agent_loop import AgentLoopConfig  # noqa: E402
-from megatron_sao.rollout.chat import ChatFormatter  # noqa: E402
-from megatron_sao.rollout.engines.hf_engine import HFEngine  # noqa: E402
-from megatron_sao.rollout.engines.http_server import start_server  # noqa: E402
-from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams  # noqa: E402
-from megatron_sao.rollout.engines.vllm_server_client import VLLMServerClient  # noqa: E402
-from megatron_sao.rollout.prompts import PromptStream  # noqa: E402
-from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig  # noqa: E402
-from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer  # noqa: E402
+from megatron_sao.envs import make_env
+from megatron_sao.envs.toy_tool import ToyToolTasks
+from megatron_sao.rollout.agent_loop import AgentLoopConfig
+from megatron_sao.rollout.chat import ChatFormatter
+from megatron_sao.rollout.engines.hf_engine import HFEngine
+from megatron_sao.rollout.engines.http_server import start_server
+from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams
+from megatron_sao.rollout.engines.vllm_server_client import VLLMServerClient
+from megatron_sao.rollout.prompts import PromptStream
+from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig
+from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 import torch
-from engine_fixtures import ScriptedEngine, hf_logprobs, load_checkpoint, make_tiny_model, perturbed
 
 from megatron_sao.rollout.engines.hf_engine import HFEngine
 from megatron_sao.rollout.engines.protocol import SamplingParams
 from megatron_sao.weights.sync import WeightSync, WeightSyncError
+from tests.engine_fixtures import ScriptedEngine, hf_logprobs, load_checkpoint, make_tiny_model, perturbed
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,15 +19,16 @@ import signal
 import time
 
 import pytest
-from engine_fixtures import hf_logprobs, load_checkpoint, perturbed
+
+from tests.engine_fixtures import hf_logprobs, load_checkpoint, perturbed
 
 pytest.importorskip("vllm")
 
-from megatron_sao.cluster.launch_local import build_local_plan  # noqa: E402
-from megatron_sao.cluster.supervisor import Supervisor  # noqa: E402
+from megatron_sao.cluster.launch_local import build_local_plan
+from megatron_sao.cluster.supervisor import Supervisor
+from tests.paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONFIG = os.path.join(ROOT, "tests", "e2e", "tiny_ci.yaml")
+CONFIG = os.path.join(REPO, "tests", "e2e", "tiny_ci.yaml")
 ATOL = 1e-3  # fp32 on both sides: measured differences are ~1e-6
 PROMPT, PROBE = [5, 6, 7], [9, 10, 11, 12, 13]
 

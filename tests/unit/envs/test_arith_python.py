@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,9 +20,9 @@ from megatron_sao.envs.arith_python import (
     split_of,
 )
 from megatron_sao.envs.tool_calls import format_tool_response
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "smollm2_arith.yaml"
+EXAMPLE = REPO / "examples" / "smollm2_arith.yaml"
 
 
 def _key(row):
@@ -67,8 +66,8 @@ def test_splits_are_disjoint_by_arithmetic_whatever_the_seeds():
 def test_split_does_not_depend_on_the_process_hash_seed():
     code = ("import json; from megatron_sao.envs.arith_python import generate_problems as g; "
             "print(json.dumps([r['question'] for r in g('eval', 20, seed=5)]))")
-    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
-                           env={**os.environ, "PYTHONHASHSEED": s, "PYTHONPATH": str(ROOT)}).stdout
+    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
+                           env={**os.environ, "PYTHONHASHSEED": s}).stdout
             for s in ("1", "2")]
     assert outs[0] == outs[1] and json.loads(outs[0])
 

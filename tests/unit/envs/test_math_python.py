@@ -5,10 +5,10 @@ import json
 import threading
 
 import pytest
-from shared_data import shared_data_dir
 
 from megatron_sao.envs.math_grading import grade_boxed
 from megatron_sao.envs.math_python import MathPythonEnv, load_math_tasks
+from tests.shared_data import shared_data_dir
 
 DATA = shared_data_dir()
 

@@ -6,13 +6,13 @@ import asyncio
 
 import pytest
 import torch
-from test_agent_loop_fakes import CountingEnv, ScriptedEngine, lp, qwen_shape_tokenizer, task
 
 from megatron_sao.envs.base import StepResult
 from megatron_sao.rollout.agent_loop import AgentLoopConfig, EngineActivity, run_episode, run_many
 from megatron_sao.rollout.chat import ChatFormatter
 from megatron_sao.rollout.engines.protocol import SamplingParams
 from megatron_sao.tokenizers import build_char_tokenizer, char_token_id
+from tests.unit.rollout.test_agent_loop_fakes import CountingEnv, ScriptedEngine, lp, qwen_shape_tokenizer, task
 
 TOK = build_char_tokenizer()
 F = ChatFormatter(TOK)

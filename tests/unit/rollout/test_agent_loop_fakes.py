@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import asyncio
 
-from engine_fixtures import ScriptedEngine, lp  # noqa: F401 (the agent-loop tests take them from here)
-
 from megatron_sao.envs.base import StepResult, Task
 from megatron_sao.tokenizers import build_char_tokenizer
+from tests.engine_fixtures import ScriptedEngine, lp  # noqa: F401 (the agent-loop tests take them from here)
 
 QWEN_SPECIALS = ("<|im_start|>", "<|im_end|>")
 

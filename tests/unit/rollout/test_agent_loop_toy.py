@@ -11,12 +11,12 @@ import asyncio
 import re
 
 import pytest
-from test_agent_loop_fakes import ScriptedEngine
 
 from megatron_sao.rollout.agent_loop import AgentLoopConfig, run_many
 from megatron_sao.rollout.chat import ChatFormatter
 from megatron_sao.rollout.engines.protocol import SamplingParams
 from megatron_sao.tokenizers import build_char_tokenizer, char_token_id
+from tests.unit.rollout.test_agent_loop_fakes import ScriptedEngine
 
 toy = pytest.importorskip("megatron_sao.envs.toy_tool")
 

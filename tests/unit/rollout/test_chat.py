@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from test_agent_loop_fakes import QWEN3_QUIRKS_TEMPLATE, QWEN_SHAPE_TEMPLATE, qwen_shape_tokenizer
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from megatron_sao.rollout.chat import ChatFormatter, ChatTemplateError
 from megatron_sao.tokenizers import build_char_tokenizer, char_token_id
+from tests.unit.rollout.test_agent_loop_fakes import QWEN3_QUIRKS_TEMPLATE, QWEN_SHAPE_TEMPLATE, qwen_shape_tokenizer
 
 CHAR = build_char_tokenizer()
 END = char_token_id(CHAR, "<|end|>")

@@ -8,8 +8,6 @@ loop and server pool are real."""
 import asyncio
 import time
 
-from engine_fixtures import answering
-
 from megatron_sao.envs import make_env
 from megatron_sao.envs.base import StepResult
 from megatron_sao.envs.style_shift import load_style_tasks
@@ -21,6 +19,7 @@ from megatron_sao.rollout.episode_driver import EpisodeDriver
 from megatron_sao.rollout.prompts import PromptStream
 from megatron_sao.rollout.server_pool import ServerPool
 from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
+from tests.engine_fixtures import answering
 
 
 class ThreeTurns:

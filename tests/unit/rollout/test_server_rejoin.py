@@ -10,8 +10,6 @@ import asyncio
 import time
 
 import torch
-from engine_fixtures import answering
-from test_episode_driver import ThreeTurns, wait_for
 
 from megatron_sao.envs.toy_tool import ToyToolTasks
 from megatron_sao.rollout.agent_loop import AgentLoopConfig
@@ -20,6 +18,8 @@ from megatron_sao.rollout.engines.protocol import SamplingParams
 from megatron_sao.rollout.prompts import PromptStream
 from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig
 from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
+from tests.engine_fixtures import answering
+from tests.unit.rollout.test_episode_driver import ThreeTurns, wait_for
 
 CHECK_TOKENS, CHECK_PROMPT_LEN = [5, 6, 7, 8, 9], 2
 REFERENCE = [-1.0, -2.0, -3.0]  # what the trainer computed for CHECK_TOKENS[2:] under the new weights

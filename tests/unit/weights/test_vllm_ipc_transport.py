@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import weakref
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,16 +20,17 @@ from torch.multiprocessing import reductions
 
 pytest.importorskip("vllm")
 
-from megatron_sao.config import ConfigError, load_config  # noqa: E402
-from megatron_sao.rollout.engines.protocol import EngineConfig  # noqa: E402
-from megatron_sao.weights.inprocess_transports import (  # noqa: E402
+from megatron_sao.config import ConfigError, load_config
+from megatron_sao.rollout.engines.protocol import EngineConfig
+from megatron_sao.weights.inprocess_transports import (
     GroupTransport,
     IPCTransport,
     ReloadTransport,
     make_transport,
 )
-from megatron_sao.weights.vllm_worker.extension import SAOWorkerExtension  # noqa: E402
-from megatron_sao.weights.vllm_worker.ipc_handles import decode_ipc_args, decode_update_info  # noqa: E402
+from megatron_sao.weights.vllm_worker.extension import SAOWorkerExtension
+from megatron_sao.weights.vllm_worker.ipc_handles import decode_ipc_args, decode_update_info
+from tests.paths import REPO
 
 UUID = "GPU-4f1c-trainer"
 
@@ -151,7 +151,7 @@ def test_config_refuses_nccl_for_the_embedded_vllm_backend():
         load_config(None, ["rollout.backend=vllm", "rollout.weight_transport=nccl"])
     load_config(None, ["rollout.backend=vllm"])  # auto stays valid
     # disaggregated: the launch plan turns backend vllm into vllm serve on other GPUs, one NCCL group for all
-    load_config(Path(__file__).resolve().parents[2] / "examples" / "qwen3_30b_a3b" / "aime_disaggregated.yaml")
+    load_config(REPO / "examples" / "qwen3_30b_a3b" / "aime_disaggregated.yaml")
     load_config(None, ["rollout.backend=vllm_server", "rollout.server_urls=[http://a:1]",
                        "rollout.weight_transport=nccl"])  # servers keep their NCCL group
 

@@ -1,6 +1,6 @@
 """Engine-level checks of the algorithm's choices. Usage:
-    python algo_engine.py <tmp_dir> single                 (world size 1)
-    torchrun --nproc_per_node 2 algo_engine.py <tmp_dir> tp2sp_ep2 pp2
+    python -m tests.integration.megatron.workers.algo_engine <tmp_dir> single                 (world size 1)
+    torchrun --nproc_per_node 2 -m tests.integration.megatron.workers.algo_engine <tmp_dir> tp2sp_ep2 pp2
 
 For each layout: the critic as `sao train` builds it (components.build_critic, default config):
 which parameters the frozen-attention preset freezes, the whole-model parameter counts per group
@@ -18,18 +18,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_common import emit, make_batch, mse_loss, tiny_model_dir  # noqa: E402
+# engine_common first: it applies the CPU patches before any Megatron module is imported.
+from tests.integration.megatron.workers.engine_common import emit, make_batch, mse_loss, tiny_model_dir
 
-from megatron_sao.algorithms import ppo_clip_loss  # noqa: E402
-from megatron_sao.config import AlgorithmConfig, load_config  # noqa: E402
-from megatron_sao.megatron.engine import InitSource, MegatronEngine  # noqa: E402
-from megatron_sao.megatron.optimizer import OptimConfig  # noqa: E402
-from megatron_sao.megatron.parallel import destroy_parallel, init_parallel  # noqa: E402
-from megatron_sao.models.names import canonical_name  # noqa: E402
-from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
-from megatron_sao.trainer import components as C  # noqa: E402
-from megatron_sao.trainer.losses import policy_loss_fn  # noqa: E402
+# isort: split
+from megatron_sao.algorithms import ppo_clip_loss
+from megatron_sao.config import AlgorithmConfig, load_config
+from megatron_sao.megatron.engine import InitSource, MegatronEngine
+from megatron_sao.megatron.optimizer import OptimConfig
+from megatron_sao.megatron.parallel import destroy_parallel, init_parallel
+from megatron_sao.models.names import canonical_name
+from megatron_sao.models.parallel_sizes import ParallelSizes
+from megatron_sao.trainer import components as C
+from megatron_sao.trainer.losses import policy_loss_fn
 
 LAYOUTS = {
     "single": [],

@@ -1,20 +1,19 @@
 """The chunked log-prob + entropy pass at TP 2 (torchrun, gloo): each rank holds half the vocabulary
 of the same logits (with padding columns on the last rank) and must return the full-softmax values.
-Usage: torchrun --nproc_per_node 2 chunked_entropy_tp.py. Prints `RESULT <tag> <json>` on rank 0."""
+Usage: torchrun --nproc_per_node 2 -m tests.integration.megatron.workers.chunked_entropy_tp
+Prints `RESULT <tag> <json>` on rank 0."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_common import emit  # noqa: E402
+# engine_common first: it applies the CPU patches before any Megatron module is imported.
+from tests.integration.megatron.workers.engine_common import emit
 
-from megatron_sao.megatron.logprobs import vocab_parallel_logprobs  # noqa: E402
-from megatron_sao.megatron.parallel import init_parallel  # noqa: E402
-from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
+# isort: split
+from megatron_sao.megatron.logprobs import vocab_parallel_logprobs
+from megatron_sao.megatron.parallel import init_parallel
+from megatron_sao.models.parallel_sizes import ParallelSizes
 
 ctx = init_parallel(ParallelSizes(tp=2))
 torch.manual_seed(0)

@@ -1,6 +1,7 @@
 """The collective guard's verdicts, one process (world size 1, gloo, SAO_COLLECTIVE_GUARD=1).
 
-Usage: python collective_guard_probe.py   -> prints RESULT guard {case: "ok" | error text}
+Usage: python -m tests.integration.megatron.workers.collective_guard_probe
+  -> prints RESULT guard {case: "ok" | error text}
 
 The probe functions are compiled into a module named megatron_sao._guard_probe, because the guard
 judges megatron_sao's own frames only; the project's real call sites (freeze, the trainer's stop
@@ -12,16 +13,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import types
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))
 os.environ["SAO_COLLECTIVE_GUARD"] = "1"
 
-from megatron_sao.megatron.cpu_compat import ensure_cpu_compat  # noqa: E402
+from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
 
 torch.set_num_threads(1)
 ensure_cpu_compat()

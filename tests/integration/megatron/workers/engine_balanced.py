@@ -1,6 +1,7 @@
 """The balanced, budgeted batch plan against the contiguous rule it replaced, on 2 ranks at EP 2.
 
-Usage: torchrun --nproc_per_node 2 engine_balanced.py <tmp_dir> <dispatcher> ...   (allgather | alltoall)
+Usage: torchrun --nproc_per_node 2 -m tests.integration.megatron.workers.engine_balanced <tmp_dir> <dispatcher> ...
+  (allgather | alltoall)
 For each dispatcher (allgather: the CPU build's, alltoall: the GPU path's), on a tiny Qwen3-MoE and a
 long-tailed batch: actor log-probs and critic values of both plans, one actor (NLL) and one critic (MSE)
 train step without clipping, and every parameter's reduced gradient compared; plus the
@@ -17,15 +18,16 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_common import emit, mse_loss, nll_loss, tiny_model_dir  # noqa: E402
+# engine_common first: it applies the CPU patches before any Megatron module is imported.
+from tests.integration.megatron.workers.engine_common import emit, mse_loss, nll_loss, tiny_model_dir
 
-from megatron_sao.megatron import batching  # noqa: E402
-from megatron_sao.megatron.compute_cost import CostModel  # noqa: E402
-from megatron_sao.megatron.engine import InitSource, MegatronEngine  # noqa: E402
-from megatron_sao.megatron.optimizer import OptimConfig  # noqa: E402
-from megatron_sao.megatron.parallel import destroy_parallel, init_parallel  # noqa: E402
-from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
+# isort: split
+from megatron_sao.megatron import batching
+from megatron_sao.megatron.compute_cost import CostModel
+from megatron_sao.megatron.engine import InitSource, MegatronEngine
+from megatron_sao.megatron.optimizer import OptimConfig
+from megatron_sao.megatron.parallel import destroy_parallel, init_parallel
+from megatron_sao.models.parallel_sizes import ParallelSizes
 
 # Long tail: one row fills the batch width, most are short. The budget (24 tokens) puts the long rows
 # alone and packs the short ones; micro_batch_size 4 caps the packing.

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))
-
-from megatron_sao.megatron.cpu_compat import ensure_cpu_compat  # noqa: E402
+from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
 
 torch.set_num_threads(1)
 ensure_cpu_compat()

@@ -1,6 +1,6 @@
 """Multi-rank engine checks over several layouts in ONE launch.
 
-Usage: torchrun --nproc_per_node 2 engine_parallel.py <tmp_dir> [layout ...]
+Usage: torchrun --nproc_per_node 2 -m tests.integration.megatron.workers.engine_parallel <tmp_dir> [layout ...]
 Layouts (world size 2): dp2, tp2sp, ep2, pp2, tp2sp_ep2; (world size 4): tp2sp_pp2_ep2, and
 tp4_v50257 / tp2sp_v50257 (a Llama with GPT-2's odd vocabulary, 50257 rows padded to 50688 / 50432).
 For each layout: actor log-probs vs the HF model, HF export vs the source safetensors (rank 0), one
@@ -17,15 +17,16 @@ import sys
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_common import emit, hf_logprobs, make_batch, nll_loss, tiny_model_dir  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+# engine_common first: it applies the CPU patches before any Megatron module is imported.
+from tests.integration.megatron.workers.engine_common import emit, hf_logprobs, make_batch, nll_loss, tiny_model_dir
 
-from megatron_sao.megatron.engine import InitSource, MegatronEngine  # noqa: E402
-from megatron_sao.megatron.optimizer import OptimConfig, sub_optimizers  # noqa: E402
-from megatron_sao.megatron.parallel import destroy_parallel, init_parallel  # noqa: E402
-from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
+# isort: split
+from megatron_sao.megatron.engine import InitSource, MegatronEngine
+from megatron_sao.megatron.optimizer import OptimConfig, sub_optimizers
+from megatron_sao.megatron.parallel import destroy_parallel, init_parallel
+from megatron_sao.models.parallel_sizes import ParallelSizes
 
 # Model of a layout (default qwen3_moe): HF config overrides of the tiny preset.
 MODELS = {"qwen3_moe": dict(arch="qwen3_moe"),

@@ -1,6 +1,7 @@
-"""Single-process engine checks (world size 1). Usage: python engine_single.py <tmp_dir>
+"""Single-process engine checks (world size 1).
+Usage: python -m tests.integration.megatron.workers.engine_single <tmp_dir>
 
-Prints RESULT lines parsed by tests/megatron/test_engine_single.py.
+Prints RESULT lines parsed by tests/integration/megatron/test_engine_single.py.
 """
 
 from __future__ import annotations
@@ -10,17 +11,28 @@ import os
 import sys
 
 import torch
+from safetensors.torch import load_file
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_common import emit, hf_logprobs, make_batch, mse_loss, nll_loss, tiny_model_dir  # noqa: E402
+# engine_common first: it applies the CPU patches before any Megatron module is imported.
+from tests.integration.megatron.workers.engine_common import (
+    emit,
+    hf_logprobs,
+    make_batch,
+    mse_loss,
+    nll_loss,
+    tiny_model_dir,
+)
 
-from megatron_sao.megatron.engine import InitSource, MegatronEngine  # noqa: E402
-from megatron_sao.megatron.forward import token_logprobs  # noqa: E402
-from megatron_sao.megatron.optimizer import OptimConfig, model_main_param_pairs, sub_optimizers  # noqa: E402
-from megatron_sao.megatron.parallel import init_parallel  # noqa: E402
-from megatron_sao.models.freeze import CRITIC_FROZEN_ATTENTION  # noqa: E402
-from megatron_sao.models.gpt import build_gpt_model, transformer_config_from_spec  # noqa: E402
-from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
+# isort: split
+from megatron.core.transformer.attention import SelfAttention
+
+from megatron_sao.megatron.engine import InitSource, MegatronEngine
+from megatron_sao.megatron.forward import token_logprobs
+from megatron_sao.megatron.optimizer import OptimConfig, model_main_param_pairs, sub_optimizers
+from megatron_sao.megatron.parallel import init_parallel
+from megatron_sao.models.freeze import CRITIC_FROZEN_ATTENTION
+from megatron_sao.models.gpt import build_gpt_model, transformer_config_from_spec
+from megatron_sao.models.parallel_sizes import ParallelSizes
 
 tmp = sys.argv[1]
 hf_dir = os.path.join(tmp, "hf")
@@ -132,8 +144,6 @@ for bucket in eng0.export_hf_weights(bucket_bytes=64 << 10):
         max_bucket = max(max_bucket, sum(t.numel() * t.element_size() for _, t in bucket))
     exported.update(dict(bucket))
 src = hf.state_dict()
-from safetensors.torch import load_file  # noqa: E402
-
 disk = {}
 for f in os.listdir(hf_dir):
     if f.endswith(".safetensors"):
@@ -161,8 +171,6 @@ hook = eng0.module.register_forward_pre_hook(lambda mod, args, kwargs: masks.app
 eng0.logprobs(batch)
 eng0.train_step(batch, nll_loss)
 hook.remove()
-from megatron.core.transformer.attention import SelfAttention  # noqa: E402
-
 emit("attention_mask", {"calls": len(masks), "all_none": all(m is None for m in masks),
                         "engine_mask_cache": hasattr(eng0, "_masks"),
                         "mask_types": sorted({m.attn_mask_type.name for m in eng0.module.modules()

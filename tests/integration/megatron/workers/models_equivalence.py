@@ -19,22 +19,24 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import models_helpers as H  # noqa: E402  (applies the CPU patches first)
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from megatron.core import parallel_state  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+# models_helpers first: it applies the CPU patches before torch's users and Megatron load.
+from tests.integration.megatron.workers import models_helpers as H
 
-from megatron_sao.checkpoint.converters import get_converter  # noqa: E402
-from megatron_sao.checkpoint.converters.qwen3_moe import unfuse_experts  # noqa: E402
-from megatron_sao.checkpoint.load import load_hf_into_model, load_megatron_checkpoint_into_model  # noqa: E402
-from megatron_sao.checkpoint.sharding import local_to_global_name, unshard_tensor  # noqa: E402
-from megatron_sao.megatron.forward import token_logprobs  # noqa: E402
-from megatron_sao.models.freeze import apply_freeze, critic_frozen_attention_patterns  # noqa: E402
-from megatron_sao.models.gpt import build_gpt_model, transformer_config_from_spec  # noqa: E402
-from megatron_sao.models.hf_config import model_spec_from_hf  # noqa: E402
-from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
+# isort: split
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from transformers import AutoModelForCausalLM
+
+from megatron_sao.checkpoint.converters import get_converter
+from megatron_sao.checkpoint.converters.qwen3_moe import unfuse_experts
+from megatron_sao.checkpoint.load import load_hf_into_model, load_megatron_checkpoint_into_model
+from megatron_sao.checkpoint.sharding import local_to_global_name, unshard_tensor
+from megatron_sao.megatron.forward import token_logprobs
+from megatron_sao.models.freeze import apply_freeze, critic_frozen_attention_patterns
+from megatron_sao.models.gpt import build_gpt_model, transformer_config_from_spec
+from megatron_sao.models.hf_config import model_spec_from_hf
+from megatron_sao.models.parallel_sizes import ParallelSizes
 
 ARCHS = ("qwen3_moe", "qwen3", "llama")
 

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from megatron_sao.megatron.cpu_compat import ensure_cpu_compat  # noqa: E402
+from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
 
 ensure_cpu_compat()
 torch.set_num_threads(1)

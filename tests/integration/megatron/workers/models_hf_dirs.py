@@ -1,19 +1,16 @@
 """Write the tiny HF test checkpoints (actor per arch, plus a Qwen3 critic) used by the model and
-conversion tests. Importable (make_hf_dirs) and runnable: python models_hf_dirs.py OUT_DIR."""
+conversion tests. Importable (make_hf_dirs) and runnable:
+python -m tests.integration.megatron.workers.models_hf_dirs OUT_DIR."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+import torch
+from transformers import AutoModelForTokenClassification
 
-import torch  # noqa: E402
-from transformers import AutoModelForTokenClassification  # noqa: E402
-
-from megatron_sao.models.presets import tiny_hf_config, tiny_hf_model  # noqa: E402
+from megatron_sao.models.presets import tiny_hf_config, tiny_hf_model
 
 ARCHS = ("qwen3_moe", "qwen3", "llama")
 TOKENIZER_FILES = {  # stand-ins for real tokenizer files: conversion must copy them byte for byte

@@ -1,9 +1,10 @@
-"""Trainer offload on the real Megatron buffers (world size 1). Usage: python offload_roundtrip.py <tmp_dir>
+"""Trainer offload on the real Megatron buffers (world size 1).
+Usage: python -m tests.integration.megatron.workers.offload_roundtrip <tmp_dir>
 
-Prints RESULT lines parsed by tests/megatron/test_offload.py. For fp32 and bf16 actors and a critic with
-frozen parameters: offload + onload restores params, optimizer main params and Adam state bit-exactly,
-the device storages are really released in between, and a step after the round trip equals the step
-of a twin engine that never offloaded.
+Prints RESULT lines parsed by tests/integration/megatron/test_offload.py. For fp32 and bf16 actors and a
+critic with frozen parameters: offload + onload restores params, optimizer main params and Adam state
+bit-exactly, the device storages are really released in between, and a step after the round trip equals
+the step of a twin engine that never offloaded.
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_common import emit, make_batch, mse_loss, nll_loss, tiny_model_dir  # noqa: E402
+# engine_common first: it applies the CPU patches before any Megatron module is imported.
+from tests.integration.megatron.workers.engine_common import emit, make_batch, mse_loss, nll_loss, tiny_model_dir
 
-from megatron_sao.megatron.engine import InitSource, MegatronEngine  # noqa: E402
-from megatron_sao.megatron.optimizer import OptimConfig  # noqa: E402
-from megatron_sao.megatron.parallel import init_parallel  # noqa: E402
-from megatron_sao.models.freeze import CRITIC_FROZEN_ATTENTION  # noqa: E402
-from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
+# isort: split
+from megatron_sao.megatron.engine import InitSource, MegatronEngine
+from megatron_sao.megatron.optimizer import OptimConfig
+from megatron_sao.megatron.parallel import init_parallel
+from megatron_sao.models.freeze import CRITIC_FROZEN_ATTENTION
+from megatron_sao.models.parallel_sizes import ParallelSizes
 
 tmp = sys.argv[1]
 hf_dir = os.path.join(tmp, "hf")

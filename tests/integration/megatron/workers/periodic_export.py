@@ -1,7 +1,7 @@
 """The actor's periodic HF export (trainer/hf_export.py::export_step) and the train step's entropy
-metric, on a real engine (world size 1). Usage: python periodic_export.py <tmp_dir>
+metric, on a real engine (world size 1). Usage: python -m tests.integration.megatron.workers.periodic_export <tmp_dir>
 
-Prints RESULT lines parsed by tests/megatron/test_periodic_export.py: after each of three train steps
+Prints RESULT lines parsed by tests/integration/megatron/test_periodic_export.py: after each of three train steps
 an export that transformers' AutoModelForCausalLM loads, with log-probs equal to the engine's; which
 exports remain; an export that fails mid-stream leaving nothing; the step's `entropy` against the HF
 model's full softmax.
@@ -9,20 +9,21 @@ model's full softmax.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_common import emit, hf_logprobs, make_batch, nll_loss, tiny_model_dir  # noqa: E402
+# engine_common first: it applies the CPU patches before any Megatron module is imported.
+from tests.integration.megatron.workers.engine_common import emit, hf_logprobs, make_batch, nll_loss, tiny_model_dir
 
-from megatron_sao.megatron.engine import InitSource, MegatronEngine  # noqa: E402
-from megatron_sao.megatron.optimizer import OptimConfig  # noqa: E402
-from megatron_sao.megatron.parallel import init_parallel  # noqa: E402
-from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
-from megatron_sao.trainer.hf_export import export_step  # noqa: E402
+# isort: split
+from megatron_sao.megatron.engine import InitSource, MegatronEngine
+from megatron_sao.megatron.optimizer import OptimConfig
+from megatron_sao.megatron.parallel import init_parallel
+from megatron_sao.models.parallel_sizes import ParallelSizes
+from megatron_sao.trainer.hf_export import export_step
 
 tmp = Path(sys.argv[1])
 hf_dir = str(tmp / "hf")
@@ -43,8 +44,6 @@ def hf_entropy(hf, batch) -> float:
     mask = batch["action_mask"][:, 1:]
     return float(ent[mask].mean())
 
-
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 for step in (1, 2, 3):
     want_entropy = hf_entropy(AutoModelForCausalLM.from_pretrained(hf_dir if step == 1 else str(

@@ -1,6 +1,7 @@
 """Two ranks, a tiny process-group timeout, and rank-0-only phases longer than it.
 
-Usage: torchrun --nproc_per_node 2 rank0_wait.py <tmp_dir> <pg_timeout_s> <rank0_phase_s>
+Usage: torchrun --nproc_per_node 2 -m tests.integration.megatron.workers.rank0_wait <tmp_dir> <pg_timeout_s>
+  <rank0_phase_s>
 
 Drives the trainer's own pieces (the placement's batch wait then the gated broadcast, as
 SAOTrainer._next_batch does; the stop agreement; the barrier: distributed/gated.py) on a real gloo
@@ -21,9 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))
-
-from megatron_sao.megatron.cpu_compat import ensure_cpu_compat  # noqa: E402
+from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
 
 torch.set_num_threads(1)
 ensure_cpu_compat()

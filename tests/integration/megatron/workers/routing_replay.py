@@ -1,6 +1,7 @@
 """Rollout routing replay through the Megatron actor, on several layouts in ONE launch.
 
-Usage: torchrun --nproc_per_node 2 routing_replay.py <tmp_dir> [layout ...]   (ep2, tp2sp_ep2, pp2, dp2)
+Usage: torchrun --nproc_per_node 2 -m tests.integration.megatron.workers.routing_replay <tmp_dir> [layout ...]
+  (ep2, tp2sp_ep2, pp2, dp2)
 For each layout, with the tiny Qwen3-MoE:
 - `forced`: routes that are NOT the model's own (a random distinct top-k per token x layer) replayed
   by the actor: its log-probs vs the HF model with those experts forced (a forward hook makes each HF
@@ -21,13 +22,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_common import emit, hf_logprobs, make_batch, nll_loss, tiny_model_dir  # noqa: E402
+# engine_common first: it applies the CPU patches before any Megatron module is imported.
+from tests.integration.megatron.workers.engine_common import emit, hf_logprobs, make_batch, nll_loss, tiny_model_dir
 
-from megatron_sao.megatron.engine import InitSource, MegatronEngine  # noqa: E402
-from megatron_sao.megatron.optimizer import OptimConfig  # noqa: E402
-from megatron_sao.megatron.parallel import destroy_parallel, init_parallel  # noqa: E402
-from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
+# isort: split
+from megatron_sao.megatron.engine import InitSource, MegatronEngine
+from megatron_sao.megatron.optimizer import OptimConfig
+from megatron_sao.megatron.parallel import destroy_parallel, init_parallel
+from megatron_sao.models.parallel_sizes import ParallelSizes
 
 LAYOUTS = {
     "dp2": ParallelSizes(),

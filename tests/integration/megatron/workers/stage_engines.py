@@ -1,6 +1,6 @@
 """Run one `sao` stage (the real CLI) and record every MegatronEngine it builds.
 
-Usage: python stage_engines.py RECORD.jsonl STAGE CONFIG [overrides ...]
+Usage: python -m tests.integration.megatron.workers.stage_engines RECORD.jsonl STAGE CONFIG [overrides ...]
 
 The engine's constructor is wrapped (after it ran) to append, per engine, what its built
 TransformerConfig and parameters say: recompute settings, params dtype, the attention kernel, the
@@ -10,13 +10,10 @@ dtypes of the model parameters and of the optimizer's main parameters.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))
-
-from megatron_sao.megatron import engine as E  # noqa: E402
-from megatron_sao.megatron.optimizer import model_main_param_pairs, sub_optimizers  # noqa: E402
+from megatron_sao.megatron import engine as E
+from megatron_sao.megatron.optimizer import model_main_param_pairs, sub_optimizers
 
 RECORD = sys.argv[1]
 _init = E.MegatronEngine.__init__

@@ -1,5 +1,6 @@
 """The weight-sync check under routing replay, on 2 gloo ranks with EP=2 (rank 0 holds the rollout side,
-rank 1 joins the check's forward when rank 0 asks). Usage: torchrun --nproc_per_node 2 weight_check_replay.py <tmp_dir>
+rank 1 joins the check's forward when rank 0 asks).
+Usage: torchrun --nproc_per_node 2 -m tests.integration.megatron.workers.weight_check_replay <tmp_dir>
 
 The tiny Qwen3-MoE as the Megatron actor (fp32) and as two rollout engines with the same weights whose
 routers choose other experts than the actor's: a forward hook makes each HF router take its 2nd..k+1-th
@@ -10,7 +11,7 @@ both; `WeightPush` pushes the actor's weights with `rollout.weight_sync_check` o
 - `replay_on`: the check's reference replays each engine's routes of the check tokens;
 - `replay_off`: free routing in the reference, measured (atol 100) and with the real atol (it fails);
 - `corrupt_on`: replay on, one expert tensor corrupted in transfer: the check still fails.
-Prints RESULT lines parsed by tests/megatron/test_weight_check_replay.py.
+Prints RESULT lines parsed by tests/integration/megatron/test_weight_check_replay.py.
 """
 
 from __future__ import annotations
@@ -22,23 +23,24 @@ import threading
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_common import emit, tiny_model_dir  # noqa: E402
+# engine_common first: it applies the CPU patches before any Megatron module is imported.
+from tests.integration.megatron.workers.engine_common import emit, tiny_model_dir
 
-from megatron_sao.distributed.gated import GatedCollectives  # noqa: E402
-from megatron_sao.errors import TrainingStopped  # noqa: E402
-from megatron_sao.megatron.engine import InitSource, MegatronEngine  # noqa: E402
-from megatron_sao.megatron.optimizer import OptimConfig  # noqa: E402
-from megatron_sao.megatron.parallel import init_parallel  # noqa: E402
-from megatron_sao.models.parallel_sizes import ParallelSizes  # noqa: E402
-from megatron_sao.rollout.agent_loop import AgentLoopConfig  # noqa: E402
-from megatron_sao.rollout.engines.hf_engine import HFEngine  # noqa: E402
-from megatron_sao.rollout.engines.http_server import start_server  # noqa: E402
-from megatron_sao.rollout.engines.protocol import EngineConfig  # noqa: E402
-from megatron_sao.rollout.engines.vllm_server_client import VLLMServerClient  # noqa: E402
-from megatron_sao.rollout.prompts import PromptStream  # noqa: E402
-from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig  # noqa: E402
-from megatron_sao.weights.push import WeightPush  # noqa: E402
+# isort: split
+from megatron_sao.distributed.gated import GatedCollectives
+from megatron_sao.errors import TrainingStopped
+from megatron_sao.megatron.engine import InitSource, MegatronEngine
+from megatron_sao.megatron.optimizer import OptimConfig
+from megatron_sao.megatron.parallel import init_parallel
+from megatron_sao.models.parallel_sizes import ParallelSizes
+from megatron_sao.rollout.agent_loop import AgentLoopConfig
+from megatron_sao.rollout.engines.hf_engine import HFEngine
+from megatron_sao.rollout.engines.http_server import start_server
+from megatron_sao.rollout.engines.protocol import EngineConfig
+from megatron_sao.rollout.engines.vllm_server_client import VLLMServerClient
+from megatron_sao.rollout.prompts import PromptStream
+from megatron_sao.rollout.rollout_side import RolloutSide, RolloutSideConfig
+from megatron_sao.weights.push import WeightPush
 
 ATOL = 1e-4
 

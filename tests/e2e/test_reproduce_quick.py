@@ -66,7 +66,7 @@ def _check_dynamics(cmd: list[str], work: Path, out: Path, env: dict) -> None:
     """The long-run experiment (not in `all`): one run trained and committed as a result file, the
     report partial and naming the rest; a second invocation trains nothing and rebuilds the report."""
     dyn = [*cmd[:4], "dynamics", "--quick", "--work", str(work), "--out", str(out)]
-    p = subprocess.run([*dyn, "--max-runs", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([*dyn, "--max-runs", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     files = list((out / "dynamics" / "runs").glob("sao-s1-*.json"))
     assert len(files) == 1, files
@@ -75,7 +75,7 @@ def _check_dynamics(cmd: list[str], work: Path, out: Path, env: dict) -> None:
     assert "trainer.policy_lag=4" in result["overrides"] and "<start>" in " ".join(result["overrides"])
     md = (out / "dynamics" / "results.md").read_text()
     assert "PARTIAL: 1 of 4 runs finished" in md and "grpo seed 1" in md and "| sao | 1 |" in md
-    p = subprocess.run([*dyn, "--max-runs", "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([*dyn, "--max-runs", "0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "start train" not in p.stdout, p.stderr[-3000:]
 
 

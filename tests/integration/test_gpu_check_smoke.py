@@ -150,8 +150,8 @@ def test_the_device_script_runs_when_every_carried_wheel_is_installed(tmp_path):
     env = dict(os.environ, SAO_GPU_PYTHON=sys.executable, SAO_WHEELHOUSE=str(house),
                SAO_GPU_CHECK_SITE=str(tmp_path / "site"), OMP_NUM_THREADS="1")
     out = tmp_path / "figures.json"
-    proc = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check_device.sh"), str(out), "--smoke",
-                           "--sections", "env"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(["bash", os.path.join(REPO, "tools", "gpu_check_device.sh"), str(out), "--smoke",
+                           "--sections", "env"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "0 of 1 wheels" in proc.stdout and not (tmp_path / "site").exists(), proc.stdout
     assert json.loads(out.read_text())["sections"]["env"]["ok"]

@@ -195,8 +195,6 @@ def test_mini_swe_agent_fixes_a_bug_through_the_endpoint_and_the_hidden_tests_pa
     """A whole SWE episode with the real harness: mini-swe-agent's LitellmModel calls the agent endpoint
     (tool calls in the char template), its commands run in the sandbox, and grading in a fresh sandbox
     gives reward 1 for the fix the scripted policy writes."""
-    from agent_endpoint_fixtures import ScriptedTextEngine
-
     from megatron_sao.envs import make_env
     from megatron_sao.rollout.agent_endpoint.episode import run_harness_episode
     from megatron_sao.rollout.agent_endpoint.server import AgentEndpoint
@@ -204,6 +202,7 @@ def test_mini_swe_agent_fixes_a_bug_through_the_endpoint_and_the_hidden_tests_pa
     from megatron_sao.rollout.engines.protocol import SamplingParams
     from megatron_sao.rollout.turns import AgentLoopConfig
     from megatron_sao.tokenizers import build_char_tokenizer
+    from tests.agent_endpoint_fixtures import ScriptedTextEngine
 
     task = load_tasks("swe", "train")[0]
     path = next(k for k in task.answer["files"] if k.startswith("sao_lib/") and not k.endswith("__init__.py"))

@@ -9,7 +9,6 @@ import threading
 
 import openai
 import pytest
-from agent_endpoint_fixtures import BASH_TOOL, LoopThread, RecordingEngine, ScriptedTextEngine
 
 from megatron_sao.envs.base import HarnessOutcome
 from megatron_sao.rollout.agent_endpoint.episode import run_harness_episode
@@ -18,6 +17,7 @@ from megatron_sao.rollout.chat import ChatFormatter
 from megatron_sao.rollout.engines.protocol import SamplingParams
 from megatron_sao.rollout.turns import AgentLoopConfig
 from megatron_sao.tokenizers import build_char_tokenizer
+from tests.agent_endpoint_fixtures import BASH_TOOL, LoopThread, RecordingEngine, ScriptedTextEngine
 
 TOK = build_char_tokenizer()
 F = ChatFormatter(TOK)

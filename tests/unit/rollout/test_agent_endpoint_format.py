@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from agent_endpoint_fixtures import BASH_TOOL, qwen3_tools_tokenizer, smollm2_tokenizer
 
 from megatron_sao.rollout.agent_endpoint.messages import RequestError, canonical_messages, continues
 from megatron_sao.rollout.agent_endpoint.tools import ToolFormat
 from megatron_sao.rollout.chat import ChatFormatter
 from megatron_sao.tokenizers import build_char_tokenizer
+from tests.agent_endpoint_fixtures import BASH_TOOL, qwen3_tools_tokenizer, smollm2_tokenizer
 
 
 def test_an_echoed_turn_is_the_same_message_whatever_the_client_adds():

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
-from test_agent_loop import END, cfg, enc
-from test_agent_loop_fakes import CountingEnv, ScriptedEngine, task
-
 from megatron_sao.rollout.agent_loop import EngineActivity, run_episode
 from megatron_sao.rollout.chat import ChatFormatter
 from megatron_sao.rollout.engines.protocol import SamplingParams
 from megatron_sao.tokenizers import build_char_tokenizer
+from tests.unit.rollout.test_agent_loop import END, cfg, enc
+from tests.unit.rollout.test_agent_loop_fakes import CountingEnv, ScriptedEngine, task
 
 F = ChatFormatter(build_char_tokenizer())
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "while True: pass"}}</tool_call>'

@@ -5,7 +5,7 @@ For each server kind and model it starts the largest server count once with the 
 commands (`launch_local.build_local_plan`, what `slurm/sao_aime.sh` runs) and updates the first n of
 them (n = each count asked for) through the trainer's `WeightSync` and the server clients the trainer
 builds (`make_engines(engine_config(cfg))`), the buckets made beforehand (the export's collectives are
-not timed here: `tests/megatron` covers them). Each count gets `--updates` updates, in two passes over
+not timed here: `tests/integration/megatron` covers them). Each count gets `--updates` updates, in two passes over
 the counts (1, 2, 4, 1, 2, 4: the machine is shared, so a slow moment hits every count); the first
 update of each count also forms its transfer group and is reported apart (`first_update_s`).
 

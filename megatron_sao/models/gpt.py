@@ -31,7 +31,7 @@ ROLES = ("actor", "critic")
 
 
 def _backend_settings(use_te: bool, params_dtype: torch.dtype) -> dict[str, Any]:
-    """Kernel/fusion switches. The CPU set is the one verified on gloo (tests/megatron); the TE set
+    """Kernel/fusion switches. The CPU set is the one verified on gloo (tests/integration/megatron); the TE set
     is the usual GPU choice (grouped GEMM, all-to-all dispatch, fused kernels) and has NOT been run
     by this project's tests (no GPU here).
 

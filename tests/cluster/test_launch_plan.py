@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import RECIPES, REPO
 
 from megatron_sao.cluster.launch_plan import LaunchPlanError, build_launch_plan, render_bash
+from tests.cluster.recipes import RECIPES
+from tests.paths import REPO
 
 AIME = str(RECIPES / "aime_disaggregated.yaml")
 COLOC = str(RECIPES / "aime_colocated.yaml")

@@ -18,8 +18,8 @@ from megatron_sao.config import load_config
 from megatron_sao.models.builtin import is_builtin, materialize_builtin_model
 from megatron_sao.models.hf_config import model_spec_from_hf
 from megatron_sao.trainer import components as C
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "examples" / "qwen3_30b_a3b"
 EXAMPLES = sorted((REPO / "examples").rglob("*.yaml"))
 CLUSTER_RECIPES = sorted(RECIPES.glob("*.yaml"))

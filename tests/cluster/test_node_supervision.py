@@ -13,10 +13,10 @@ import sys
 import textwrap
 import time
 
-from conftest import RECIPES, REPO
-
 from megatron_sao.cluster.launch_local import build_local_plan
 from megatron_sao.cluster.supervisor import RestartPolicy, Supervisor, SupervisorError
+from tests.cluster.recipes import RECIPES
+from tests.paths import REPO
 
 FAKE_VLLM = textwrap.dedent(f"""\
     #!{sys.executable}

@@ -34,12 +34,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 
-sys.path.insert(0, str(REPO / "tools" / "slurm_local"))
-from cluster import ClusterError, SlurmCluster, missing_tools  # noqa: E402
-
-from megatron_sao.cluster.launch_local import free_port_block  # noqa: E402
+from megatron_sao.cluster.launch_local import free_port_block
+from tests.paths import REPO
+from tools.slurm_local.cluster import ClusterError, SlurmCluster, missing_tools
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 RECIPES = REPO / "examples" / "slurm_cpu"

@@ -1,5 +1,6 @@
 import pytest
-from e2e_util import CONFIG
+
+from tests.e2e.e2e_util import CONFIG
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from e2e_util import CONFIG, ENV, sao
+
+from tests.e2e.e2e_util import CONFIG, ENV, sao
 
 pytestmark = pytest.mark.slow
 

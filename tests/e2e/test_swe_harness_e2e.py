@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from e2e_util import sao
 
 from megatron_sao.trajectory import load_trajectories
+from tests.e2e.e2e_util import sao
 
 pytestmark = pytest.mark.slow
 CONFIG = str(Path(__file__).with_name("swe_tiny_ci.yaml"))

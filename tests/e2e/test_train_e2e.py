@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_util import CONFIG, ENV, sao
+
+from tests.e2e.e2e_util import CONFIG, ENV, sao
 
 pytestmark = pytest.mark.slow  # each test runs `sao` (and torchrun) subprocesses
 
@@ -128,13 +129,10 @@ def test_periodic_hf_exports_wandb_and_the_new_actor_metrics(tmp_path, replay_fi
     """run.export_every=1 writes loadable HF checkpoints, the newest two kept, the last one the final
     model; W&B (offline) gets the scalars metrics.jsonl has; every actor step logs its entropy and the
     DIS-masked share of the first turn's tokens."""
-    import sys as _sys
-
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    _sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-    from scalar_records import history
+    from tests.scalar_records import history
 
     run = tmp_path / "exp"
     wb = {k: str(tmp_path / k) for k in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")}

@@ -3,7 +3,8 @@
 import json
 
 import pytest
-from e2e_util import CONFIG, sao
+
+from tests.e2e.e2e_util import CONFIG, sao
 
 
 @pytest.mark.slow

@@ -7,7 +7,9 @@ import ast
 import sys
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[2] / "megatron_sao"
+from tests.paths import REPO
+
+PKG = REPO / "megatron_sao"
 
 # Bottom to top: a unit may import itself and the units before it, nothing after it. A unit is a
 # package (or top-level module) of megatron_sao, or one of the named sub-packages, which are ordered

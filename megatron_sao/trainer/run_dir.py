@@ -28,7 +28,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -225,11 +225,6 @@ class RunDir:
         (self.buffer_dir / "failed").mkdir(parents=True, exist_ok=True)  # the buffer may already be open
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, step: int, write_parts: Callable[[Path], None], state: dict[str, Any],
-                        barrier: Callable[[], None] = lambda: None) -> Path | None:
-        """Collective (checkpoints.save); returns the previous checkpoint, kept as the fallback."""
-        return ckpts.save(self.ckpt_root, step, write_parts, state, self.is_writer, barrier)
-
     load_trainer_state = staticmethod(ckpts.load_trainer_state)
 
     # ------------------------------------------------------------------ metrics

@@ -5,9 +5,12 @@ save's write results through one `multiprocessing` Manager queue per process, cr
 (`_get_write_results_queue`: a spawned server process, synchronous saves included). A trainer killed with
 SIGKILL (a lost node, `kill -9`, the resume tests) leaves that server running for good, holding the
 trainer's stdout and stderr: seen here, a Manager server still alive minutes after its trainer died, and a
-caller that reads the trainer's output pipes waits for it forever. So the trainer creates the queue itself,
-the same way (a spawned SyncManager's Queue), with one difference: the server asks the kernel to SIGKILL it
-when its parent dies (Linux PR_SET_PDEATHSIG), and exits at once if the parent is already gone.
+caller that reads the trainer's output pipes waits for it forever. And a spawned process imports the
+parent's `__main__` again, which runs a script without a `__main__` guard a second time (a test worker:
+it tried to join the process group again and failed with EADDRINUSE). So the trainer creates the queue
+itself, a SyncManager's Queue like megatron's, with two differences: the server is forked (as megatron's
+writers are), and it asks the kernel to SIGKILL it when its parent dies (Linux PR_SET_PDEATHSIG), exiting
+at once if the parent is already gone.
 """
 
 from __future__ import annotations
@@ -42,6 +45,6 @@ def install() -> None:
     with _LOCK:
         if filesystem_async._results_queue is not None:
             return
-        _MANAGER = SyncManager(ctx=mp.get_context("spawn"))
+        _MANAGER = SyncManager(ctx=mp.get_context("fork"))
         _MANAGER.start(_die_with, (os.getpid(),))
         filesystem_async._results_queue = _MANAGER.Queue()

@@ -164,5 +164,5 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":  # dist_checkpointing spawns a helper process that imports __main__
+if __name__ == "__main__":
     main()

@@ -71,7 +71,7 @@ def save(engine, directory: str, *, asynchronous: bool = False):
     from megatron_sao.megatron import writer_results
 
     engine._require()
-    writer_results.install()
+    writer_results.install_new_queue()
     if engine.ctx.rank == 0:
         os.makedirs(directory, exist_ok=True)
     torch.distributed.barrier()
@@ -119,9 +119,13 @@ def load(engine, directory: str) -> dict[str, Any]:
     if record.get("format") != FORMAT:
         raise ValueError(f"engine checkpoint {directory}: unknown format {record.get('format')!r}")
     _refuse_other_model(engine, record, directory)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         loaded = dist_checkpointing.load(_sharded_state(engine, loading=True), directory)
-    except Exception as e:  # a damaged index or shard: the trainer falls back to the previous checkpoint
+    # A damaged index or shard: the trainer falls back to the previous checkpoint. torch.distributed.checkpoint
+    # raises CheckpointException, a BaseException, on every rank when any rank failed.
+    except (Exception, CheckpointException) as e:
         raise UnreadableCheckpoint(f"{directory} could not be loaded: {e!r:.500}") from e
     missing, unexpected = engine.module.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]

@@ -1,6 +1,7 @@
-"""Distributed checkpoints reshard: saved at TP 2 + EP 2 + SP, at PP 2 and at DP 2 (distributed optimizer), each
-resumed at TP 1 / EP 1 / DP 1 (one rank, plain optimizer), and the TP 2 + EP 2 one also at DP 2 (the
-distributed optimizer, over the ranks that held TP and EP shards). The worker is
+"""Distributed checkpoints reshard: saved at TP 2 + EP 2 + SP (asynchronously, actor and critic in flight
+together while both train on), at PP 2 and at DP 2 (distributed optimizer), each resumed at TP 1 / EP 1 /
+DP 1 (one rank, plain optimizer); the TP 2 + EP 2 one also at DP 2 (the distributed optimizer, over the ranks
+that held TP and EP shards), the PP 2 one at TP 2 with the experts split over TP (ETP 2). The worker is
 tests/megatron/workers/dist_checkpoint.py: two launches, one of two ranks that saves, one of one rank that
 resumes."""
 
@@ -65,6 +66,13 @@ def test_tp2_ep2_resumed_at_dp2_with_the_distributed_optimizer(results):
                                                   rel=0)
     for role in ("actor", "critic"):
         _same_state(results[f"tp2sp_ep2_at_dp2_tensors_{role}"])
+
+
+def test_pp2_resumed_at_tp2_with_experts_split_over_tp(results):
+    r = results["pp2_at_tp2sp"]["actor"]
+    assert r["saved_layout"]["pp"] == 2 and r["saved_layout"]["etp"] == 1
+    assert r["losses"] == pytest.approx(results["pp2_at_tp1"]["actor"]["reference"], abs=LOSS_TOL, rel=0)
+    _same_state(results["pp2_at_tp2sp_tensors_actor"])
 
 
 def test_an_old_per_rank_checkpoint_resumes_at_its_own_layout(results):

@@ -4,8 +4,11 @@ Usage: torchrun --nproc_per_node N dist_checkpoint.py <tmp_dir> save|resume
 
 save (2 ranks): at each of tp2sp_ep2, pp2 and dp2 the actor (at tp2sp_ep2 also the critic, attention frozen)
   starts from the tiny Qwen3-MoE HF model, trains on batch 0, is saved to <tmp>/<layout>/<role>, and trains
-  on batches 1 and 2 (an uninterrupted run at that layout). At dp2 (distributed optimizer over 2 ranks) the
-  tp2sp_ep2 checkpoint (plain optimizer, other TP and EP) is then loaded, saved again and trained on 1 and 2.
+  on batches 1 and 2 (an uninterrupted run at that layout). At tp2sp_ep2 both saves are asynchronous and in
+  flight together while both engines train on batches 1 and 2: the checkpoints must hold the state of the
+  save, not of the steps that ran while they were written. Then the tp2sp_ep2 checkpoint (plain optimizer)
+  is loaded at dp2 (distributed optimizer over 2 ranks) and the pp2 one at tp2sp (experts split over TP:
+  ETP 2), each saved again and trained on batches 1 and 2.
 resume (1 rank): the uninterrupted run at tp1; every checkpoint loaded at tp1, saved again and trained on
   batches 1 and 2; every re-saved checkpoint compared with its original tensor by tensor; a per-rank
   checkpoint of the old format loaded at its own layout.
@@ -30,7 +33,8 @@ from megatron_sao.models.freeze import CRITIC_FROZEN_ATTENTION
 from megatron_sao.models.parallel_sizes import ParallelSizes
 
 LAYOUTS = {"tp2sp_ep2": ParallelSizes(tp=2, ep=2, sequence_parallel=True, etp=1), "pp2": ParallelSizes(pp=2),
-           "dp2": ParallelSizes(), "tp1": ParallelSizes()}
+           "dp2": ParallelSizes(), "tp1": ParallelSizes(),
+           "tp2sp": ParallelSizes(tp=2, sequence_parallel=True)}  # experts split over TP: ETP 2
 WITH_CRITIC = ("tp2sp_ep2",)
 OPT = OptimConfig(lr=1e-2, clip_grad=1.0)
 
@@ -103,17 +107,23 @@ def resume_at(layout: str, source: str, tmp: str, spec, batches: list, reference
 
 
 def save_phase(tmp: str, spec, hf_dir: str, batches: list) -> None:
-    uninterrupted = {}
+    from megatron_sao.megatron.async_saves import AsyncSaves
+
+    uninterrupted, saves = {}, AsyncSaves()
     for layout in ("tp2sp_ep2", "pp2", "dp2"):
         sizes = LAYOUTS[layout]
         ctx = init_parallel(sizes)
-        for role in roles(layout):
-            engine = build(role, sizes, ctx, hf_dir, spec)
-            first = steps(engine, batches[:1])
-            engine.save(os.path.join(tmp, layout, role))
-            uninterrupted[(layout, role)] = first + steps(engine, batches[1:])
-            del engine
-            gc.collect()
+        engines = {role: build(role, sizes, ctx, hf_dir, spec) for role in roles(layout)}
+        first = {role: steps(engine, batches[:1]) for role, engine in engines.items()}
+        asynchronous = layout == "tp2sp_ep2"
+        requests = [e.save(os.path.join(tmp, layout, role), asynchronous=asynchronous) for role, e in engines.items()]
+        if asynchronous:
+            saves.schedule(requests, lambda: None)
+        for role, engine in engines.items():
+            uninterrupted[(layout, role)] = first[role] + steps(engine, batches[1:])
+        saves.wait()
+        del engines
+        gc.collect()
         destroy_parallel(destroy_process_group=False)
         if dist.get_rank() == 0:
             emit(f"uninterrupted_{layout}", {r: uninterrupted[(layout, r)] for r in roles(layout)})
@@ -121,6 +131,9 @@ def save_phase(tmp: str, spec, hf_dir: str, batches: list) -> None:
     result = resume_at("dp2", "tp2sp_ep2", tmp, spec, batches, ref)
     if dist.get_rank() == 0:
         emit("tp2sp_ep2_at_dp2", result)
+    result = resume_at("tp2sp", "pp2", tmp, spec, batches, {"actor": None})  # PP 2 -> TP 2 with ETP 2
+    if dist.get_rank() == 0:
+        emit("pp2_at_tp2sp", result)
 
 
 def resume_phase(tmp: str, spec, hf_dir: str, batches: list) -> None:
@@ -147,9 +160,11 @@ def resume_phase(tmp: str, spec, hf_dir: str, batches: list) -> None:
             result[role]["tensors"] = compare(os.path.join(tmp, source, role),
                                               os.path.join(tmp, f"{source}_at_tp1", role), spec.vocab_size)
         emit(f"{source}_at_tp1", result)
-    for role in roles("tp2sp_ep2"):  # the DP 2 re-save of the launch before
+    for role in roles("tp2sp_ep2"):  # the re-saves of the launch before
         emit(f"tp2sp_ep2_at_dp2_tensors_{role}", compare(os.path.join(tmp, "tp2sp_ep2", role),
                                                           os.path.join(tmp, "tp2sp_ep2_at_dp2", role), spec.vocab_size))
+    emit("pp2_at_tp2sp_tensors_actor", compare(os.path.join(tmp, "pp2", "actor"),
+                                               os.path.join(tmp, "pp2_at_tp2sp", "actor"), spec.vocab_size))
 
 
 def main() -> None:

@@ -57,9 +57,15 @@ def _sharded_state(engine, *, loading: bool) -> dict[str, Any]:
 
 
 def save_strategy():
+    """torch_dist, fully parallel over data parallelism: a shard every DP rank holds (the model; the optimizer
+    state the distributed optimizer gathers into model space) is written by all of them, a part each, not by
+    DP rank 0 alone (Megatron-LM's --ckpt-fully-parallel-save; AReaL and verl do the same)."""
+    from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-    return get_default_save_sharded_strategy("torch_dist")
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
+                                            parallel_state.get_data_parallel_group(with_context_parallel=True))
 
 
 def save(engine, directory: str, *, asynchronous: bool = False):

@@ -199,13 +199,22 @@ def main() -> None:
         raise SystemExit(f"unknown --models {sorted(unknown)}; known: {sorted(MODELS)}")
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_"))
     load0 = os.getloadavg()[0]
-    results = {m: run_model(m, args.rounds, base) for m in models}
+    results = {}
+    for m in models:
+        try:
+            results[m] = run_model(m, args.rounds, base)
+        except SystemExit as e:  # a worker died (on a shared machine: the OOM killer); the other models still run
+            results[m] = {"error": str(e)[-600:]}
+        print(f"{m}: {json.dumps(results[m])}", file=sys.stderr, flush=True)
     out = {"models": results, "cores": os.cpu_count(), "load_before": load0, "load_after": os.getloadavg()[0],
            "rounds": args.rounds}
     if args.json:
         print(json.dumps(out))
         return
     for m, r in results.items():
+        if "error" in r:
+            print(f"{m}: failed: {r['error']}")
+            continue
         print(f"{m}: {r['params'] / 1e6:.0f} M params, checkpoint {r['checkpoint_bytes'] / 2**30:.2f} GiB")
         print(f"  save blocks: sync {r['sync_block_s']['median']:.2f} s, async {r['async_block_s']['median']:.2f} s "
               f"(ratio {r['async_block_ratio']}; async committed after {r['async_commit_s']['median']:.2f} s)")

@@ -122,7 +122,7 @@ def _pos_int(value: int, name: str) -> int:
 
 def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[str] = (),
                       run_dir: str, job_id: str = "local", gpus_per_node: int | None = None,
-                      trainer_nodes: int | None = None, model_dir: str | None = None,
+                      trainer_nodes: int | str | None = None, model_dir: str | None = None,
                       restart_count: int = 0, exe: Executables = Executables(),
                       environ: Mapping[str, str] | None = None,
                       servers_per_node: int | None = None) -> LaunchPlan:
@@ -132,7 +132,9 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
         config: YAML path handed to `sao train` (made absolute: the nodes may start elsewhere).
         hosts: expanded node list of the allocation, in SLURM order.
         run_dir: the run directory (checkpoints, logs); stable across requeues of one job.
-        gpus_per_node / trainer_nodes: allocation facts that win over cluster.* in the config.
+        gpus_per_node / trainer_nodes: allocation facts that win over cluster.* in the config. trainer_nodes
+            "all": every node of the allocation, whatever it is (colocated jobs whose requeue may come back
+            on another node count: the trainer resumes its checkpoint at the new data-parallel size).
         model_dir: HF checkpoint the vLLM servers load (default: model.path).
         restart_count: SLURM_RESTART_COUNT, so a requeued job does not see the last attempt's done file.
         environ: the launcher's environment (default os.environ): GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME.
@@ -146,6 +148,8 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
     base = load_config(config, overrides)
     c = base.cluster
     G = _pos_int(gpus_per_node if gpus_per_node is not None else c.gpus_per_node, "gpus per node (SAO_GPUS_PER_NODE)")
+    if trainer_nodes == "all":
+        trainer_nodes = len(hosts)
     T = _pos_int(trainer_nodes if trainer_nodes is not None else c.trainer_nodes,
                  "trainer nodes (SAO_TRAINER_NODES / cluster.trainer_nodes)")
     N = len(hosts)
@@ -298,6 +302,15 @@ def render_text(plan: LaunchPlan) -> str:
     return "\n".join(lines)
 
 
+def _trainer_nodes_arg(value: str) -> int | str:
+    if value == "all":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"SAO_TRAINER_NODES must be a node count or 'all', got {value!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m megatron_sao.cluster.launch_plan",
                                  description=__doc__.split("\n\n")[0])
@@ -311,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--job-id", default="local")
     ap.add_argument("--restart-count", type=int, default=0)
     ap.add_argument("--gpus-per-node", type=int, default=None)
-    ap.add_argument("--trainer-nodes", type=int, default=None)
+    ap.add_argument("--trainer-nodes", type=_trainer_nodes_arg, default=None,
+                    help='a count, or "all": every node of the allocation (colocated)')
     ap.add_argument("--model-dir", default=None, help="HF checkpoint for vllm serve (default model.path)")
     ap.add_argument("--torchrun", default=Executables.torchrun)
     ap.add_argument("--vllm", default=Executables.vllm)

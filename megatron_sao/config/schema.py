@@ -28,6 +28,11 @@ class RunConfig:
     seed: int = 1234
     total_steps: int = 100  # actor steps (critic warm-up steps count separately)
     save_every: int = 50
+    # Checkpoints written while training goes on (megatron/async_saves.py): the trainer waits only while the
+    # shards are planned and snapshotted, writer processes do the rest; the next save and the run's end wait
+    # for the previous one. false: every rank writes before the next step (the blocked seconds of each save
+    # are in metrics.jsonl either way, checkpoint/blocked_s).
+    async_save: bool = True
     eval_every: int = 25
     # A whole evaluation, on rank 0 while the other ranks wait at the Rank0Gate (whose heartbeat keeps
     # them waiting as long as rank 0 lives): past it the evaluation is abandoned and logged, training

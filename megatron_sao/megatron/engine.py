@@ -440,16 +440,16 @@ class MegatronEngine:
         """Bytes of params / grads / optimizer state on the device now."""
         return self._offload.device_bytes()
 
-    def save(self, path: str) -> None:
-        """Model + optimizer + scheduler state of every rank into `path` (atomic)."""
-        from megatron_sao.megatron.state_io import save_engine_state
+    def save(self, path: str, *, asynchronous: bool = False):
+        """Model + optimizer + scheduler as a distributed checkpoint in `path` (an existing, empty
+        directory; megatron/dist_state.py). Asynchronous: returns the AsyncRequest that writes it."""
+        from megatron_sao.megatron import dist_state
 
-        self._require()
-        save_engine_state(self, path)
+        return dist_state.save(self, path, asynchronous=asynchronous)
 
-    def load(self, path: str) -> None:
-        """Restore what `save` wrote (same layout); resumes bit-exactly."""
-        from megatron_sao.megatron.state_io import load_engine_state
+    def load(self, path: str) -> dict:
+        """Restore what `save` wrote at any layout (resharded), or a per-rank checkpoint of the old format
+        at its own layout. Returns the checkpoint's record (format, layout it was saved at, ...)."""
+        from megatron_sao.megatron import dist_state
 
-        self._require()
-        load_engine_state(self, path)
+        return dist_state.load(self, path)

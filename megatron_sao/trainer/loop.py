@@ -37,6 +37,7 @@ from megatron_sao.buffer import TrajectoryBuffer
 from megatron_sao.config import SAOConfig, to_dict
 from megatron_sao.distributed.gated import GatedCollectives
 from megatron_sao.errors import TrainingInterrupted, TrainingStopped
+from megatron_sao.megatron.async_saves import AsyncSaves
 from megatron_sao.models.builtin import resolve_model_dir
 from megatron_sao.rollout.prompts import complete_units
 from megatron_sao.rollout.replay import ReplaySource
@@ -117,6 +118,10 @@ class SAOTrainer:
         self.group = a.group_size if a.uses_groups else 1
         self.warmup = a.critic_warmup_steps if a.uses_critic else 0
         self.step, self.version = 0, 0
+        self.checkpointer = ckpts.Checkpointer(
+            self.run_dir.ckpt_root, is_writer=self.rank0, asynchronous=cfg.run.async_save,
+            barrier=self.collectives.barrier, broadcast=self.collectives.broadcast,
+            gate=self.collectives.wait_for_rank0, saves=AsyncSaves() if cfg.run.async_save else None)
         self.nonfinite = NonFiniteGuard(cfg.run.max_consecutive_nonfinite, self.save)
         self.total = self.warmup + cfg.run.total_steps
         self.policy_loss, self.critic_loss = policy_loss_fn(a), critic_loss_fn()
@@ -212,12 +217,14 @@ class SAOTrainer:
         m.update(self.placement.end_step(self.step - 1, self.run_dir))  # colocated: seconds and memory per phase
         if self.cfg.run.export_every and self.step % self.cfg.run.export_every == 0:
             m["time/export_s"] = self._export()
+        m.update(self.checkpointer.take_metrics())  # the latest save's blocked seconds, a commit since the last step
         self._log(m, trajs, batch, step_s)
         if self._stop_agreed():
             self.save()
             raise TrainingInterrupted(f"stopped by a signal after step {self.step}; checkpoint written")
+        self.checkpointer.poll()  # commits an asynchronous checkpoint once every rank has written it
         if self.cfg.run.save_every and self.step % self.cfg.run.save_every == 0:
-            self.save()
+            self.save(final=False)
 
     # ------------------------------------------------------------------ batches
     def _next_batch(self):
@@ -312,7 +319,12 @@ class SAOTrainer:
         return m
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self) -> None:
+    def save(self, final: bool = True) -> None:
+        """A checkpoint of the current step (trainer/checkpoints.py::Checkpointer); `final` (the run ends
+        after it) waits until it is written and committed, a periodic one (run.async_save) does not."""
+        if final and self.checkpointer.last_step == self.step:  # the periodic save of the last step: the same state
+            self.checkpointer.wait()
+            return
         state = {"step": self.step, "version": self.version, "nonfinite": self.nonfinite.in_a_row,
                  "driver": self.rollout.state() if self.rank0 else None,
                  "baseline": self.baseline.state_dict() if self.baseline else None,
@@ -321,16 +333,23 @@ class SAOTrainer:
                  # again, whether or not the release below happened before a kill.
                  "covered": self.buffer.covered() if self.rank0 else None}
 
-        def parts(d: Path):
-            self.actor.save(str(d / "actor"))
-            if self.critic is not None:
-                self.critic.save(str(d / "critic"))
+        def parts(d: Path) -> list:
+            requests = [engine.save(str(d / name), asynchronous=self.cfg.run.async_save)
+                        for name, engine in self._engines().items()]
+            return [r for r in requests if r is not None]
+
+        def on_commit(previous: Path | None) -> None:
+            if self.rank0 and previous is not None:
+                # Release only what the older kept checkpoint covers too: a fallback to it (the newest
+                # one damaged) must still find the trajectories trained after it.
+                self.buffer.release_consumed(ckpts.step_of(previous) - 1)
         with self.placement.trainer_resident():
-            previous = self.run_dir.save_checkpoint(self.step, parts, state, barrier=self.collectives.barrier)
-        if self.rank0 and previous is not None:
-            # Release only what the older kept checkpoint covers too: a fallback to it (the newest
-            # one damaged) must still find the trajectories trained after it.
-            self.buffer.release_consumed(ckpts.step_of(previous) - 1)
+            self.checkpointer.save(self.step, parts, state, on_commit)
+        if final:
+            self.checkpointer.wait()
+
+    def _engines(self) -> dict:
+        return {name: e for name, e in (("actor", self.actor), ("critic", self.critic)) if e is not None}
 
     def _export(self) -> float:
         """run.export_every: the actor as an HF checkpoint in <run>/exports/step_N (collective)."""
@@ -343,8 +362,7 @@ class SAOTrainer:
         """Load the newest intact checkpoint (falling back past damaged ones, which are named and set
         aside); with none at all, clear what an earlier attempt logged and start fresh."""
         root = self.run_dir.ckpt_root
-        roles = ("actor",) if self.critic is None else ("actor", "critic")
-        ckpt = ckpts.newest_intact(root, self.collectives, self.ctx.rank, self.ctx.world_size, roles)
+        ckpt = ckpts.load_newest_intact(root, self.collectives, self.ctx.rank, self._engines())
         if ckpt is None:
             if self.rank0:
                 self.run_dir.clear_training()
@@ -352,9 +370,6 @@ class SAOTrainer:
                            "and buffered is removed: no checkpoint covers it)", root)
             return None
         state = ckpts.load_trainer_state(ckpt)
-        self.actor.load(str(ckpt / "actor"))
-        if self.critic is not None:
-            self.critic.load(str(ckpt / "critic"))
         self.step, self.version = state["step"], state["version"]
         self.nonfinite.in_a_row = dict(state["nonfinite"])
         if self.baseline is not None and state.get("baseline"):
@@ -400,6 +415,7 @@ class SAOTrainer:
         self.console.update(m)
 
     def close(self) -> None:
+        self.checkpointer.abort()  # after an error only: a finished run waited for its last checkpoint
         if self.rollout is not None:
             self.rollout.close()  # every engine's sessions and transfer groups, then the loop
             self.rollout = None

@@ -28,7 +28,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,12 +78,12 @@ def existing_training(run: Path) -> list[str]:
 # What a resumed run may not change, as dotted config keys (a key or a section): what is trained (the
 # model, its tokenizer, dtype and context, the critic's initialisation, which models the algorithm
 # has), on what (the environment, its data and task settings: the checkpoint's data position indexes
-# those tasks), and the shapes the checkpoint holds (parallel layout of its shards; which parameters
-# train, i.e. the optimizer state). Anything else (steps, learning rates, batch size, timeouts, ...) may
-# change on resume and is logged.
+# those tasks), and the shapes the checkpoint holds (which parameters train, i.e. the optimizer state).
+# The parallel layout (parallel.*, the number of ranks) may change: checkpoints are Megatron distributed
+# checkpoints and reshard on load (megatron/dist_state.py). Anything else (steps, learning rates, batch
+# size, timeouts, ...) may change on resume and is logged.
 RESUME_FIXED = ("model", "actor.init", "critic.init", "critic.freeze", "algorithm.name", "algorithm.group_size",
-                "env.name", "env.train_data", "env.kwargs", "env.task_kwargs", "parallel.tp", "parallel.pp",
-                "parallel.ep", "parallel.etp")
+                "env.name", "env.train_data", "env.kwargs", "env.task_kwargs")
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -225,11 +225,6 @@ class RunDir:
         (self.buffer_dir / "failed").mkdir(parents=True, exist_ok=True)  # the buffer may already be open
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, step: int, write_parts: Callable[[Path], None], state: dict[str, Any],
-                        barrier: Callable[[], None] = lambda: None) -> Path | None:
-        """Collective (checkpoints.save); returns the previous checkpoint, kept as the fallback."""
-        return ckpts.save(self.ckpt_root, step, write_parts, state, self.is_writer, barrier)
-
     load_trainer_state = staticmethod(ckpts.load_trainer_state)
 
     # ------------------------------------------------------------------ metrics

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_sao.cluster.launch_plan import LaunchPlanError, build_launch_plan, render_bash
+from megatron_sao.cluster.launch_plan import LaunchPlanError, build_launch_plan, build_parser, render_bash
 from tests.cluster.recipes import RECIPES
 from tests.paths import REPO
 
@@ -108,6 +108,19 @@ def test_plan_errors_name_the_fix():
         build_launch_plan(AIME, ["a", "b"], run_dir="/r", trainer_nodes=1, gpus_per_node=2)
     with pytest.raises(LaunchPlanError, match="outside the allocation"):
         build_launch_plan(AIME, ["a", "b"], run_dir="/r", trainer_nodes=1).node(5)
+
+
+def test_trainer_nodes_all_follows_the_allocation():
+    """SAO_TRAINER_NODES=all: a colocated job requeued on fewer nodes trains on all of them (its checkpoint
+    reshards to the new data-parallel size, docs/cluster.md); the CLI takes a count or "all"."""
+    for hosts in (["a", "b", "c", "d"], ["a", "b"]):
+        plan = build_launch_plan(COLOC, hosts, run_dir="/r", trainer_nodes="all")
+        assert plan.trainer_nodes == len(hosts) and plan.rollout_nodes == 0
+        assert f"cluster.trainer_nodes={len(hosts)}" in plan.trainer_overrides
+    with pytest.raises(LaunchPlanError, match="leaves none for vLLM"):
+        build_launch_plan(AIME, ["a", "b"], run_dir="/r", trainer_nodes="all")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--config", COLOC, "--nodelist", "a", "--run-dir", "/r", "--trainer-nodes", "most"])
 
 
 def test_bash_rendering_round_trips_through_eval():

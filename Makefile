@@ -20,8 +20,8 @@ $(STAMP): requirements.txt setup.py
 
 venv: $(STAMP) system-deps
 
-# System tools the tests need besides the venv: tmux (tests/envs/test_sandbox_hostile.py runs a real
-# tmux server beside the non-root sandbox, the same-uid escape route it must close).
+# System tools the tests need besides the venv: tmux (tests/integration/envs/test_sandbox_hostile.py runs
+# a real tmux server beside the non-root sandbox, the same-uid escape route it must close).
 .PHONY: system-deps
 system-deps:
 	@command -v tmux >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
@@ -44,7 +44,8 @@ slurm-tools:
 test: lint system-deps slurm-tools
 	$(BIN)/pytest -q -p no:cacheprovider --durations=40 tests
 
-# Single-process tests only (the multi-process and integration ones are marked slow).
+# The tests not marked slow (those that start processes or engines for tens of seconds are), of every
+# kind: tests/unit/ alone is `pytest tests/unit`.
 test-fast: lint system-deps
 	$(BIN)/pytest -q -p no:cacheprovider -m "not slow" tests
 
@@ -83,6 +84,6 @@ gpu-wheels: venv
 	    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
 	    -d .whl megatron-core==0.16.1
 
-# The same script on the CPU: tiny shapes, gloo, fp32 (tests/gpu/test_gpu_check_smoke.py runs it in CI).
+# The same script on the CPU: tiny shapes, gloo, fp32 (tests/integration/test_gpu_check_smoke.py runs it in CI).
 gpu-check-smoke: venv
 	PYTHONPATH=. $(BIN)/python tools/gpu_check.py --smoke --out runs/gpu_check_smoke.json

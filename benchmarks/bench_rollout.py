@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "tests" / "rollout"))  # engine_fixtures: the tiny
 
 from megatron_sao.rollout.engines.factory import make_engine  # noqa: E402
 from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams  # noqa: E402
-from megatron_sao.rollout.weights.sync import WeightSync  # noqa: E402
+from megatron_sao.weights.sync import WeightSync  # noqa: E402
 
 
 async def bench_one(backend: str, model_dir: str, args: argparse.Namespace) -> dict:

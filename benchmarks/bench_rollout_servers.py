@@ -40,6 +40,7 @@ CONFIG = ROOT / "tests" / "e2e" / "tiny_ci.yaml"
 def _side(cfg, model_dir: Path, urls: list[str], on_done, args):
     """The trainer's rollout side over the servers at `urls` (what build_rollout_side makes, with
     admission wide open: nothing waits for a trainer step here)."""
+    from megatron_sao.cluster.layout import max_num_seqs
     from megatron_sao.rollout.chat import ChatFormatter
     from megatron_sao.rollout.engines.factory import make_engines
     from megatron_sao.rollout.prompts import PromptStream
@@ -47,7 +48,7 @@ def _side(cfg, model_dir: Path, urls: list[str], on_done, args):
     from megatron_sao.trainer import components as C
 
     side_cfg = RolloutSideConfig(batch_size=args.batch, ahead=10_000, concurrency=args.concurrency,
-                                 max_num_seqs=C.max_num_seqs(cfg), sync_timeout_s=300, health_interval_s=0)
+                                 max_num_seqs=max_num_seqs(cfg, len(urls)), sync_timeout_s=300, health_interval_s=0)
     return RolloutSide(make_engines(C.engine_config(cfg, model_dir)), C.env_factory(cfg),
                        PromptStream(C.train_tasks(cfg), cfg.run.seed), ChatFormatter(C.load_tokenizer(cfg, model_dir)),
                        C.agent_loop_config(cfg), on_done, side_cfg, labels=urls)
@@ -81,7 +82,7 @@ def bench(n: int, args, tmp: Path) -> dict:
     from megatron_sao.cluster.launch_local import build_local_plan
     from megatron_sao.cluster.supervisor import Supervisor
     from megatron_sao.config import load_config
-    from megatron_sao.trainer.components import resolve_model_dir
+    from megatron_sao.models.builtin import resolve_model_dir
 
     run = tmp / f"n{n}"
     overrides = [f"rollout.concurrency={args.concurrency}", "rollout.max_turns=3", "rollout.timeout_s=300",
@@ -89,7 +90,7 @@ def bench(n: int, args, tmp: Path) -> dict:
     plan = build_local_plan(str(CONFIG), trainer_ranks=1, rollout_servers=n, run_dir=str(run), overrides=overrides,
                             server=args.server)
     cfg = load_config(str(CONFIG), [*overrides, *plan.plan.trainer_overrides])
-    model_dir = resolve_model_dir(cfg, run)
+    model_dir = resolve_model_dir(cfg.model.path, run, cfg.run.seed)
     state = load_file(str(model_dir / "model.safetensors"))
     names = list(state)
     buckets = lambda: ([(k, state[k]) for k in names[i:i + 8]] for i in range(0, len(names), 8))  # noqa: E731

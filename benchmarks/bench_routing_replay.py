@@ -89,10 +89,10 @@ def main() -> None:
     from megatron_sao.config import AlgorithmConfig
     from megatron_sao.megatron.engine import InitSource, MegatronEngine
     from megatron_sao.megatron.optimizer import OptimConfig
+    from megatron_sao.models.builtin import BUILTIN_MODELS
     from megatron_sao.models.hf_config import model_spec_from_hf
     from megatron_sao.models.parallel_sizes import ParallelSizes
     from megatron_sao.models.presets import tiny_hf_config, tiny_hf_model
-    from megatron_sao.trainer.components import BUILTIN_MODELS
     from megatron_sao.trajectory import collate_padded
 
     shape = dict(BUILTIN_MODELS["tiny_qwen3_moe"])

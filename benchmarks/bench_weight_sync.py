@@ -5,7 +5,7 @@ For each server kind and model it starts the largest server count once with the 
 commands (`launch_local.build_local_plan`, what `slurm/sao_aime.sh` runs) and updates the first n of
 them (n = each count asked for) through the trainer's `WeightSync` and the server clients the trainer
 builds (`make_engines(engine_config(cfg))`), the buckets made beforehand (the export's collectives are
-not timed here: `tests/megatron` covers them). Each count gets `--updates` updates, in two passes over
+not timed here: `tests/integration/megatron` covers them). Each count gets `--updates` updates, in two passes over
 the counts (1, 2, 4, 1, 2, 4: the machine is shared, so a slow moment hits every count); the first
 update of each count also forms its transfer group and is reported apart (`first_update_s`).
 
@@ -51,7 +51,7 @@ CHECK_TOKENS = [5, 9, 14, 20, 7, 11, 30, 3]
 
 
 def make_model(name: str, out: Path) -> Path:
-    from megatron_sao.trainer.components import materialize_builtin_model
+    from megatron_sao.models.builtin import materialize_builtin_model
 
     if name == "tiny":
         return materialize_builtin_model("tiny_qwen3_moe_ci", out / "tiny", seed=0)
@@ -145,8 +145,8 @@ def bench_kind(kind: str, model: str, counts: list[int], args, tmp: Path, loop) 
     from megatron_sao.cluster.supervisor import Supervisor
     from megatron_sao.config import load_config
     from megatron_sao.rollout.engines.factory import make_engines
-    from megatron_sao.rollout.weights.sync import WeightSync
     from megatron_sao.trainer.components import engine_config
+    from megatron_sao.weights.sync import WeightSync
 
     model_dir = make_model(model, tmp / "models")
     nmax = max(counts)

@@ -1,6 +1,6 @@
 """`sao bench NAME [args]`: run a benchmark of the source checkout's benchmarks/ folder.
 
-`main`, `ablations`, `staleness`, `online`, `throughput` and `all` are the paper-reproduction
+`main`, `ablations`, `staleness`, `online`, `throughput`, `dynamics` and `all` are the paper-reproduction
 experiments (benchmarks/reproduce/); any other NAME runs benchmarks/bench_NAME.py (gae, actor_step,
 mfu, rollout, sandbox, async_vs_sync). Benchmarks are not part of the installed package: they need
 the checkout this package was installed from (`pip install -e .`).
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPRODUCE = ("main", "ablations", "staleness", "online", "throughput", "all")
+REPRODUCE = ("main", "ablations", "staleness", "online", "throughput", "dynamics", "all")
 
 
 def _checkout() -> Path:

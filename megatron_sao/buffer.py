@@ -6,6 +6,12 @@ complete when all `group_size` members have finished: a failed member (recorded,
 counts as finished, so the group trains on its other members (`groups_with_failures` counts them)
 instead of waiting forever for a member that will not come.
 
+Episodes. A batch is `batch_size` episodes: an agent-loop episode is one trajectory, a harness episode
+(rollout/agent_endpoint/) one trajectory per segment of its history, all sharing `info["episode"]` and
+handed over in order, its end last. An episode is taken, dropped as stale (by its stalest segment) and
+requeued whole, so the admission control's unit (an episode) is the batch's unit too: with segments a
+batch has more rows than `batch_size`, and a synchronous run still trains every batch at lag 0.
+
 Staleness. The lag of an action token is `current_version - version that sampled it`; a trajectory's
 lag is the largest over its action tokens (pause-keep rollouts can span several versions). At
 `take`, a trajectory whose lag exceeds `max_staleness` is handled by `staleness_policy`:
@@ -142,25 +148,43 @@ class TrajectoryBuffer:
         else:
             self._failed_members[traj.prompt_id] = n
 
+    def _episodes(self) -> list[list[str]]:
+        """The ready trajectories by episode, in the order episodes began arriving; only whole episodes
+        (their last trajectory is here: a harness episode's segments arrive in order, its end last)."""
+        groups: OrderedDict[str, list[str]] = OrderedDict()
+        ended = set()
+        for tid, e in self._ready.items():
+            groups.setdefault(e.traj.episode, []).append(tid)
+            if e.traj.ends_episode:
+                ended.add(e.traj.episode)
+        return [g for ep, g in groups.items() if ep in ended]
+
     def _drop_stale(self, current_version: int) -> None:
         if self.policy != "drop":
             return
-        for tid in [t for t, e in self._ready.items() if self.lag(e.traj, current_version) > self.max_staleness]:
-            key = self._unit_key(self._ready[tid].traj)
+        for tids in self._episodes():  # an episode is dropped whole, as it is trained whole
+            if max(self.lag(self._ready[t].traj, current_version) for t in tids) <= self.max_staleness:
+                continue
+            end = self._ready[tids[-1]].traj
+            key = self._unit_key(end)
             if self._drops.get(key, 0) >= self.max_stale_drops:
                 continue  # dropped often enough: trained on at this arrival (see the module docstring)
             self._drops[key] = self._drops.get(key, 0) + 1
-            entry = self._ready.pop(tid)
-            self.stats.dropped_stale += 1
-            if entry.path is not None and entry.path.exists():
-                entry.path.unlink()
+            for tid in tids:
+                entry = self._ready.pop(tid)
+                self.stats.dropped_stale += 1
+                if entry.path is not None and entry.path.exists():
+                    entry.path.unlink()
             if self.on_drop is not None:
-                self.on_drop(entry.traj)
+                self.on_drop(end)
 
     def _select(self) -> list[str] | None:
+        if self.group_size == 1:  # batch_size episodes, each with all its trajectories
+            episodes = self._episodes()
+            if len(episodes) < self.batch_size:
+                return None
+            return [tid for g in episodes[: self.batch_size] for tid in g]
         ids = list(self._ready)
-        if self.group_size == 1:
-            return ids[: self.batch_size] if len(ids) >= self.batch_size else None
         groups: OrderedDict[str, list[str]] = OrderedDict()
         for tid in ids:  # groups in the order their first member finished; a group is taken once complete
             groups.setdefault(self._ready[tid].traj.prompt_id, []).append(tid)
@@ -277,6 +301,17 @@ class TrajectoryBuffer:
             self._restored = restored
             self._cond.notify_all()
         return list(restored)
+
+
+    def set_aside(self, traj_ids: list[str], why: str) -> None:
+        """Take restored trajectories out of the ready queue and move their files aside (never deleted)."""
+        with self._cond:
+            for tid in traj_ids:
+                entry = self._ready.pop(tid, None)
+                if entry is not None and entry.path is not None:
+                    _set_aside(entry.path, why)
+                if self._restored is not None:
+                    self._restored = [t for t in self._restored if t.traj_id != tid]
 
 
 # ---------------------------------------------------------------------- files that are not the buffer's

@@ -81,15 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(name: str) -> Callable:
     module, func, _ = COMMANDS[name]
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        # Only "this command's module is not written yet" is reported as not built; a missing
-        # third-party package inside a built module is a real error and is raised as is.
-        if e.name and (e.name == module or module.startswith(e.name + ".") or e.name.startswith("megatron_sao")):
-            raise NotImplementedError(f"`sao {name}` is not built yet ({module} is missing)") from e
-        raise
-    return getattr(mod, func)
+    return getattr(importlib.import_module(module), func)
 
 
 # Known-benign warnings that would otherwise bury the training log on every step.
@@ -135,12 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
     if argv and argv[0] in PASSTHROUGH:  # the command parses its own arguments, --help included
-        try:
-            fn = _load(argv[0])
-        except NotImplementedError as e:
-            print(f"sao: {e}", file=sys.stderr)
-            return 2
-        return _run(argv[0], fn, argv[1:])
+        return _run(argv[0], _load(argv[0]), argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may come after flags (`sao train C --resume a.b=1`): argparse leaves those as extras.
@@ -151,12 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    try:
-        fn = _load(args.command)
-    except NotImplementedError as e:
-        print(f"sao: {e}", file=sys.stderr)
-        return 2
-    return _run(args.command, fn, args)
+    return _run(args.command, _load(args.command), args)
 
 
 if __name__ == "__main__":

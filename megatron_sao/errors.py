@@ -1,4 +1,4 @@
-"""Errors that are the user's to fix, not bugs.
+"""Errors that are the user's to fix, not bugs, and the two ways a run stops before its last step.
 
 `sao` prints a `UserError` (and a `config.ConfigError`) as one line naming what is wrong (the config
 key, the file, the tensor) and exits with status 2; any other exception is a bug and keeps its
@@ -12,3 +12,12 @@ class UserError(Exception):
 
 class MissingInputError(UserError, FileNotFoundError):
     """An input file or directory the user named (in the config or on the command line) is not there."""
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (non-finite steps, dead rollout engine, failed weight sync); a
+    checkpoint was written."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """Ctrl-C / SIGTERM: the current step finished, a checkpoint was written, the run ended."""

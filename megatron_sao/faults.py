@@ -11,7 +11,8 @@ Points (where they sit is the contract the tests rely on):
   buffer_put                 a finished trajectory's file was written (buffer.py, put)
   batch_taken                the trainer took a batch, nothing of the step is written yet (buffer.py, take)
   batch_logged               a step's metrics and batches.jsonl lines were written, no checkpoint yet (run_dir.py)
-  checkpoint_parts_written   a checkpoint's files are all in step_N.tmp, not yet renamed (checkpoints.py)
+  checkpoint_save_scheduled  an asynchronous checkpoint's writers were started, nothing of it committed (checkpoints.py)
+  checkpoint_parts_written   a checkpoint's files are all in step_N.tmp-<id>, not yet renamed (checkpoints.py)
   checkpoint_committed       `latest` names the new checkpoint; the buffer is not yet released (checkpoints.py)
 """
 
@@ -20,7 +21,8 @@ from __future__ import annotations
 import os
 import signal
 
-POINTS = ("buffer_put", "batch_taken", "batch_logged", "checkpoint_parts_written", "checkpoint_committed")
+POINTS = ("buffer_put", "batch_taken", "batch_logged", "checkpoint_save_scheduled", "checkpoint_parts_written",
+          "checkpoint_committed")
 _counts: dict[str, int] = {}
 
 

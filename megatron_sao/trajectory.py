@@ -221,6 +221,18 @@ class Trajectory:
     def trainable(self) -> bool:
         return self.status != "failed"
 
+    @property
+    def episode(self) -> str:
+        """The episode it belongs to: a harness episode's id, which its segments share
+        (rollout/agent_endpoint/session.py), else the trajectory's own id (one episode, one trajectory)."""
+        return str(self.info.get("episode", self.traj_id))
+
+    @property
+    def ends_episode(self) -> bool:
+        """Whether it is its episode's last trajectory (``info["segment"]`` of ``info["segments"]``)."""
+        n = self.info.get("segments")
+        return n is None or int(self.info.get("segment", 0)) == int(n) - 1
+
     def min_version(self) -> int:
         v = self.versions[self.action_mask]
         return int(v.min()) if v.numel() else -1
@@ -462,34 +474,6 @@ def stack_routes(rows: Sequence[torch.Tensor | None], width: int) -> torch.Tenso
     return out
 
 
-@dataclass
-class PackedBatch:
-    """Trajectories concatenated into one row ([1, sum T]) with cu_seqlens, for THD/varlen kernels."""
-
-    tokens: torch.Tensor  # int64 [1, N]
-    position_ids: torch.Tensor  # int64 [1, N], restarting at 0 for each trajectory
-    cu_seqlens: torch.Tensor  # int32 [B+1]
-    action_mask: torch.Tensor  # bool [1, N]
-    rollout_logprobs: torch.Tensor  # float32 [1, N]
-    versions: torch.Tensor  # int64 [1, N]
-    rewards: torch.Tensor  # float32 [1, N]
-    traj_ids: list[str]
-
-
-def collate_packed(trajs: Sequence[Trajectory]) -> PackedBatch:
-    if not trajs:
-        raise ValueError("collate_packed: no trajectories")
-    padded = collate_padded(trajs)
-    keep = padded.attention_mask
-    lengths = padded.lengths
-    pos = torch.cat([torch.arange(int(n)) for n in lengths])
-    cu = torch.zeros(len(trajs) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
-    return PackedBatch(padded.tokens[keep][None], pos[None], cu, padded.action_mask[keep][None],
-                       padded.rollout_logprobs[keep][None], padded.versions[keep][None],
-                       padded.rewards[keep][None], padded.traj_ids)
-
-
 # ---------------------------------------------------------------------- on-disk format
 # One safetensors file holds any number of trajectories: the per-token tensors concatenated, an
 # offsets tensor, and the JSON metadata of each trajectory in the safetensors header. Lossless
@@ -555,7 +539,7 @@ def load_trajectories(path: str | os.PathLike) -> list[Trajectory]:
     """Read a trajectory file, checking its structure before building anything: tensors present with
     their dtypes, one offset per trajectory + 1, offsets rising from 0 to exactly the token count,
     per-token tensors of one length, then every trajectory's own invariants."""
-    from megatron_sao.checkpoint.safetensors_check import SafetensorsFileError, open_safetensors
+    from megatron_sao.files.safetensors_check import SafetensorsFileError, open_safetensors
 
     path = os.fspath(path)
 

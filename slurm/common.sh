@@ -16,7 +16,8 @@
 #   SAO_RUN_DIR           run dir (default: $SAO_RUN_ROOT/<job name>-<job id>; same after a requeue)
 #   SAO_MODEL_DIR         local HF checkpoint: model.path of the trainer and the model vllm serve loads
 #   SAO_MEGATRON_CKPT     converted Megatron checkpoint for actor.init (slurm/convert.sh makes it)
-#   SAO_TRAINER_NODES     trainer nodes (default cluster.trainer_nodes); the rest are rollout nodes
+#   SAO_TRAINER_NODES     trainer nodes (default cluster.trainer_nodes); the rest are rollout nodes; "all":
+#                         every node of the allocation (colocated jobs that may be requeued on fewer nodes)
 #   SAO_GPUS_PER_NODE     default SLURM_GPUS_ON_NODE, else the recipe's cluster.gpus_per_node
 #   SAO_GPU_MEM_GIB       GPU memory for the preflight plan (default 80); SAO_SKIP_PLAN=1 skips it
 #   SAO_HEALTH_TIMEOUT_S  deadline for every vLLM server to answer /health, counted by the trainer once
@@ -75,7 +76,7 @@ sao_nccl_env() {
     # megatron-core also creates gloo groups, and gloo takes exact interface names, not NCCL's
     # ^-exclusions: the launch plan hands the trainers GLOO_SOCKET_IFNAME (this one, or
     # NCCL_SOCKET_IFNAME's names), and without either each trainer picks the interface that routes
-    # to the master (megatron_sao/cluster/socket_ifname.py) instead of what its host name resolves to.
+    # to the master (megatron_sao/distributed/socket_ifname.py) instead of what its host name resolves to.
     if [[ -n "${GLOO_SOCKET_IFNAME:-}" ]]; then export GLOO_SOCKET_IFNAME; fi
     export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"               # IB verbs retry timeout (4.096us * 2^22)
     export NCCL_IB_RETRY_CNT="${NCCL_IB_RETRY_CNT:-7}"

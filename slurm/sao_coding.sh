@@ -1,5 +1,6 @@
 #!/bin/bash
-# SAO on Qwen3-30B-A3B, function-level coding with unit tests, paper settings (DIS eps 0.8/3.0, 300 turns).
+# SAO on Qwen3-30B-A3B, repository-level coding (mini-swe-agent in the sandbox, hidden tests as the reward),
+# paper settings (DIS eps 0.8/3.0, 300 turns, 128K); what the cluster provides: docs/cluster.md section 10.
 # Recipe: examples/qwen3_30b_a3b/coding_disaggregated.yaml (4 trainer + 4 rollout nodes by default).
 #
 #   sbatch -A <account> -p <partition> slurm/sao_coding.sh [key=value overrides ...]
@@ -23,6 +24,8 @@ set -euo pipefail
 _here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 [[ -f "$_here/common.sh" ]] || _here="${SAO_REPO:-${SLURM_SUBMIT_DIR:?}}/slurm"  # sbatch spool copy
 export SAO_CONFIG="${SAO_CONFIG:-examples/qwen3_30b_a3b/coding_disaggregated.yaml}"
+# Sandbox calls at once on trainer rank 0's node: 256 agents' commands and test runs share its cores.
+export SAO_SANDBOX_CONCURRENCY="${SAO_SANDBOX_CONCURRENCY:-64}"
 # shellcheck source=slurm/common.sh
 source "$_here/common.sh"
 sao_launch "$@"

@@ -5,7 +5,17 @@ import os
 # recursion depth mismatch" (CPython gh-106905) while pytest rewrites its modules.
 import hypothesis  # noqa: F401
 
+from tests.paths import REPO
+
 # The collective-device rule (docs/architecture.md): every process this suite starts - engine
 # workers, torchrun'd trainers, `sao` subprocesses - inherits this, and init_parallel then installs
 # megatron_sao.distributed.collective_guard, which fails any collective a GPU job's NCCL would refuse.
 os.environ.setdefault("SAO_COLLECTIVE_GUARD", "1")
+
+# Every process this suite starts imports this checkout: the repository root first on its PYTHONPATH
+# (pytest.ini's `pythonpath` covers only this process). Workers run as modules of the tests package
+# (`torchrun ... -m tests.integration.megatron.workers.engine_single`), `sao` and vLLM servers import
+# megatron_sao from here, not from wherever the venv's editable install points.
+_paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+if _paths[:1] != [str(REPO)]:
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *_paths])

@@ -3,13 +3,13 @@
 import os
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
 
 
 def shared_data_dir() -> Path:
     """$SAO_DATA_DIR, else ../shared/data beside the checkout, else /work/shared/data. Fails loudly:
     these tests check real dataset files, and a missing copy is a set-up error, not a skip."""
-    candidates = [os.environ.get("SAO_DATA_DIR"), ROOT.parent / "shared" / "data", "/work/shared/data"]
+    candidates = [os.environ.get("SAO_DATA_DIR"), REPO.parent / "shared" / "data", "/work/shared/data"]
     for c in candidates:
         if c and (Path(c) / "aime25.jsonl").exists():
             return Path(c)

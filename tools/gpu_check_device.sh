@@ -23,6 +23,7 @@ site="${SAO_GPU_CHECK_SITE:-/tmp/sao-gpu-check-site}"
 if compgen -G "$wheels/*.whl" >/dev/null; then
     # Only what this Python lacks (or has at another version): the machine's own torch, numpy, ... stay.
     mapfile -t need < <("$py" tools/wheelhouse.py "$wheels"/*.whl) || { echo "gpu-check: reading $wheels failed" >&2; exit 2; }
+    for i in "${!need[@]}"; do [[ -n "${need[$i]}" ]] || unset 'need[i]'; done  # never `pip install ""`
     echo "gpu-check: ${#need[@]} of $(compgen -G "$wheels/*.whl" | wc -l) wheels in $wheels needed here: ${need[*]##*/}"
     if ((${#need[@]})); then
         "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \

@@ -37,6 +37,7 @@ def needed(paths: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     try:
-        print("\n".join(needed(sys.argv[1:])))
+        for path in needed(sys.argv[1:]):  # one per line, nothing at all when none is needed (not an empty line)
+            print(path)
     except ValueError as e:
         sys.exit(f"wheelhouse: {e}")

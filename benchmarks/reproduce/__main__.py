@@ -7,13 +7,15 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.reproduce import ablations, main_comparison, online, smollm2_main, staleness, throughput
+from benchmarks.reproduce import ablations, dynamics, main_comparison, online, smollm2_main, staleness, throughput
 from benchmarks.reproduce.experiment import Settings
 from benchmarks.reproduce.runner import ROOT
 from benchmarks.reproduce.starts import build_all
 
 EXPERIMENTS = {"main": main_comparison, "ablations": ablations, "staleness": staleness, "online": online,
-               "throughput": throughput}
+               "throughput": throughput, "dynamics": dynamics}
+# Hours of runs with a committed result file each (--max-runs spreads them over sessions): not in `all`.
+LONG = ("dynamics",)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=["toy", "smollm2"], default="toy",
                     help="main only: smollm2 = the comparison on SmolLM2-135M-Instruct (smollm2_main.py)")
     ap.add_argument("--max-runs", type=int, default=None,
-                    help="--model smollm2: train at most N of the missing runs, then write the report")
+                    help="--model smollm2 and dynamics: train at most N of the missing runs, then write the report")
     ap.add_argument("--rows", nargs="+", default=None,
                     help="--model smollm2: train only the missing runs of these rows (e.g. sao_pretrained)")
     ap.add_argument("--out", default=None,
@@ -39,13 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     smollm2 = args.model == "smollm2"
     if smollm2 and args.experiment != "main":
         ap.error("--model smollm2: only the main comparison runs on SmolLM2")
-    if (args.max_runs is not None or args.rows is not None) and not smollm2:
-        ap.error("--max-runs / --rows: only with --model smollm2 (its runs have per-run result files)")
+    if args.max_runs is not None and not (smollm2 or args.experiment in LONG):
+        ap.error(f"--max-runs: only with --model smollm2 or {', '.join(LONG)} (their runs have per-run result files)")
+    if args.rows is not None and not smollm2:
+        ap.error("--rows: only with --model smollm2")
     seeds = args.seeds or ([1] if args.quick else smollm2_main.DEFAULT_SEEDS if smollm2 else [1, 2, 3])
     jobs = args.jobs or (1 if smollm2 and not args.quick else 2)
     work = Path(args.work or ROOT / ("runs/reproduce_quick" if args.quick else "runs/reproduce")).resolve()
     out_root = Path(args.out or (work / "quick_results" if args.quick else ROOT / "results" / "reproduce")).resolve()
-    names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
+    names = [n for n in EXPERIMENTS if n not in LONG] if args.experiment == "all" else [args.experiment]
     command = "sao bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     if args.experiment == "all":
         s = Settings("starts", args.quick, seeds, args.jobs, out_root, work, args.fresh, command)

@@ -92,7 +92,7 @@ class SftStart(Start):
 def require_model(config: str) -> None:
     """The model the config trains must exist; say how to build SmolLM2's rather than fail in `sao sft`."""
     from megatron_sao.config import load_config
-    from megatron_sao.trainer.components import is_builtin
+    from megatron_sao.models.builtin import is_builtin
 
     path = load_config(ROOT / config, []).model.path
     if not is_builtin(path) and not ((ROOT / path) / "config.json").is_file():

@@ -20,7 +20,6 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from safetensors.torch import save_file
 
-from megatron_sao.checkpoint.atomic_dir import atomic_output_dir, check_output_dir
 from megatron_sao.checkpoint.converters import get_converter
 from megatron_sao.checkpoint.converters._common import RuleConverter
 from megatron_sao.checkpoint.hf_io import HFCheckpointReader, HFCheckpointWriter, copy_extra_files
@@ -36,6 +35,7 @@ from megatron_sao.checkpoint.megatron_format import (
 )
 from megatron_sao.checkpoint.param_layout import ROLES, full_param_shapes
 from megatron_sao.checkpoint.sharding import RankLayout, shard_tensor
+from megatron_sao.files.atomic_dir import atomic_output_dir, check_output_dir
 from megatron_sao.models.hf_config import ModelSpec, model_spec_from_hf
 from megatron_sao.models.parallel_sizes import ParallelSizes
 from megatron_sao.models.value_head import VALUE_HEAD_INITS

@@ -2,7 +2,10 @@
 
 Reading is lazy: `HFCheckpointReader` is a Mapping[name, Tensor] over model.safetensors or a
 sharded model.safetensors.index.json; a tensor is read from disk when it is accessed, so a 30B
-checkpoint can be converted one tensor at a time.
+checkpoint can be converted one tensor at a time. Every floating-point tensor read is checked finite:
+a file with garbage bytes at the right size (random bits hold a NaN or inf exponent once in 256 values)
+is refused naming the file and the tensor, before the trainer builds anything on it or writes a
+checkpoint of it (it used to surface steps later as a rollout log-prob mismatch).
 
 Writing (`HFCheckpointWriter`) streams (name, tensor) pairs into shards of at most
 `max_shard_bytes`, named like transformers does (model.safetensors for one shard, else
@@ -23,7 +26,7 @@ from typing import Iterable, Iterator
 import torch
 from safetensors.torch import save_file
 
-from megatron_sao.checkpoint.safetensors_check import open_safetensors
+from megatron_sao.files.safetensors_check import SafetensorsFileError, open_safetensors
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -70,7 +73,12 @@ class HFCheckpointReader(Mapping):
             fname = self._file_of[name]
         except KeyError:
             raise KeyError(f"tensor {name} not in HF checkpoint {self.dir}") from None
-        return self._handle(fname).get_tensor(name)
+        tensor = self._handle(fname).get_tensor(name)
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise SafetensorsFileError(f"{self.dir / fname}: tensor {name!r} holds {bad} non-finite value(s) (NaN or "
+                                       f"inf) of {tensor.numel()}: the weights file is damaged")
+        return tensor
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._file_of)

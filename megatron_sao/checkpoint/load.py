@@ -16,9 +16,9 @@ import torch
 
 from megatron_sao.checkpoint.converters import get_converter
 from megatron_sao.checkpoint.hf_io import HFCheckpointReader
-from megatron_sao.checkpoint.names import canonical_name, is_extra_state
 from megatron_sao.checkpoint.sharding import RankLayout, local_to_global_name, shard_tensor
 from megatron_sao.models.hf_config import ModelSpec
+from megatron_sao.models.names import canonical_name, is_extra_state
 
 logger = logging.getLogger(__name__)
 

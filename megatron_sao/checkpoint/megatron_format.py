@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from megatron_sao.checkpoint.safetensors_check import open_safetensors
 from megatron_sao.checkpoint.sharding import unshard_tensor
+from megatron_sao.files.safetensors_check import open_safetensors
 from megatron_sao.models.hf_config import ModelSpec
 
 META_FILE = "megatron_sao_checkpoint.json"

@@ -23,8 +23,8 @@ from typing import Sequence
 
 import torch
 
-from megatron_sao.checkpoint.names import canonical_name
 from megatron_sao.models.hf_config import ModelSpec
+from megatron_sao.models.names import canonical_name
 from megatron_sao.models.parallel_sizes import default_expert_tp
 from megatron_sao.models.vocab import padded_vocab_size
 

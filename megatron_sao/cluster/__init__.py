@@ -15,7 +15,7 @@ Modules (one idea each):
 # CLI that every node runs at start-up does not need.
 _EXPORTS = {
     "HostlistError": "hostlist", "expand_hostlist": "hostlist",
-    "Layout": "layout", "LayoutError": "layout", "LayoutIssue": "layout", "check_layout": "layout",
+    "Layout": "layout", "LayoutError": "layout", "LayoutProblem": "layout", "check_layout": "layout",
     "Plan": "planner", "PlanOptions": "planner", "plan": "planner",
 }
 __all__ = sorted(_EXPORTS)

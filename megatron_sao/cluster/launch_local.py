@@ -101,7 +101,7 @@ def build_local_plan(config: str, *, trainer_ranks: int, rollout_servers: int, r
     else:
         local += ["cluster.placement=disaggregated"]
         if server == "vllm":
-            # the CPU build's data plane (rollout/vllm_worker/transfer_group.py)
+            # the CPU build's data plane (weights/vllm_worker/transfer_group.py)
             local += ["rollout.weight_transport=gloo"]
     hosts = [HOST] * (2 if rollout_servers else 1)
     exe = Executables(torchrun=f"{python} -m torch.distributed.run", vllm=f"{python} -m {VLLM_MODULE}",
@@ -132,12 +132,12 @@ def _builtin_model_dir(config: str, overrides: Sequence[str], run_dir: str) -> l
     from pathlib import Path
 
     from megatron_sao.config import load_config
-    from megatron_sao.trainer.components import is_builtin, resolve_model_dir
+    from megatron_sao.models.builtin import is_builtin, resolve_model_dir
 
     cfg = load_config(config, [*overrides, f"run.dir={run_dir}"])
     if not is_builtin(cfg.model.path):
         return []
-    return [f"model.path={resolve_model_dir(cfg, Path(run_dir))}"]
+    return [f"model.path={resolve_model_dir(cfg.model.path, Path(run_dir), cfg.run.seed)}"]
 
 
 def run_local(plan: LocalPlan, *, health_timeout_s: float = 300.0, grace_s: float = 30.0,

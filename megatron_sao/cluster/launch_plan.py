@@ -37,9 +37,9 @@ from pathlib import PurePosixPath
 from typing import Literal, Mapping, Sequence
 
 from megatron_sao.cluster.hostlist import HostlistError, expand_hostlist
-from megatron_sao.cluster.socket_ifname import GLOO, gloo_ifname_from_env
 from megatron_sao.config import ConfigError, SAOConfig, load_config
-from megatron_sao.rollout.vllm_worker import WORKER_EXTENSION
+from megatron_sao.distributed.socket_ifname import GLOO, gloo_ifname_from_env
+from megatron_sao.weights.vllm_worker import WORKER_EXTENSION
 
 Role = Literal["trainer", "rollout"]
 
@@ -122,7 +122,7 @@ def _pos_int(value: int, name: str) -> int:
 
 def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[str] = (),
                       run_dir: str, job_id: str = "local", gpus_per_node: int | None = None,
-                      trainer_nodes: int | None = None, model_dir: str | None = None,
+                      trainer_nodes: int | str | None = None, model_dir: str | None = None,
                       restart_count: int = 0, exe: Executables = Executables(),
                       environ: Mapping[str, str] | None = None,
                       servers_per_node: int | None = None) -> LaunchPlan:
@@ -132,7 +132,9 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
         config: YAML path handed to `sao train` (made absolute: the nodes may start elsewhere).
         hosts: expanded node list of the allocation, in SLURM order.
         run_dir: the run directory (checkpoints, logs); stable across requeues of one job.
-        gpus_per_node / trainer_nodes: allocation facts that win over cluster.* in the config.
+        gpus_per_node / trainer_nodes: allocation facts that win over cluster.* in the config. trainer_nodes
+            "all": every node of the allocation, whatever it is (colocated jobs whose requeue may come back
+            on another node count: the trainer resumes its checkpoint at the new data-parallel size).
         model_dir: HF checkpoint the vLLM servers load (default: model.path).
         restart_count: SLURM_RESTART_COUNT, so a requeued job does not see the last attempt's done file.
         environ: the launcher's environment (default os.environ): GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME.
@@ -146,6 +148,8 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
     base = load_config(config, overrides)
     c = base.cluster
     G = _pos_int(gpus_per_node if gpus_per_node is not None else c.gpus_per_node, "gpus per node (SAO_GPUS_PER_NODE)")
+    if trainer_nodes == "all":
+        trainer_nodes = len(hosts)
     T = _pos_int(trainer_nodes if trainer_nodes is not None else c.trainer_nodes,
                  "trainer nodes (SAO_TRAINER_NODES / cluster.trainer_nodes)")
     N = len(hosts)
@@ -178,7 +182,7 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
         if r.weight_transport == "reload" and exe.rollout_server == "vllm":
             raise LaunchPlanError("rollout.weight_transport=reload works with rollout/engines/http_server.py only; "
                                   "vllm serve takes nccl (GPU) or gloo (CPU builds)")
-        from megatron_sao.trainer.components import max_num_seqs
+        from megatron_sao.cluster.layout import max_num_seqs
 
         max_seqs = max_num_seqs(base, len(server_urls))
         sync_ports = [c.weight_sync_port + i for i in range(len(server_urls))]
@@ -191,7 +195,7 @@ def build_launch_plan(config: str, hosts: Sequence[str], *, overrides: Sequence[
     # Re-validate with what the job really is (types, server_urls, ...) before anything starts.
     cfg = load_config(config, [*overrides, *launch_overrides])
     # gloo groups (megatron-core's) bind where GLOO_SOCKET_IFNAME says; without a name here the
-    # trainer picks the interface that routes to the master on its node (cluster/socket_ifname.py).
+    # trainer picks the interface that routes to the master on its node (distributed/socket_ifname.py).
     gloo = gloo_ifname_from_env(os.environ if environ is None else environ)
     gloo_env = {GLOO: gloo} if gloo else {}
 
@@ -223,7 +227,7 @@ def _vllm_process(cfg: SAOConfig, exe: Executables, model_dir: str | None, host:
     c, r = cfg.cluster, cfg.rollout
     gpus = ",".join(str(g) for g in range(i * c.rollout_tp, (i + 1) * c.rollout_tp))
     # The CPU build has no NCCL: its workers take the same rendezvous and routes over gloo, through
-    # a transfer engine our worker extension registers (rollout/vllm_worker/gloo_engine.py).
+    # a transfer engine our worker extension registers (weights/vllm_worker/gloo_engine.py).
     gloo = r.weight_transport == "gloo"
     transfer = {"backend": "sao_gloo" if gloo else "nccl"}
     # vLLM serves the model under the name exactly as given, and the trainer asks for it by
@@ -298,6 +302,15 @@ def render_text(plan: LaunchPlan) -> str:
     return "\n".join(lines)
 
 
+def _trainer_nodes_arg(value: str) -> int | str:
+    if value == "all":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"SAO_TRAINER_NODES must be a node count or 'all', got {value!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m megatron_sao.cluster.launch_plan",
                                  description=__doc__.split("\n\n")[0])
@@ -311,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--job-id", default="local")
     ap.add_argument("--restart-count", type=int, default=0)
     ap.add_argument("--gpus-per-node", type=int, default=None)
-    ap.add_argument("--trainer-nodes", type=int, default=None)
+    ap.add_argument("--trainer-nodes", type=_trainer_nodes_arg, default=None,
+                    help='a count, or "all": every node of the allocation (colocated)')
     ap.add_argument("--model-dir", default=None, help="HF checkpoint for vllm serve (default model.path)")
     ap.add_argument("--torchrun", default=Executables.torchrun)
     ap.add_argument("--vllm", default=Executables.vllm)

@@ -13,24 +13,13 @@ from dataclasses import dataclass, field
 
 from megatron_sao.config import SAOConfig
 from megatron_sao.models.hf_config import ModelSpec
-from megatron_sao.models.parallel_sizes import ParallelSizes
-
-
-@dataclass(frozen=True)
-class LayoutIssue:
-    """One problem: the dotted config field to change and why."""
-
-    field: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.reason}"
+from megatron_sao.models.parallel_sizes import LayoutProblem, ParallelSizes
 
 
 class LayoutError(ValueError):
     """An impossible layout; `issues` lists every problem found."""
 
-    def __init__(self, issues: list[LayoutIssue]) -> None:
+    def __init__(self, issues: list[LayoutProblem]) -> None:
         self.issues = list(issues)
         super().__init__("; ".join(str(i) for i in self.issues))
 
@@ -50,9 +39,9 @@ class Layout:
     warnings: list[str] = field(default_factory=list)
 
 
-def _divides(issues: list[LayoutIssue], key: str, divisor: int, value: int, what: str) -> None:
+def _divides(issues: list[LayoutProblem], key: str, divisor: int, value: int, what: str) -> None:
     if divisor < 1 or value % divisor:
-        issues.append(LayoutIssue(key, f"{key.split('.')[-1]}={divisor} must divide {what}={value}"))
+        issues.append(LayoutProblem(key, f"{key.split('.')[-1]}={divisor} must divide {what}={value}"))
 
 
 def trainer_sizes(cfg: SAOConfig, etp: int | None = None) -> ParallelSizes:
@@ -70,14 +59,14 @@ def check_layout(cfg: SAOConfig, spec: ModelSpec, *, etp: int | None = None, wor
     (`ParallelSizes.problems`), so a layout the planner accepts is one `init_parallel` accepts.
     """
     c, r = cfg.cluster, cfg.rollout
-    issues: list[LayoutIssue] = []
+    issues: list[LayoutProblem] = []
     warnings: list[str] = []
     if c.trainer_nodes < 1:
-        issues.append(LayoutIssue("cluster.trainer_nodes", f"must be >= 1, got {c.trainer_nodes}"))
+        issues.append(LayoutProblem("cluster.trainer_nodes", f"must be >= 1, got {c.trainer_nodes}"))
     if c.gpus_per_node < 1:
-        issues.append(LayoutIssue("cluster.gpus_per_node", f"must be >= 1, got {c.gpus_per_node}"))
+        issues.append(LayoutProblem("cluster.gpus_per_node", f"must be >= 1, got {c.gpus_per_node}"))
     if etp is not None and etp < 1:
-        issues.append(LayoutIssue("parallel.etp", f"expert tensor parallel size must be >= 1, got {etp}"))
+        issues.append(LayoutProblem("parallel.etp", f"expert tensor parallel size must be >= 1, got {etp}"))
     if world is None:
         world = max(c.trainer_nodes, 0) * max(c.gpus_per_node, 0)
     if issues:
@@ -85,9 +74,9 @@ def check_layout(cfg: SAOConfig, spec: ModelSpec, *, etp: int | None = None, wor
     try:
         sizes = trainer_sizes(cfg, etp)
     except ValueError as exc:
-        raise LayoutError([LayoutIssue("parallel", str(exc))]) from None
+        raise LayoutError([LayoutProblem("parallel", str(exc))]) from None
     tp, pp, ep = sizes.tp, sizes.pp, sizes.ep
-    issues += [LayoutIssue(x.field, x.reason) for x in sizes.problems(spec, world)]
+    issues += [LayoutProblem(x.field, x.reason) for x in sizes.problems(spec, world)]
     dp = edp = 0
     if not issues:
         dp, edp = sizes.data_parallel(world)
@@ -101,7 +90,7 @@ def check_layout(cfg: SAOConfig, spec: ModelSpec, *, etp: int | None = None, wor
     # --- placement: where the rollout engines live
     servers = _check_placement(cfg, spec, issues)
     if r.max_total_tokens > spec.max_position_embeddings:
-        issues.append(LayoutIssue("rollout.max_total_tokens",
+        issues.append(LayoutProblem("rollout.max_total_tokens",
                                   f"{r.max_total_tokens} exceeds the model's max_position_embeddings="
                                   f"{spec.max_position_embeddings} (use a long-context checkpoint, e.g. the "
                                   "-2507 variants with 262144 positions)"))
@@ -114,15 +103,15 @@ def check_layout(cfg: SAOConfig, spec: ModelSpec, *, etp: int | None = None, wor
                   warnings=warnings)
 
 
-def _check_placement(cfg: SAOConfig, spec: ModelSpec, issues: list[LayoutIssue]) -> int:
+def _check_placement(cfg: SAOConfig, spec: ModelSpec, issues: list[LayoutProblem]) -> int:
     """Placement-specific checks; returns the number of rollout servers (0 = in-process engine)."""
     c, r = cfg.cluster, cfg.rollout
     if c.placement == "embedded":
         if c.rollout_nodes:
-            issues.append(LayoutIssue("cluster.rollout_nodes", "must be 0 for placement embedded"))
+            issues.append(LayoutProblem("cluster.rollout_nodes", "must be 0 for placement embedded"))
         return 0
     if c.rollout_tp < 1 or c.gpus_per_node % c.rollout_tp:
-        issues.append(LayoutIssue("cluster.rollout_tp",
+        issues.append(LayoutProblem("cluster.rollout_tp",
                                   f"rollout_tp={c.rollout_tp} must divide "
                                   f"cluster.gpus_per_node={c.gpus_per_node} (one server per GPU group)"))
         return 0
@@ -130,24 +119,34 @@ def _check_placement(cfg: SAOConfig, spec: ModelSpec, issues: list[LayoutIssue])
     _divides(issues, "cluster.rollout_tp", c.rollout_tp, spec.num_attention_heads, "num_attention_heads")
     if c.placement == "colocated":
         if c.rollout_nodes:
-            issues.append(LayoutIssue("cluster.rollout_nodes", "must be 0 for placement colocated "
+            issues.append(LayoutProblem("cluster.rollout_nodes", "must be 0 for placement colocated "
                                                                "(vLLM runs on the trainer GPUs)"))
         if not r.colocate:
-            issues.append(LayoutIssue("rollout.colocate", "must be true for placement colocated (sleep/wake)"))
+            issues.append(LayoutProblem("rollout.colocate", "must be true for placement colocated (sleep/wake)"))
         if r.backend != "vllm":
-            issues.append(LayoutIssue("rollout.backend", f"placement colocated needs backend vllm, got {r.backend}"))
-        if cfg.parallel.pp != 1:  # the engine shards load full tensors on every rank (megatron/export.py)
-            issues.append(LayoutIssue("parallel.pp", f"placement colocated needs pp=1, got {cfg.parallel.pp}"))
+            issues.append(LayoutProblem("rollout.backend", f"placement colocated needs backend vllm, got {r.backend}"))
+        if cfg.parallel.pp != 1:  # the engine shards load full tensors on every rank (weights/export.py)
+            issues.append(LayoutProblem("parallel.pp", f"placement colocated needs pp=1, got {cfg.parallel.pp}"))
         if r.weight_transport not in ("auto", "reload"):
-            issues.append(LayoutIssue("rollout.weight_transport", "placement colocated loads weights in-process "
+            issues.append(LayoutProblem("rollout.weight_transport", "placement colocated loads weights in-process "
                                                                   f"(no {r.weight_transport} group); leave it auto"))
         return c.trainer_nodes * c.gpus_per_node // c.rollout_tp
     # disaggregated
     if c.rollout_nodes < 1:
-        issues.append(LayoutIssue("cluster.rollout_nodes", "placement disaggregated needs >= 1 rollout node"))
+        issues.append(LayoutProblem("cluster.rollout_nodes", "placement disaggregated needs >= 1 rollout node"))
     if r.colocate:
-        issues.append(LayoutIssue("rollout.colocate", "must be false for placement disaggregated"))
+        issues.append(LayoutProblem("rollout.colocate", "must be false for placement disaggregated"))
     if r.backend == "hf":
-        issues.append(LayoutIssue("rollout.backend", "placement disaggregated needs vllm or vllm_server "
+        issues.append(LayoutProblem("rollout.backend", "placement disaggregated needs vllm or vllm_server "
                                                      "(the launcher sets vllm_server and the urls)"))
     return c.rollout_nodes * c.gpus_per_node // c.rollout_tp
+
+
+def max_num_seqs(cfg: SAOConfig, engines: int | None) -> int | None:
+    """Generate requests one engine runs at once: rollout.max_num_seqs, else an even share of
+    rollout.concurrency over `engines` (what the launch plan gives each vllm serve, and each colocated
+    engine's vLLM scheduler); None (unbounded) for one in-process engine (`engines=None`)."""
+    r = cfg.rollout
+    if r.max_num_seqs is not None:
+        return r.max_num_seqs
+    return -(-r.concurrency // engines) if engines else None

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from megatron_sao.cluster import memory as mem
-from megatron_sao.cluster.layout import Layout, LayoutError, LayoutIssue, check_layout
+from megatron_sao.cluster.layout import Layout, LayoutError, LayoutProblem, check_layout
 from megatron_sao.config import ConfigError, SAOConfig, load_config
 from megatron_sao.models.hf_config import ModelSpec, model_spec_from_hf
 from megatron_sao.models.precision import FUSED, attention_kernel, dtype_bytes
@@ -118,7 +118,7 @@ class Plan:
     kv_bytes_per_token: float
     full_sequences_per_server: int
     options: PlanOptions
-    problems: list[LayoutIssue] = field(default_factory=list)
+    problems: list[LayoutProblem] = field(default_factory=list)
     colocated: mem.ColocatedPhases | None = None  # per-phase bytes of a colocated step
     routes_host: float = 0.0  # routing replay: the batch's routes in each trainer rank's host memory
 
@@ -236,13 +236,13 @@ def plan(cfg: SAOConfig, hf_config: str | Mapping[str, Any] | ModelSpec | None =
     recompute_needed = peak_plain > budget
     peak = peak_recompute if recompute else peak_plain
 
-    problems: list[LayoutIssue] = []
+    problems: list[LayoutProblem] = []
     if peak_recompute > budget:
-        problems.append(LayoutIssue("cluster.trainer_nodes", (
+        problems.append(LayoutProblem("cluster.trainer_nodes", (
             f"trainer needs {peak_recompute / mem.GIB:.1f} GiB per GPU even with full recompute, over the "
             f"{opts.gpu_mem_gib:g} GiB budget: add trainer nodes, raise parallel.ep/pp, or shorten model.max_seq_len")))
     elif peak > budget:
-        problems.append(LayoutIssue("parallel.recompute", (
+        problems.append(LayoutProblem("parallel.recompute", (
             f"without activation recompute the trainer needs {peak / mem.GIB:.1f} GiB per GPU, over the "
             f"{opts.gpu_mem_gib:g} GiB budget; with it {peak_recompute / mem.GIB:.1f} GiB: "
             f"set parallel.recompute: full")))
@@ -261,7 +261,7 @@ def plan(cfg: SAOConfig, hf_config: str | Mapping[str, Any] | ModelSpec | None =
     full = int(max(kv_budget, 0) // (per_token * r.max_total_tokens))
     if c.placement != "embedded" and full < 1:
         # vLLM refuses to start when max_model_len tokens do not fit in the KV cache.
-        problems.append(LayoutIssue("rollout.gpu_memory_utilization", (
+        problems.append(LayoutProblem("rollout.gpu_memory_utilization", (
             f"a vLLM server (tp={rtp}) has {max(kv_budget, 0) / mem.GIB:.1f} GiB of KV cache per GPU, less than one "
             f"{r.max_total_tokens}-token sequence ({per_token * r.max_total_tokens / mem.GIB:.1f} GiB): raise it or "
             "cluster.rollout_tp")))
@@ -285,20 +285,20 @@ def _colocated_phases(cfg: SAOConfig, spec: ModelSpec, layout: Layout, opts: Pla
         largest_tensor=mem.largest_gathered_tensor(spec, layout.ep, nbytes))
 
 
-def _colocated_problems(ph: mem.ColocatedPhases, budget: float, opts: PlanOptions) -> list[LayoutIssue]:
+def _colocated_problems(ph: mem.ColocatedPhases, budget: float, opts: PlanOptions) -> list[LayoutProblem]:
     g = lambda x: f"{x / mem.GIB:.1f} GiB"  # noqa: E731
     out = []
     if ph.rollout > budget:
-        out.append(LayoutIssue("rollout.gpu_memory_utilization", (
+        out.append(LayoutProblem("rollout.gpu_memory_utilization", (
             f"the awake colocated engine takes {g(ph.rollout - opts.overhead_gib * mem.GIB)} "
             f"plus {opts.overhead_gib:g} "
             f"GiB overhead, over the {opts.gpu_mem_gib:g} GiB GPU: lower it")))
     if ph.train > budget:
-        out.append(LayoutIssue("cluster.trainer_nodes", (
+        out.append(LayoutProblem("cluster.trainer_nodes", (
             f"the train phase needs {g(ph.train)} per GPU (trainer peak + {mem.ENGINE_ASLEEP_GIB:g} GiB a sleeping "
             f"engine keeps), over the {opts.gpu_mem_gib:g} GiB GPU: add trainer nodes or raise parallel.ep")))
     if ph.update > budget:
-        out.append(LayoutIssue("rollout.weight_sync_bucket_mb", (
+        out.append(LayoutProblem("rollout.weight_sync_bucket_mb", (
             f"the weight update needs {g(ph.update)} per GPU (actor params + engine weights + two buckets), over "
             f"the {opts.gpu_mem_gib:g} GiB GPU: lower it or raise cluster.rollout_tp")))
     return out

@@ -13,7 +13,14 @@ The modules: `schema` (the dataclasses), `presets`, `coercion` (plain data <-> t
 
 from megatron_sao.config.coercion import REMOVED_KEYS, RemovedConfigKey, to_dict
 from megatron_sao.config.errors import ConfigError
-from megatron_sao.config.loading import apply_overrides, config_from_dict, dump_config, load_config, parse_override
+from megatron_sao.config.loading import (
+    apply_overrides,
+    config_from_dict,
+    config_text,
+    dump_config,
+    load_config,
+    parse_override,
+)
 from megatron_sao.config.presets import PRESETS
 from megatron_sao.config.schema import (
     GROUPED_ALGORITHMS,
@@ -41,6 +48,7 @@ __all__ = [
     "ActorConfig", "AlgorithmConfig", "BufferConfig", "ClusterConfig", "ConfigError", "CriticConfig", "EnvConfig",
     "GROUPED_ALGORITHMS", "ModelConfig", "OptimSection", "PAPER_CRITIC_FREEZE", "PRESETS", "ParallelConfig",
     "REMOVED_KEYS", "RemovedConfigKey", "RolloutConfig", "RunConfig", "SAOConfig", "SFTConfig", "TrainerConfig",
-    "ValuePretrainConfig", "apply_overrides", "config_from_dict", "dump_config", "load_config", "parse_override",
+    "ValuePretrainConfig", "apply_overrides", "config_from_dict", "config_text", "dump_config", "load_config",
+    "parse_override",
     "to_dict", "validate", "WandbConfig",
 ]

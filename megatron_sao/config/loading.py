@@ -13,6 +13,7 @@ from megatron_sao.config.coercion import _from_dict, to_dict
 from megatron_sao.config.errors import ConfigError
 from megatron_sao.config.presets import PRESETS
 from megatron_sao.config.schema import SAOConfig
+from megatron_sao.config.strict_yaml import StrictYAMLError, load_strict
 from megatron_sao.config.validation import validate
 
 
@@ -40,7 +41,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not key:
         raise ConfigError(f"override {item!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = load_strict(raw) if raw != "" else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from e
     return key.split("."), value
@@ -87,9 +88,15 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         except OSError as e:
             raise ConfigError(f"config file {p}: cannot be read: {e.strerror}") from None
         try:
-            data = yaml.safe_load(text) or {}
+            data = load_strict(text)
+        except StrictYAMLError as e:
+            raise ConfigError(f"{p}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: invalid YAML: {e}") from e
+        if data is None or data == {}:
+            # Every default is a 100-step run of the demo model: an empty file is a mistake, not a choice.
+            raise ConfigError(f"{p}: the config is empty (no settings); write at least the keys that differ "
+                              "from the defaults, e.g. a preset, model.path and env.name")
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: top level must be a mapping")
     cfg = config_from_dict(data, overrides)
@@ -106,9 +113,14 @@ def _check_env_name(name: str) -> None:
         raise ConfigError(f"env.name: unknown environment {name!r}; available: {', '.join(available_envs())}")
 
 
+def config_text(cfg: SAOConfig) -> str:
+    """The resolved config as the run's snapshot holds it (YAML, sections in schema order)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
 def dump_config(cfg: SAOConfig, path: str | Path) -> None:
     """Write the resolved config (the run's snapshot) atomically."""
     p = Path(path)
     tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.write_text(config_text(cfg))
     tmp.replace(p)

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from megatron_sao.rollout.engines.kinds import Backend, InflightPolicy
+from megatron_sao.weights.buckets import WeightTransportName
+
 
 @dataclass
 class WandbConfig:
@@ -25,6 +28,11 @@ class RunConfig:
     seed: int = 1234
     total_steps: int = 100  # actor steps (critic warm-up steps count separately)
     save_every: int = 50
+    # Checkpoints written while training goes on (megatron/async_saves.py): the trainer waits only while the
+    # shards are planned and snapshotted, writer processes do the rest; the next save and the run's end wait
+    # for the previous one. false: every rank writes before the next step (the blocked seconds of each save
+    # are in metrics.jsonl either way, checkpoint/blocked_s).
+    async_save: bool = True
     eval_every: int = 25
     # A whole evaluation, on rank 0 while the other ranks wait at the Rank0Gate (whose heartbeat keeps
     # them waiting as long as rank 0 lives): past it the evaluation is abandoned and logged, training
@@ -163,8 +171,24 @@ GROUPED_ALGORITHMS = ("grpo", "grpo_rollout_ratio", "grpo_dis")
 
 
 @dataclass
+class AgentEndpointConfig:
+    """`rollout.agent_endpoint`: the OpenAI-compatible endpoint a harness environment's agent (mini-swe-agent
+    in `swe`) reaches the policy through (rollout/agent_endpoint/, docs/agent_harness.md). On whenever the
+    environment runs a harness."""
+
+    host: str = "127.0.0.1"  # where it listens; 0.0.0.0 for harnesses on other machines
+    port: int = 0  # 0: any free port (the harness is given the URL)
+    # The host name harnesses use to reach it (a cluster's node name); "" = `host`.
+    public_host: str = ""
+    model_name: str = "policy"  # what /v1/models lists and requests name
+    # Write every assistant turn as the engine returned it (ids, log-probs, versions) to
+    # <run>/agent_turns.jsonl, to audit trajectories against (one line per turn: large for long runs).
+    log_turns: bool = False
+
+
+@dataclass
 class RolloutConfig:
-    backend: Literal["hf", "vllm", "vllm_server"] = "hf"
+    backend: Backend = "hf"
     server_urls: list[str] = field(default_factory=list)  # vllm_server / disaggregated
     concurrency: int = 32  # single-rollout episodes in flight
     max_turns: int = 50
@@ -172,7 +196,7 @@ class RolloutConfig:
     max_new_tokens_per_turn: int = 8192
     temperature: float = 1.0
     top_p: float = 1.0
-    inflight_policy: Literal["keep", "abort"] = "keep"
+    inflight_policy: InflightPolicy = "keep"
     weight_sync_bucket_mb: int = 512
     timeout_s: float = 600.0  # every request and collective; a dead engine is reported after this
     gpu_memory_utilization: float = 0.5
@@ -183,7 +207,7 @@ class RolloutConfig:
     # How weights reach the engines: nccl (GPU servers), gloo (CPU: the same transfer-group calls), reload
     # (safetensors bytes; rollout/engines/http_server.py), auto (servers: nccl with CUDA, else gloo, or what a
     # server offers; backend vllm: CUDA IPC with CUDA, else gloo; nccl is refused for backend vllm).
-    weight_transport: Literal["auto", "reload", "nccl", "gloo"] = "auto"
+    weight_transport: WeightTransportName = "auto"
     # nccl / gloo: the trainer rank-0 host as the servers see it, and one port per server (set by the
     # launch plan from cluster.weight_sync_port; no defaults, a wrong guess would hang a rendezvous).
     weight_transfer_master_address: str = ""
@@ -213,6 +237,7 @@ class RolloutConfig:
     # Return and store the engines' routes without replaying them: moe/routing_agreement measured with the
     # trainer's own routing (routing_replay implies it).
     record_routes: bool = False
+    agent_endpoint: AgentEndpointConfig = field(default_factory=AgentEndpointConfig)
 
     @property
     def returns_routes(self) -> bool:

@@ -115,6 +115,23 @@ def _check_rollout_servers(r: RolloutConfig, placement: str) -> None:
                f"is {r.start_min_servers} but rollout.server_urls names {len(r.server_urls)} servers")
 
 
+def _check_colocated_routes(cfg: SAOConfig) -> None:
+    """Routes from colocated engine shards need rollout_tp 1 (vLLM 0.33, found by reading it: no GPU run
+    yet). vLLM returns a request's routed experts from the routed-experts capture of the first TP worker
+    only, and in the colocated placement every trainer rank drives its own shard's scheduler in
+    lockstep (the external launcher): the shards of the other TP ranks get outputs with no routes, and
+    the scheduler's routed-experts step asserts on them. So the AIME colocated recipe (rollout_tp 4)
+    cannot replay routes; the disaggregated placement (`vllm serve`, one scheduler per server) can."""
+    r, c = cfg.rollout, cfg.cluster
+    if c.placement != "colocated" or cfg.trainer.replay or not r.returns_routes or c.rollout_tp == 1:
+        return
+    key = "rollout.routing_replay" if r.routing_replay else "rollout.record_routes"
+    raise ConfigError(f"{key}: the colocated placement cannot return routes with cluster.rollout_tp="
+                      f"{c.rollout_tp}: vLLM keeps a request's routed experts on the first TP worker only, and "
+                      "every colocated rank runs its shard's scheduler, which fails on the others' empty routes; "
+                      "use cluster.rollout_tp 1, the disaggregated placement, or turn routes off")
+
+
 def _check_buffer(b: BufferConfig) -> None:
     _check(b.batch_size >= 1, "buffer.batch_size", "must be >= 1")
     _check(b.max_staleness >= 0, "buffer.max_staleness", "must be >= 0")
@@ -149,6 +166,29 @@ def _check_run(run: RunConfig) -> None:
         _check(bool(run.wandb.project.strip()), "run.wandb.project", "must be a non-empty name (or null: W&B off)")
 
 
+def _check_harness_env(cfg: SAOConfig) -> None:
+    """An environment that runs an agent harness (``swe``): its deadlines, and what its segments rule out."""
+    if cfg.env.name != "swe":
+        return
+    from megatron_sao.envs.swe.env import SWEEnv
+
+    try:
+        env = SWEEnv.limits_of(cfg.env.kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"env.kwargs: {e}") from None
+    budget = env["wall_limit_s"] + env["grade_timeout_s"]
+    _check(budget < cfg.rollout.timeout_s, "env.kwargs.wall_limit_s",
+           f"the episode's wall limit ({env['wall_limit_s']:g} s) plus its grading (env.kwargs.grade_timeout_s, "
+           f"{env['grade_timeout_s']:g} s) must end before rollout.timeout_s ({cfg.rollout.timeout_s:g} s): the "
+           "trainer stops waiting for trajectories after that long")
+    # A harness may rewrite its history, which splits an episode into several trajectories (segments,
+    # rollout/agent_endpoint/session.py); a group baseline counts trajectories per prompt as its rollouts.
+    _check(not cfg.algorithm.uses_groups, "algorithm.name",
+           f"{cfg.algorithm.name} counts the trajectories of a prompt as its group's rollouts, but an episode of "
+           "env swe may be several trajectories (a rewritten history starts a segment); use sao or "
+           "running_mean")
+
+
 def _check_optimizers(cfg: SAOConfig) -> None:
     for role in ("actor", "critic"):
         o = getattr(cfg, role).optim
@@ -179,11 +219,13 @@ def validate(cfg: SAOConfig) -> SAOConfig:
     _check_model_layout(cfg.parallel, cfg.model)
     _check_sampling(cfg.rollout, cfg.algorithm)
     _check_rollout_servers(cfg.rollout, cfg.cluster.placement)
+    _check_colocated_routes(cfg)
     _check_buffer(cfg.buffer)
     _check_policy_lag(cfg)
     _check_run(cfg.run)
     _check_optimizers(cfg)
     _check_critic(cfg)
+    _check_harness_env(cfg)
     _check(cfg.model.max_seq_len >= 2, "model.max_seq_len", "must be >= 2")
     _check(0 <= cfg.sft.error_rate <= 1, "sft.error_rate", "must be in [0, 1]")
     if cfg.preset is not None:

@@ -1,4 +1,4 @@
-"""Environments: the protocol, the Python sandbox, and the math / coding / style-shift / toy tasks.
+"""Environments: the protocol, the Python sandbox, and the math / coding / SWE / style-shift / toy tasks.
 
 Import concrete environments from their modules (``megatron_sao.envs.toy_tool`` ...) or by name
 through ``make_env`` / ``load_tasks``; this package only re-exports the light-weight protocol.

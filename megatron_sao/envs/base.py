@@ -22,7 +22,7 @@ Conventions shared by every environment in this package:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 
 @dataclass
@@ -65,6 +65,44 @@ class Environment(Protocol):
     async def step(self, action_text: str) -> StepResult: ...
 
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ModelEndpoint:
+    """Where a harness environment's agent reaches the policy: an OpenAI-compatible base URL (ending
+    in ``/v1``) of this episode alone, its API key, and the model name to ask for. ``stop()`` ends the
+    episode's model access at once (the environment's own wall limit); later requests are refused."""
+
+    base_url: str
+    api_key: str
+    model: str
+    stop: Callable[[], None] | None = None
+
+
+@dataclass
+class HarnessOutcome:
+    """What a harness environment says when its agent stopped and the grader ran: the episode's reward
+    (from the environment's own grader, never from the harness) and what happened."""
+
+    reward: float
+    info: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class HarnessEnvironment(Protocol):
+    """An environment that runs an agent harness of its own (mini-swe-agent, ...): the harness talks to
+    the policy through an OpenAI-compatible endpoint (``rollout/agent_endpoint/``) instead of the agent
+    loop stepping the environment turn by turn. One instance per episode, like ``Environment``."""
+
+    name: str
+
+    async def run_harness(self, task: Task, endpoint: ModelEndpoint) -> HarnessOutcome: ...
+
+    async def close(self) -> None: ...
+
+
+def is_harness(env: Any) -> bool:
+    return callable(getattr(env, "run_harness", None))
 
 
 @runtime_checkable

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from megatron_sao.envs.base import ListTaskSource, StepResult, Task, check_task_env, require_task
-from megatron_sao.envs.python_tool import TOOL_INSTRUCTIONS, execute_tool_calls
+from megatron_sao.envs.base import ListTaskSource, StepResult, Task
+from megatron_sao.envs.python_tool import TOOL_INSTRUCTIONS, PythonToolEnv
 from megatron_sao.envs.sandbox import SandboxLimits, SandboxPool, run_python
-from megatron_sao.envs.tool_calls import extract_python_block, parse_tool_calls
+from megatron_sao.envs.tool_calls import extract_python_block
 
 ENV_NAME = "coding"
 SYSTEM_PROMPT = (
@@ -117,35 +117,17 @@ async def run_hidden_tests(solution: str, tests: list[str], limits: SandboxLimit
 
 
 @dataclass
-class CodingEnv:
+class CodingEnv(PythonToolEnv):
     """One coding trajectory; reward 1 iff every hidden test passes."""
 
-    limits: SandboxLimits = field(default_factory=SandboxLimits)
     test_limits: SandboxLimits = field(default_factory=lambda: SandboxLimits(wall_time_s=30.0, cpu_time_s=20))
-    max_tool_calls: int = 50
-    max_calls_per_turn: int = 4
-    pool: SandboxPool | None = None
     name: str = ENV_NAME
 
-    def __post_init__(self) -> None:
-        self._task: Task | None = None
-        self._tool_calls = 0
-
-    async def reset(self, task: Task) -> None:
-        check_task_env(self.name, task)
+    def check_task(self, task: Task) -> None:
         if not isinstance(task.answer, dict) or not isinstance(task.answer.get("tests"), list):
             raise ValueError(f"{self.name}: task {task.prompt_id!r} needs answer={{'tests': [...]}}")
-        self._task, self._tool_calls = task, 0
 
-    async def step(self, action_text: str) -> StepResult:
-        task = require_task(self.name, self._task)
-        calls = parse_tool_calls(action_text)
-        if calls:
-            if self._tool_calls >= self.max_tool_calls:
-                return StepResult(None, True, 0.0, self._info(reason="tool_call_limit", truncated=True))
-            turn = await execute_tool_calls(calls, self.limits, self.pool, self.max_calls_per_turn)
-            self._tool_calls += len(calls)
-            return StepResult(turn.observation, False, 0.0, self._info())
+    async def answer(self, task: Task, action_text: str) -> StepResult:
         solution = extract_python_block(action_text)
         if solution is None:
             return StepResult(None, True, 0.0, self._info(reason="no_tool_call_or_answer"))
@@ -154,9 +136,3 @@ class CodingEnv:
         return StepResult(None, True, float(ok), self._info(
             reason="all_tests_passed" if ok else "tests_failed", passed=rep.passed, total=rep.total,
             error=rep.error))
-
-    async def close(self) -> None:
-        self._task = None
-
-    def _info(self, **extra) -> dict:
-        return {"tool_calls": self._tool_calls, **extra}

@@ -17,14 +17,13 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_sao.envs.base import ListTaskSource, StepResult, Task, check_task_env, require_task
+from megatron_sao.envs.base import ListTaskSource, StepResult, Task
 from megatron_sao.envs.math_grading import grade_boxed_async
-from megatron_sao.envs.python_tool import TOOL_INSTRUCTIONS, execute_tool_calls
-from megatron_sao.envs.sandbox import SandboxLimits, SandboxPool
-from megatron_sao.envs.tool_calls import extract_boxed, parse_tool_calls
+from megatron_sao.envs.python_tool import TOOL_INSTRUCTIONS, PythonToolEnv
+from megatron_sao.envs.tool_calls import extract_boxed
 
 ENV_NAME = "math_python"
 SYSTEM_PROMPT = (
@@ -82,6 +81,8 @@ def load_math_tasks(path_or_name: str, data_dir: str | os.PathLike | None = None
                     fields: MathFieldMap = MathFieldMap(), limit: int | None = None,
                     system_prompt: str = SYSTEM_PROMPT) -> ListTaskSource:
     """Load math tasks from a jsonl(.gz) file; rows missing a problem or answer are an error."""
+    if not path_or_name:
+        raise ValueError("load_tasks('math_python') needs a dataset path or name, e.g. 'aime25'")
     path = resolve_math_dataset(path_or_name, data_dir)
     opener = gzip.open if path.suffix == ".gz" else open
     stem = path.name.split(".")[0]
@@ -112,45 +113,15 @@ def load_math_tasks(path_or_name: str, data_dir: str | os.PathLike | None = None
 
 
 @dataclass
-class MathPythonEnv:
+class MathPythonEnv(PythonToolEnv):
     """One math trajectory with a sandboxed Python tool; reward 1 iff the boxed answer is right."""
 
-    limits: SandboxLimits = field(default_factory=SandboxLimits)
-    max_tool_calls: int = 50
-    max_calls_per_turn: int = 4
     grading_timeout_s: float = 10.0
-    pool: SandboxPool | None = None
     name: str = ENV_NAME
 
-    def __post_init__(self) -> None:
-        if self.max_tool_calls < 0 or self.max_calls_per_turn < 1:
-            raise ValueError("max_tool_calls must be >= 0 and max_calls_per_turn >= 1")
-        self._task: Task | None = None
-        self._tool_calls = 0
-        self._tool_errors = 0
-
-    async def reset(self, task: Task) -> None:
-        check_task_env(self.name, task)
-        self._task, self._tool_calls, self._tool_errors = task, 0, 0
-
-    async def step(self, action_text: str) -> StepResult:
-        task = require_task(self.name, self._task)
-        calls = parse_tool_calls(action_text)
-        if calls:
-            if self._tool_calls >= self.max_tool_calls:
-                return StepResult(None, True, 0.0, self._info(reason="tool_call_limit", truncated=True))
-            turn = await execute_tool_calls(calls, self.limits, self.pool, self.max_calls_per_turn)
-            self._tool_calls += len(calls)
-            self._tool_errors += turn.errors
-            return StepResult(turn.observation, False, 0.0, self._info())
+    async def answer(self, task: Task, action_text: str) -> StepResult:
         boxed = extract_boxed(action_text)
         if boxed is None:
             return StepResult(None, True, 0.0, self._info(reason="no_tool_call_or_answer"))
         grade = await grade_boxed_async(str(task.answer), boxed, self.grading_timeout_s)
         return StepResult(None, True, float(grade.correct), self._info(reason=grade.reason, pred=boxed))
-
-    async def close(self) -> None:
-        self._task = None
-
-    def _info(self, **extra) -> dict:
-        return {"tool_calls": self._tool_calls, "tool_errors": self._tool_errors, **extra}

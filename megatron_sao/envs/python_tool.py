@@ -1,11 +1,14 @@
-"""The ``python`` tool shared by the math and coding environments: tool calls -> sandbox -> text."""
+"""The ``python`` tool shared by the math and coding environments: tool calls -> sandbox -> text, and
+``PythonToolEnv``, the step both run (tool turns until the policy answers, the answer graded by the
+subclass)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from megatron_sao.envs.base import StepResult, Task, check_task_env, require_task
 from megatron_sao.envs.sandbox import SandboxLimits, SandboxPool, run_python
-from megatron_sao.envs.tool_calls import ToolCall, format_tool_response
+from megatron_sao.envs.tool_calls import ToolCall, format_tool_response, parse_tool_calls
 
 TOOL_NAME = "python"
 
@@ -59,3 +62,56 @@ async def _execute_one(call: ToolCall, limits: SandboxLimits, pool: SandboxPool 
         return "error: the python tool needs a non-empty string argument 'code'", 0, 1
     res = await run_python(code, limits, pool)
     return res.as_observation(), 1, int(not res.ok)
+
+
+@dataclass
+class PythonToolEnv:
+    """One trajectory in which the policy may call the ``python`` tool before it answers.
+
+    A turn with tool calls runs them (at most ``max_calls_per_turn`` each turn, ``max_tool_calls`` in
+    all: past that the episode ends as truncated) and returns their output as the observation; a turn
+    without one is the answer, graded by the subclass's ``answer``. Subclasses set ``name`` and may
+    check a task's answer field in ``check_task``.
+    """
+
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    max_tool_calls: int = 50
+    max_calls_per_turn: int = 4
+    pool: SandboxPool | None = None
+    name: str = "python_tool"
+
+    def __post_init__(self) -> None:
+        if self.max_tool_calls < 0 or self.max_calls_per_turn < 1:
+            raise ValueError("max_tool_calls must be >= 0 and max_calls_per_turn >= 1")
+        self._task: Task | None = None
+        self._tool_calls = 0
+        self._tool_errors = 0
+
+    def check_task(self, task: Task) -> None:
+        """Raise ValueError if ``task`` cannot be graded by this environment (default: any task can)."""
+
+    async def answer(self, task: Task, action_text: str) -> StepResult:
+        raise NotImplementedError
+
+    async def reset(self, task: Task) -> None:
+        check_task_env(self.name, task)
+        self.check_task(task)
+        self._task, self._tool_calls, self._tool_errors = task, 0, 0
+
+    async def step(self, action_text: str) -> StepResult:
+        task = require_task(self.name, self._task)
+        calls = parse_tool_calls(action_text)
+        if not calls:
+            return await self.answer(task, action_text)
+        if self._tool_calls >= self.max_tool_calls:
+            return StepResult(None, True, 0.0, self._info(reason="tool_call_limit", truncated=True))
+        turn = await execute_tool_calls(calls, self.limits, self.pool, self.max_calls_per_turn)
+        self._tool_calls += len(calls)
+        self._tool_errors += turn.errors
+        return StepResult(turn.observation, False, 0.0, self._info())
+
+    async def close(self) -> None:
+        self._task = None
+
+    def _info(self, **extra) -> dict:
+        return {"tool_calls": self._tool_calls, "tool_errors": self._tool_errors, **extra}

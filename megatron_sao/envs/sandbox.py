@@ -10,9 +10,11 @@ standard library read-only, a private tmpfs of ``max_disk_mb`` for /tmp and its 
 and a /proc of its own processes only -- no home directories, datasets, answers, run directory, or
 other processes (the trainer's environment included). It has no network interface. Its first process
 is PID 1 of the namespace: when the program ends, everything it started is killed by the kernel,
-however it daemonized. As root the code runs under a private uid from ``[uid_base, uid_base + 1024)``
-and the whole tree is in a cgroup (memory and process count of the call as a whole, OOM reported);
-as non-root it has no capabilities and RLIMIT_NPROC counts only its own user namespace.
+however it daemonized. The code leads a session of its own, and may open sockets of the families its
+network namespace governs only (no AF_VSOCK). As root the code runs under a private uid from
+``[uid_base, uid_base + 1024)`` and the whole tree is in a cgroup (memory and process count of the
+call as a whole, OOM reported); as non-root it has no capabilities and RLIMIT_NPROC counts only its
+own user namespace.
 
 **process** (no namespaces: root in a container without CAP_SYS_ADMIN, or a non-root user without
 user namespaces): the call's own process group under a child subreaper, a private uid as root, and
@@ -21,10 +23,11 @@ working directory only, no file removal there; TCP, signals and abstract sockets
 kernels) and the process-mode seccomp filter (sandbox_child/syscall_filter.py: no signal outside
 the group and no leaving it, no socket() of any family -- so no unix-socket connect to a same-uid
 tmux/screen/D-Bus/systemd server --, no prlimit, renice, affinity, ioprio or page migration of
-another process, no execve after the interpreter started, no SysV IPC, no ptrace). The call can
-fork (up to its process budget) but not start another program. Disk: the parent watches the
-working directory and kills the call past ``max_disk_mb`` / ``max_files`` (sandbox_call.py; the
-bound is that plus one watch period's writes), each file bounded by RLIMIT_FSIZE. Running
+another process, no execve after the interpreter started, no SysV IPC, no ptrace, no chmod, chown
+or timestamps by path). The call can fork (up to its process budget) but not start another program.
+Disk: the parent watches the working directory by directory descriptors and kills the call past
+``max_disk_mb`` / ``max_files``, or when it cannot read a directory there (sandbox_call.py; the bound
+is that plus one watch period's writes), each file bounded by RLIMIT_FSIZE. Running
 untrusted code as the trainer's *own* uid this way is refused unless
 ``SandboxPool(allow_same_uid=True)`` (config: ``env.sandbox_allow_same_uid``) and needs Landlock;
 the trainer then makes itself non-dumpable so the code cannot read its /proc entries.
@@ -44,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import marshal
 import os
-import shutil
 import sys
 import sysconfig
 import tempfile
@@ -53,12 +55,13 @@ import time
 import weakref
 from pathlib import Path
 
-from megatron_sao.envs.sandbox_call import StatusReader, collect, kill_all_of_uid, planned_isolation
+from megatron_sao.envs.sandbox_call import StatusReader, collect, kill_all_of_uid, planned_isolation, remove_tree
 from megatron_sao.envs.sandbox_cgroup import CallCgroup, CgroupFactory
 from megatron_sao.envs.sandbox_types import SandboxError, SandboxLimits, SandboxResult
+from megatron_sao.envs.sandbox_workspace import SandboxWorkspace
 
-__all__ = ["SandboxError", "SandboxLimits", "SandboxPool", "SandboxResult", "configure_default_pool",
-           "default_pool", "run_python"]
+__all__ = ["SandboxError", "SandboxLimits", "SandboxPool", "SandboxResult", "SandboxWorkspace",
+           "configure_default_pool", "default_pool", "run_python"]
 
 _CHILD_PATH = str(Path(__file__).with_name("sandbox_child"))
 # The child imports the bootstrap and its helpers as top-level modules from these directories. They
@@ -100,15 +103,16 @@ class _UidSlots:
 
 
 _UIDS = _UidSlots()
-_RM = shutil.which("rm")
 _NAMESPACES_WORK: dict[bool, bool] = {}  # userns? -> whether namespaced calls work on this host
 _CGROUPS: dict[str, CgroupFactory | None] = {}
 
 
-def _readonly_paths(allow_site_packages: bool) -> list[str]:
+def _readonly_paths(allow_site_packages: bool, extra: tuple[str, ...] = ()) -> list[str]:
     """What the call may read besides the system directories: the interpreter's install tree
-    (standard library, lib-dynload, libpython), and the environment's site-packages only when asked."""
+    (standard library, lib-dynload, libpython), the environment's site-packages only when asked, and
+    the pool's ``readonly_paths`` (a repository's own Python environment for its tests)."""
     paths = {os.path.realpath(sys.base_prefix), os.path.dirname(os.path.realpath(os.__file__))}
+    paths.update(os.path.realpath(p) for p in extra)
     if allow_site_packages:
         for key in ("purelib", "platlib"):
             paths.add(os.path.realpath(sysconfig.get_paths()[key]))
@@ -140,10 +144,11 @@ class SandboxPool:
 
     ``isolation``: "auto" (namespaces where the host allows them, else process mode), or
     "namespaces" / "process" to insist on one. ``allow_same_uid``: let process mode run the code as
-    the trainer's own uid (non-root without user namespaces); refused otherwise."""
+    the trainer's own uid (non-root without user namespaces); refused otherwise. ``readonly_paths``:
+    host directories every call may also read, e.g. the Python environment a repository's tests need."""
 
     def __init__(self, max_concurrency: int = 8, uid_base: int = 200_000, allow_same_uid: bool = False,
-                 isolation: str = "auto", cgroups: bool = True) -> None:
+                 isolation: str = "auto", cgroups: bool = True, readonly_paths: tuple[str, ...] = ()) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if not 1000 <= uid_base <= 2**31 - _UidSlots.SIZE:
@@ -152,6 +157,7 @@ class SandboxPool:
             raise ValueError(f"isolation must be auto, namespaces or process, got {isolation!r}")
         self.max_concurrency, self.uid_base = max_concurrency, uid_base
         self.allow_same_uid, self.isolation, self.cgroups = allow_same_uid, isolation, cgroups
+        self.readonly_paths = tuple(readonly_paths)  # more directories every call may read (and execute)
         self.privileged = os.geteuid() == 0
         # asyncio primitives bind to one loop; keep one semaphore per loop.
         self._sems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -201,40 +207,76 @@ class SandboxPool:
             _check_readable_by_others(os.path.dirname(os.path.realpath(os.__file__)))
         return "process"
 
-    async def run(self, code: str, limits: SandboxLimits | None = None) -> SandboxResult:
+    async def run(self, code: str, limits: SandboxLimits | None = None, *,
+                  workspace: SandboxWorkspace | None = None) -> SandboxResult:
+        """Run ``code`` in a fresh call; with ``workspace`` (``open_workspace``) its working directory is
+        that directory, which keeps what the call changed, and the code may start programs."""
         if not isinstance(code, str):
             raise TypeError(f"code must be str, got {type(code).__name__}")
         limits = limits or SandboxLimits()
+        if workspace is not None:
+            workspace.check_usable(self)
         async with self._semaphore():
-            return await self._call(code, limits, await self._mode())
+            return await self._call(code, limits, await self._mode(), workspace)
 
-    async def _call(self, code: str, limits: SandboxLimits, mode: str) -> SandboxResult:
+    async def open_workspace(self, source: str | os.PathLike | None = None, *,
+                             max_bytes: int = 1 << 30, max_files: int = 100_000) -> SandboxWorkspace:
+        """A working directory that outlives calls (envs/sandbox_workspace.py), holding a copy of
+        ``source`` (regular files, directories and symlinks only; at most ``max_bytes``/``max_files``)."""
+        mode = await self._mode()
         uid = _UIDS.acquire(self.uid_base) if self.privileged else None
+        try:
+            return await SandboxWorkspace.create(self, mode, uid, source, max_bytes, max_files)
+        except BaseException:
+            if uid is not None:
+                _UIDS.release(uid)
+            raise
+
+    async def close_workspace(self, workspace: SandboxWorkspace) -> None:
+        """``SandboxWorkspace.close``: its uid's processes (process mode), its directory, its uid."""
+        try:
+            if workspace.uid is not None and workspace.mode == "process":
+                await kill_all_of_uid(workspace.uid)
+            await remove_tree(workspace.path)
+        finally:
+            if workspace.uid is not None:
+                _UIDS.release(workspace.uid)
+
+    async def _call(self, code: str, limits: SandboxLimits, mode: str,
+                    workspace: SandboxWorkspace | None = None) -> SandboxResult:
+        own_uid = workspace is None and self.privileged
+        uid = _UIDS.acquire(self.uid_base) if own_uid else (workspace.uid if workspace is not None else None)
+        # The call's scratch directory: its working directory (no workspace), the new root's mount point
+        # (namespaces), or where its code lies (a workspace in process mode).
         workdir = Path(tempfile.mkdtemp(prefix="sao-sandbox-"))
         cg = None
         try:
             factory = self._cgroup_factory()
             if factory is not None:
                 cg = factory.create(limits.memory_mb << 20, limits.max_processes + 2)  # + bootstrap A, B
-            return await self._run_in(workdir, uid, code, limits, mode, cg, factory)
+            return await self._run_in(workdir, uid, code, limits, mode, cg, factory, workspace)
         finally:
             # Shielded: a cancelled call (a rollout's own timeout) still cleans up in full.
-            await asyncio.shield(asyncio.ensure_future(_clean_up(workdir, uid, mode, cg)))
+            await asyncio.shield(asyncio.ensure_future(_clean_up(workdir, uid, mode, cg, release_uid=own_uid)))
 
     async def _run_in(self, workdir: Path, uid: int | None, code: str, limits: SandboxLimits, mode: str,
-                      cg: CallCgroup | None, factory: CgroupFactory | None) -> SandboxResult:
+                      cg: CallCgroup | None, factory: CgroupFactory | None,
+                      workspace: SandboxWorkspace | None = None) -> SandboxResult:
         code_file = workdir / "main.py"
         code_file.write_text(code, encoding="utf-8")
         if uid is not None and mode == "process":
             os.chown(workdir, uid, uid)
             os.chown(code_file, uid, uid)
-        isolation = planned_isolation(mode, uid, limits, cg, factory)
-        readonly = _readonly_paths(limits.allow_site_packages)
+        isolation = planned_isolation(mode, uid, limits, cg, factory, workspace=workspace is not None)
+        readonly = _readonly_paths(limits.allow_site_packages, self.readonly_paths)
+        # Process mode with a workspace: the code's own directory is readable, the workspace writable.
+        read_roots = readonly + [str(workdir)] if workspace is not None and mode == "process" else readonly
         status_r, status_w = os.pipe()
         cfg = {
             "mode": mode, "userns": mode == "namespaces" and uid is None, "uid": uid,
             "workdir": str(workdir), "code_file": str(code_file), "status_fd": status_w,
-            "child_path": _CHILD_PATH, "readonly": readonly, "read_roots": readonly,
+            "workspace": str(workspace.path) if workspace is not None else None, "exec": workspace is not None,
+            "child_path": _CHILD_PATH, "readonly": readonly, "read_roots": read_roots,
             "cgroup_procs": cg.procs_files if cg is not None else [], "isolation": isolation,
             "interpreter": os.path.realpath(sys.executable),
             "limits": {"cpu_s": limits.cpu_time_s, "memory_mb": limits.memory_mb, "fsize_mb": limits.max_file_mb,
@@ -253,43 +295,24 @@ class SandboxPool:
         finally:
             os.close(status_w)
         status = StatusReader(status_r)
-        return await collect(proc, status, limits, t0, cg, watch_dir=str(workdir) if mode == "process" else None)
+        # The disk watch: process mode's working directory, and a workspace in either mode (it is no tmpfs).
+        watch = str(workspace.path) if workspace is not None else str(workdir) if mode == "process" else None
+        return await collect(proc, status, limits, t0, cg, watch_dir=watch)
 
 
-async def _clean_up(workdir: Path, uid: int | None, mode: str, cg: CallCgroup | None) -> None:
+async def _clean_up(workdir: Path, uid: int | None, mode: str, cg: CallCgroup | None,
+                    release_uid: bool = True) -> None:
     """After a call, off the event loop: the cgroup (kill, rmdir retries), what a private uid left
-    anywhere, the working directory (thousands of files at worst)."""
+    anywhere, the working directory (thousands of files at worst). A workspace's uid stays held."""
     try:
         if cg is not None:
             await asyncio.to_thread(cg.close)
         if uid is not None and mode == "process":
             await kill_all_of_uid(uid)
-        if _RM is not None:  # another process: no GIL held against the rollouts for thousands of unlinks
-            quiet = asyncio.subprocess.DEVNULL
-            rm = await asyncio.create_subprocess_exec(_RM, "-rf", "--one-file-system", "--", str(workdir), stdin=quiet,
-                                                      stdout=quiet, stderr=quiet, env={}, close_fds=True)
-            await rm.wait()
-        if os.path.lexists(workdir):  # no rm, or directories the code made unreadable
-            await asyncio.to_thread(_remove_tree, workdir)
+        await remove_tree(workdir)
     finally:
-        if uid is not None:
+        if uid is not None and release_uid:
             _UIDS.release(uid)
-
-
-def _remove_tree(path: Path) -> None:
-    """rmtree that first opens up directories the code made unreadable (its own uid may chmod)."""
-    def reopen(func, p, _exc):
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            if os.path.isdir(p) and not os.path.islink(p):
-                os.chmod(p, 0o700)
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                func(p)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=reopen)
 
 
 _DEFAULT_POOLS: dict[int, SandboxPool] = {}

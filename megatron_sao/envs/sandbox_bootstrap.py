@@ -16,8 +16,9 @@ Namespaced mode (root, or any user where user namespaces work; chosen by sandbox
      drops its capabilities (user namespace) and becomes non-dumpable, forks C, reaps everything,
      and when C ends reports how many processes C left behind and exits -- the kernel then kills
      every process left in the namespace, however it daemonized (fork + setsid included).
-  C  the untrusted code's process: rlimits, a private uid (root) or no capabilities (user
-     namespace), no_new_privs, the seccomp filter, audit hooks for clear network errors.
+  C  the untrusted code's process: a session and process group of its own (not A's and B's),
+     rlimits, a private uid (root) or no capabilities (user namespace), no_new_privs, the seccomp
+     filter (socket families of the network namespace only), audit hooks for clear network errors.
 Process mode (no namespaces possible: root in a container without CAP_SYS_ADMIN, or a non-root
 user without user namespaces whose config allowed running as its own uid) -- two processes:
   A  a non-dumpable child subreaper that forks C, and when C ends kills C's process group and
@@ -89,7 +90,7 @@ def _run_namespaced(cfg: dict, status: _Status) -> str:
 
 
 def _init(cfg: dict, code: str, status: _Status) -> str:
-    """B: PID 1 of the call's namespace. Returns only in C (the working directory)."""
+    """B: PID 1 of the call's namespace. Returns only in C (the path of the code to run)."""
     try:
         import process
         import rootfs
@@ -98,7 +99,8 @@ def _init(cfg: dict, code: str, status: _Status) -> str:
         process.die_with_parent(0)
         uid = cfg["uid"] if cfg["uid"] is not None else INSIDE_ID
         lim = cfg["limits"]
-        rootfs.build(cfg["workdir"], cfg["readonly"], lim["disk_mb"], lim["files"], uid, uid, code)
+        code_path = rootfs.build(cfg["workdir"], cfg["readonly"], lim["disk_mb"], lim["files"], uid, uid, code,
+                                 cfg.get("workspace"))
         process.prctl(process.PR_SET_DUMPABLE, 0)
         if cfg["userns"]:
             process.drop_capabilities()
@@ -107,7 +109,8 @@ def _init(cfg: dict, code: str, status: _Status) -> str:
         status.send(error=f"{type(e).__name__}: {e}")
         os._exit(125)
     if child == 0:
-        return _user_process(cfg, status, workdir=rootfs.WORKDIR, pgid=None, parent=1)
+        _user_process(cfg, status, workdir=rootfs.WORKDIR, pgid=None, parent=1)
+        return code_path
     while True:  # PID 1 reaps every orphan of the namespace
         pid, st = os.waitpid(-1, 0)
         if pid == child:
@@ -131,7 +134,8 @@ def _run_process_mode(cfg: dict, status: _Status) -> str:
     child = os.fork()
     if child == 0:
         os.setpgid(0, 0)
-        return _user_process(cfg, status, workdir=cfg["workdir"], pgid=os.getpid(), parent=me)
+        _user_process(cfg, status, workdir=cfg.get("workspace") or cfg["workdir"], pgid=os.getpid(), parent=me)
+        return cfg["code_file"]
     status.send(child=child)
     _, st = os.waitpid(child, 0)
     left = process.processes_in_group(child, exclude=os.getpid())
@@ -149,14 +153,20 @@ def _run_process_mode(cfg: dict, status: _Status) -> str:
 
 
 # ---------------------------------------------------------------------- the untrusted code's process
-def _user_process(cfg: dict, status: _Status, workdir: str, pgid: int | None, parent: int) -> str:
-    """C: isolation of the untrusted code's process; returns the working directory (errors: exit)."""
+def _user_process(cfg: dict, status: _Status, workdir: str, pgid: int | None, parent: int) -> None:
+    """C: isolation of the untrusted code's process (errors: exit). With a workspace (`cfg["exec"]`)
+    the code may start programs: process mode's seccomp filter keeps execve open, Landlock lets it remove
+    and rename files in the workspace, and the audit hook does not refuse spawning."""
     import process
 
     try:
         lim = cfg["limits"]
         process.die_with_parent(parent)
         process_mode = pgid is not None
+        if not process_mode:
+            # A session (and process group) of its own: A and B stay in the bootstrap's group, which a
+            # kill(0) or killpg of the code must not reach (in user-namespace mode the code has A's uid).
+            os.setsid()
         same_uid = process_mode and cfg["uid"] is None
         nproc = process.tasks_of_uid(os.getuid()) + lim["nproc"] if same_uid else lim["nproc"]
         process.set_limits(lim, nproc)
@@ -171,7 +181,7 @@ def _user_process(cfg: dict, status: _Status, workdir: str, pgid: int | None, pa
 
             process.prctl(process.PR_SET_NO_NEW_PRIVS, 1)
             try:
-                active.append(landlock.restrict(workdir, cfg["read_roots"]))
+                active.append(landlock.restrict(workdir, cfg["read_roots"], keep_files=not cfg.get("workspace")))
             except OSError as e:
                 if same_uid:  # the only barrier between the code and the user's files: none, no run
                     raise
@@ -179,15 +189,19 @@ def _user_process(cfg: dict, status: _Status, workdir: str, pgid: int | None, pa
         try:
             import syscall_filter
 
-            syscall_filter.install(syscall_filter.build(same_uid=process_mode, pgid=pgid or 0))
-            active.append("seccomp" + ("=process" if process_mode else ""))
+            allow_exec = bool(cfg.get("exec"))
+            private = cfg["uid"] is not None  # a private uid owns no file but the workspace's
+            syscall_filter.install(syscall_filter.build(same_uid=process_mode, pgid=pgid or 0, allow_exec=allow_exec,
+                                                        allow_modes=allow_exec and private))
+            active.append("seccomp" + ("=process" if process_mode else "") + ("+exec" if process_mode and allow_exec
+                                                                              else ""))
         except OSError as e:
             if same_uid:  # the only barrier against signalling the trainer: no seccomp, no run
                 raise
             active.append(f"no-seccomp({e.strerror})")
         # Not a layer (one line of Python removes it, so `isolation` does not list it): it turns what
         # the kernel layers refuse into clear messages ("network access is disabled").
-        _install_audit_hook(workdir, process_mode, cfg["read_roots"])
+        _install_audit_hook(workdir, process_mode, cfg["read_roots"], allow_spawn=bool(cfg.get("exec")))
         if cfg.get("interpreter") and os.path.exists(cfg["interpreter"]):
             sys.executable = cfg["interpreter"]
         status.send(ready=active)
@@ -198,7 +212,6 @@ def _user_process(cfg: dict, status: _Status, workdir: str, pgid: int | None, pa
     for name in ("process", "rootfs", "syscall_filter", "landlock", "sandbox_bootstrap"):
         sys.modules.pop(name, None)
     sys.path[:] = [p for p in sys.path if p not in (cfg["child_path"], os.path.dirname(cfg["child_path"]))]
-    return workdir
 
 
 def _join_cgroup(cfg: dict) -> None:
@@ -213,7 +226,7 @@ def _exit_of(st: int) -> dict:
     return {"exit": os.WEXITSTATUS(st), "signal": None}
 
 
-def _install_audit_hook(workdir: str, restrict_fs: bool, read_roots: list) -> None:
+def _install_audit_hook(workdir: str, restrict_fs: bool, read_roots: list, allow_spawn: bool = False) -> None:
     """Clear messages for what the kernel layers refuse anyway (a hook is not a barrier: the code can
     clear it). Network: IPv4/IPv6. Process mode also: reads and writes outside the working directory
     (reads: also outside `read_roots`, the standard library), spawning, ctypes."""
@@ -258,7 +271,7 @@ def _install_audit_hook(workdir: str, restrict_fs: bool, read_roots: list) -> No
             for p in paths:
                 if p is not None and not under(p, (root,)):
                     raise PermissionError(f"sandbox: {event} outside the working directory is not allowed: {p!r}")
-        elif event in _SPAWN_EVENTS:
+        elif event in _SPAWN_EVENTS and not allow_spawn:
             raise PermissionError(f"sandbox: {event} is not allowed in this sandbox")
 
     sys.addaudithook(hook)
@@ -297,9 +310,9 @@ def main() -> None:
     cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
     status = _Status(cfg["status_fd"])
     try:  # only the untrusted code's process (C) returns from these
-        workdir = _run_namespaced(cfg, status) if cfg["mode"] == "namespaces" else _run_process_mode(cfg, status)
+        code_path = _run_namespaced(cfg, status) if cfg["mode"] == "namespaces" else _run_process_mode(cfg, status)
     except BaseException as e:
         status.send(error=f"{type(e).__name__}: {e}")
         os._exit(125)
     # Outside every handler above: the program's sys.exit, atexit and threads behave as usual.
-    sys.exit(_run_user_code(os.path.join(workdir, "main.py"), cfg["limits"]["memory_mb"]))
+    sys.exit(_run_user_code(code_path, cfg["limits"]["memory_mb"]))

@@ -16,10 +16,13 @@ from __future__ import annotations
 import ast
 import asyncio
 import os
+import shutil
 import signal
+import stat
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from megatron_sao.envs.sandbox_cgroup import CallCgroup, CgroupFactory
 from megatron_sao.envs.sandbox_types import SandboxError, SandboxLimits, SandboxResult
@@ -33,18 +36,27 @@ WATCH_PERIOD_S = 0.025
 _WATCH_DUTY = 4
 # Off the event loop: a walk of thousands of files, and clean-up (rmtree, cgroup rmdir retries),
 # would otherwise stall every rollout of the process (they ran on the loop and stalled it 1.6-3.1 s).
+_RM = shutil.which("rm")
 _WATCHERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sandbox-disk-watch")
+# A walk holds one descriptor per level of the current path: both watch threads together at most
+# 2 x MAX_DEPTH of the trainer's descriptors. No program needs a deeper working directory.
+MAX_DEPTH = 64
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def planned_isolation(mode: str, uid: int | None, limits: SandboxLimits, cg: CallCgroup | None,
-                       factory: CgroupFactory | None) -> list[str]:
+                       factory: CgroupFactory | None, workspace: bool = False) -> list[str]:
     """The layers the parent sets up or asks for; the child appends what it installed itself."""
     out = [f"uid={uid}" if uid is not None else ("userns" if mode == "namespaces" else "uid=same")]
     if mode == "namespaces":
         out += ["pidns", "netns", "mountns", "ipcns", "utsns", "rootfs=private", f"disk=tmpfs:{limits.max_disk_mb}m",
                 f"files=tmpfs:{limits.max_files}"]
+        if workspace:  # the workspace is a host directory: watched, as in process mode (/tmp stays a tmpfs)
+            out += ["workspace", f"disk=watched:{limits.max_disk_mb}m", f"files=watched:{limits.max_files}"]
     else:
         out += ["pgroup", "subreaper", f"disk=watched:{limits.max_disk_mb}m", f"files=watched:{limits.max_files}"]
+        if workspace:
+            out.append("workspace")
         if uid is None:
             out.append("parent=nondumpable")
     if cg is not None:
@@ -85,41 +97,89 @@ class StatusReader:
         return next((m for m in self.msgs if "leftovers" in m), {})
 
 
-def workdir_usage(root: str, max_entries: int) -> tuple[int, int, str | None]:
-    """(bytes allocated, entries, a directory that could not be read) below `root`; stops counting
-    past `max_entries`. A directory the code made unreadable (chmod 000: Landlock does not govern
-    modes) is opened up again; one that stays unreadable is reported, and the call is killed."""
-    total, n, seen = 0, 0, set()
-    stack = [root]
-    while stack:
-        d = stack.pop()
-        try:
-            it = os.scandir(d)
-        except PermissionError:
-            try:
-                os.chmod(d, 0o700)
-                it = os.scandir(d)
-            except OSError:
-                return total, n, d
-        except OSError:  # removed meanwhile (the call removes directories, never files)
-            continue
-        with it:
+class _Tally:
+    """What a walk of the working directory has counted so far."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.bytes, self.entries, self.max_entries = 0, 0, max_entries
+        self.inodes: set[int] = set()  # hard-linked files seen (their blocks count once)
+
+    def scan(self, fd: int) -> list[str] | None:
+        """Count the entries of the directory open as `fd`; its subdirectories' names, or None once
+        past `max_entries`. Raises OSError (but not for an entry removed meanwhile)."""
+        subdirs = []
+        with os.scandir(fd) as it:  # listed and stat'ed relative to `fd` (fstatat), never by path
             for e in it:
-                n += 1
-                if n > max_entries:
-                    return total, n, None
+                self.entries += 1
+                if self.entries > self.max_entries:
+                    return None
                 try:
                     st = e.stat(follow_symlinks=False)
-                except OSError:
+                except FileNotFoundError:
                     continue
-                if e.is_dir(follow_symlinks=False):
-                    stack.append(e.path)
-                elif st.st_nlink > 1:  # a hard link holds its blocks once
-                    if st.st_ino in seen:
+                if stat.S_ISDIR(st.st_mode):
+                    subdirs.append(e.name)
+                elif st.st_nlink > 1:
+                    if st.st_ino in self.inodes:
                         continue
-                    seen.add(st.st_ino)
-                total += st.st_blocks * 512
-    return total, n, None
+                    self.inodes.add(st.st_ino)
+                self.bytes += st.st_blocks * 512
+        return subdirs
+
+
+def workdir_usage(root: str, max_entries: int) -> tuple[int, int, str | None]:
+    """(bytes allocated, entries, why the walk could not finish) below `root`; stops counting past
+    `max_entries`.
+
+    By directory descriptors, never by path strings: each directory is opened relative to its
+    parent's descriptor with O_NOFOLLOW | O_DIRECTORY and listed through it, so a tree whose paths
+    exceed PATH_MAX is walked like any other, and a directory swapped for a symlink between the
+    listing and the open is refused by the kernel (ELOOP), never followed. The walk changes nothing:
+    no chmod of a directory the code made unreadable (a path the code controls must lead this process
+    nowhere). Only ENOENT is benign (the call removed a directory meanwhile); any other error, or a
+    tree deeper than `MAX_DEPTH` (each level holds a descriptor), is the reason returned, and the
+    call is killed."""
+    tally = _Tally(max_entries)
+    frames: list[tuple[int, str, list[str]]] = []  # the open directories of the current path
+    try:
+        try:
+            top = os.open(root, _DIR_FLAGS)
+        except OSError as e:
+            return 0, 0, f"cannot open the working directory ({e.strerror})"
+        frames.append((top, ".", []))
+        subdirs = tally.scan(top)
+        while subdirs is not None:
+            frames[-1][2].extend(subdirs)
+            while frames and not frames[-1][2]:  # done with the deepest directory
+                os.close(frames.pop()[0])
+            if not frames:
+                break
+            parent, rel, pending = frames[-1]
+            name = pending.pop()
+            where = f"{rel}/{name}"
+            if len(frames) >= MAX_DEPTH:
+                return tally.bytes, tally.entries, f"the call made a tree deeper than {MAX_DEPTH} directories"
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+            except FileNotFoundError:  # removed meanwhile
+                subdirs = []
+                continue
+            except OSError as e:  # EACCES (made unreadable), ELOOP (swapped for a symlink), ...
+                return tally.bytes, tally.entries, f"cannot open {_shown(where)} ({e.strerror})"
+            frames.append((fd, where, []))
+            subdirs = tally.scan(fd)
+        return tally.bytes, tally.entries, None
+    except OSError as e:
+        where = frames[-1][1] if frames else "."
+        return tally.bytes, tally.entries, f"cannot read {_shown(where)} ({e.strerror})"
+    finally:
+        for fd, _, _ in frames:
+            os.close(fd)
+
+
+def _shown(rel: str) -> str:
+    """A path of the working directory for a message (the code may make it very long)."""
+    return rel if len(rel) <= 200 else f"{rel[:90]}...{rel[-90:]}"
 
 
 async def watch_disk(workdir: str, limits: SandboxLimits) -> str:
@@ -129,10 +189,10 @@ async def watch_disk(workdir: str, limits: SandboxLimits) -> str:
     while True:
         await asyncio.sleep(pause)
         t0 = time.monotonic()
-        used, n, hidden = await loop.run_in_executor(_WATCHERS, workdir_usage, workdir, limits.max_files + 1)
+        used, n, problem = await loop.run_in_executor(_WATCHERS, workdir_usage, workdir, limits.max_files + 1)
         pause = max(WATCH_PERIOD_S, _WATCH_DUTY * (time.monotonic() - t0))
-        if hidden is not None:
-            return f"disk watch: the call made {hidden} unreadable"
+        if problem is not None:
+            return f"disk watch: {problem}"
         if used > limits.max_disk_mb << 20:
             return f"disk limit of {limits.max_disk_mb} MiB exceeded"
         if n > limits.max_files + 1:  # + main.py
@@ -230,3 +290,30 @@ async def kill_all_of_uid(uid: int) -> None:
         sys.executable, "-I", "-S", "-c", drop_and_kill, stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, env={}, close_fds=True)
     await proc.wait()  # exit status 1 (ProcessLookupError) just means there was nothing left to kill
+
+
+async def remove_tree(path: Path) -> None:
+    """Remove a directory the sandbox's code wrote, off the event loop (thousands of files at worst)."""
+    if _RM is not None:  # another process: no GIL held against the rollouts for thousands of unlinks
+        quiet = asyncio.subprocess.DEVNULL
+        rm = await asyncio.create_subprocess_exec(_RM, "-rf", "--one-file-system", "--", str(path), stdin=quiet,
+                                                  stdout=quiet, stderr=quiet, env={}, close_fds=True)
+        await rm.wait()
+    if os.path.lexists(path):  # no rm, or directories the code made unreadable
+        await asyncio.to_thread(_remove_tree, path)
+
+
+def _remove_tree(path: Path) -> None:
+    """rmtree that first opens up directories the code made unreadable (its own uid may chmod)."""
+    def reopen(func, p, _exc):
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=reopen)

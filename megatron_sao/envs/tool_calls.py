@@ -67,6 +67,14 @@ def _parse_json_call(body: str) -> ToolCall:
     return ToolCall(name=name, arguments=args, raw=raw)
 
 
+def json_tool_calls(text: str) -> list[tuple[int, int, ToolCall]]:
+    """Every ``<tool_call>{json}</tool_call>`` block of ``text`` (the last one may lack its closing tag)
+    as (start, end, call): the agent endpoint turns the well-formed ones into OpenAI tool calls."""
+    if not isinstance(text, str):
+        raise TypeError(f"json_tool_calls expects str, got {type(text).__name__}")
+    return [(m.start(), m.end(), _parse_json_call(m.group(1))) for m in _TOOL_CALL_RE.finditer(text)]
+
+
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """All tool calls in ``text``, in order of appearance (both syntaxes)."""
     if not isinstance(text, str):

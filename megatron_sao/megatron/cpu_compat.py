@@ -2,7 +2,7 @@
 
 Megatron-Core assumes CUDA in a handful of places that have nothing to do with the math. Each patch
 below names the call it fixes, so that the engineer who upgrades megatron-core can drop the ones that
-are no longer needed. On a machine with CUDA `ensure_cpu_compat()` applies patch 5 only, and only
+are no longer needed. On a machine with CUDA `ensure_cpu_compat()` applies patches 5 and 9 only, and only
 where TransformerEngine is absent (the local layer spec's fallback).
 
 Patches (measured on megatron-core 0.16.1 and 0.19.2, torch 2.13 CPU; see
@@ -23,6 +23,13 @@ shared/reference/feasibility/megatron_cpu for the failures they fix):
    mask (AttnMaskType.causal, attention_mask=None) on device="cuda". The TorchFunctionMode of
    patch 2 covers the forward pass, but not a forward replayed by activation recompute inside
    autograd's backward (the mode is not active there).
+9. DistributedOptimizer._set_main_param_and_optimizer_states keeps the live "step": without TE and apex
+   the distributed optimizer runs torch's Adam, whose per-parameter state holds "step" besides the
+   moments. Loading a `fully_reshardable` checkpoint (megatron/optimizer_state.py) then fails in
+   `load_parameter_state_from_fully_reshardable` -> `_set_main_param_and_optimizer_states` with
+   KeyError: 'step': it copies every key of the destination state from the loaded tensors, and the
+   loader leaves "step" out on purpose (it is restored from the param groups by `load_state_dict` just
+   before). On CUDA as on CPU wherever TE and apex are absent (`ensure_no_te_compat`).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 _LOCK = threading.Lock()
 _APPLIED: list[str] = []  # what was patched, in order (for logs and tests)
 _CPU_PATCHED = False
+_NO_TE_PATCHED = False
 
 
 def _is_cuda(dev) -> bool:
@@ -165,18 +173,44 @@ def _patch_megatron() -> None:
 
 
 def ensure_no_te_compat() -> bool:
-    """Patch 5, wherever TransformerEngine is absent (CUDA or not); True if it was needed.
+    """Patches 5 and 9, wherever TransformerEngine is absent (CUDA or not); True if they were needed.
 
     megatron-core 0.16.1 imports `te_general_gemm` inside a try and defines no fallback name: the
     router's forward tests `te_general_gemm is not None` and so raises NameError without TE.
     """
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
+    global _NO_TE_PATCHED
     with _LOCK:
-        if hasattr(moe_utils, "te_general_gemm"):
+        if _NO_TE_PATCHED:
             return False
-        moe_utils.te_general_gemm = None
-        _APPLIED.append("moe_utils.te_general_gemm = None")
+        _NO_TE_PATCHED = True
+        needed = not hasattr(moe_utils, "te_general_gemm")
+        if needed:
+            moe_utils.te_general_gemm = None
+            _APPLIED.append("moe_utils.te_general_gemm = None")
+        return _patch_fully_reshardable_step() or needed
+
+
+def _patch_fully_reshardable_step() -> bool:
+    """Patch 9 (see the module docstring), where megatron's distributed optimizer runs torch's Adam."""
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return False
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}  # copied onto itself: the step load_state_dict set
+        return original(self, model_param, tensors)
+
+    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    _APPLIED.append("DistributedOptimizer._set_main_param_and_optimizer_states keeps torch Adam's step")
     return True
 
 

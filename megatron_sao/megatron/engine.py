@@ -184,9 +184,11 @@ class MegatronEngine:
         # batch's `routes`; the critic routes by itself and never sees them.
         from megatron_sao.megatron.routing_replay import RouteSlice, RoutingReplay, install_router_replay
 
-        self.routing = RoutingReplay(install_router_replay(model) if role == "actor" else [],
+        moe_actor = role == "actor" and spec.is_moe  # the same on every rank, routers on this stage or not
+        self.routing = RoutingReplay(install_router_replay(model) if moe_actor else [],
                                      RouteSlice(c.tp, c.tp_rank, c.sequence_parallel),
-                                     recompute=self.config.recompute_granularity is not None, device=c.device)
+                                     recompute=self.config.recompute_granularity is not None, device=c.device,
+                                     moe=moe_actor)
         self.replay_routes = False  # rollout.routing_replay: replay the engine's routes, not only measure
         self.last_routing_agreement: dict[str, float] | None = None  # of the latest logprobs() call with routes
         self.layout = self._rank_layout()
@@ -230,7 +232,7 @@ class MegatronEngine:
                 f"building the Megatron optimizer failed ({exc!r}); with "
                 f"use_distributed_optimizer={optim.use_distributed_optimizer} - try the other setting"
             ) from exc
-        from megatron_sao.checkpoint.names import canonical_name
+        from megatron_sao.models.names import canonical_name
 
         self._param_names = {id(p): canonical_name(n) for n, p in self.module.named_parameters()}
         from megatron_sao.megatron.offload import TrainerOffload
@@ -333,8 +335,9 @@ class MegatronEngine:
 
     def _routing_agreement(self, routing) -> dict[str, float]:
         """Shares of routed token x layer top-k sets where the trainer's own choice (and the set the
-        forward used) equals the engine's, over every rank (a collective; with SP each token is counted
-        on one TP rank). {} when the batch had no routes."""
+        forward used) equals the engine's, over every rank (a collective every rank of an MoE actor joins,
+        a pipeline stage without routers included; with SP each token is counted on one TP rank). {} when
+        the batch had no routes."""
         if routing is None:
             return {}
         counts = routing.end(self.ctx.device)
@@ -421,14 +424,14 @@ class MegatronEngine:
 
     def export_hf_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full weights under HF names in buckets of <= bucket_bytes, yielded on global rank 0."""
-        from megatron_sao.megatron.export import export_hf_weights
+        from megatron_sao.weights.export import export_hf_weights
 
         self._require("params")
         return export_hf_weights(self.module, self.spec, self.ctx, bucket_bytes=bucket_bytes)
 
     def export_hf_weights_every_rank(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The same buckets yielded on *every* rank (pp=1): what an in-process engine shard loads."""
-        from megatron_sao.megatron.export import export_hf_weights
+        from megatron_sao.weights.export import export_hf_weights
 
         self._require("params")
         return export_hf_weights(self.module, self.spec, self.ctx, bucket_bytes=bucket_bytes, every_rank=True)
@@ -470,16 +473,16 @@ class MegatronEngine:
                 if self._param_names.get(id(model_p)) == "value_head.bias":
                     main_p.fill_(value)
 
-    def save(self, path: str) -> None:
-        """Model + optimizer + scheduler state of every rank into `path` (atomic)."""
-        from megatron_sao.megatron.state_io import save_engine_state
+    def save(self, path: str, *, asynchronous: bool = False):
+        """Model + optimizer + scheduler as a distributed checkpoint in `path` (an existing, empty
+        directory; megatron/dist_state.py). Asynchronous: returns the AsyncRequest that writes it."""
+        from megatron_sao.megatron import dist_state
 
-        self._require()
-        save_engine_state(self, path)
+        return dist_state.save(self, path, asynchronous=asynchronous)
 
-    def load(self, path: str) -> None:
-        """Restore what `save` wrote (same layout); resumes bit-exactly."""
-        from megatron_sao.megatron.state_io import load_engine_state
+    def load(self, path: str) -> dict:
+        """Restore what `save` wrote at any layout (resharded), or a per-rank checkpoint of the old format
+        at its own layout. Returns the checkpoint's record (format, layout it was saved at, ...)."""
+        from megatron_sao.megatron import dist_state
 
-        self._require()
-        load_engine_state(self, path)
+        return dist_state.load(self, path)

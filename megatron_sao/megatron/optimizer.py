@@ -175,7 +175,7 @@ def group_grad_norms(optimizer, param_names: dict[int, str], groups: dict[str, l
     from megatron.core import tensor_parallel
     from megatron.core.transformer.module import param_is_not_shared
 
-    from megatron_sao.megatron.parallel import collective_device
+    from megatron_sao.distributed.devices import collective_device
 
     compiled = {g: [_matcher(p) for p in pats] for g, pats in groups.items()}
     names = list(groups)

@@ -15,7 +15,7 @@ inside a collective. The collective after such a phase is preceded by `rank0_gat
 *between* the collectives of one sequence: `process_group_timeout_s` derives it from the config.
 
 Collective-device rule: every tensor handed to a collective lives on `ctx.device` (the GPU under
-NCCL), or on the host only for a group created with backend="gloo". `collective_device(group)`
+NCCL), or on the host only for a group created with backend="gloo". `distributed.devices.collective_device(group)`
 answers for code that has no `ParallelContext`. Under `SAO_COLLECTIVE_GUARD=1` on a CPU build
 (the test suite), `init_parallel` installs `collective_guard`, which makes `ctx.device` a pretend
 accelerator and fails any collective that breaks the rule.
@@ -198,8 +198,8 @@ def init_parallel(sizes, *, seed: int = 1234, timeout_s: float = DEFAULT_TIMEOUT
 
 def _choose_gloo_interface() -> None:
     """Set GLOO_SOCKET_IFNAME before any group exists (megatron-core creates gloo groups; see
-    cluster/socket_ifname.py): as given, else NCCL_SOCKET_IFNAME's names, else the route to MASTER_ADDR."""
-    from megatron_sao.cluster.socket_ifname import GLOO, gloo_ifname_from_env, interface_for
+    distributed/socket_ifname.py): as given, else NCCL_SOCKET_IFNAME's names, else the route to MASTER_ADDR."""
+    from megatron_sao.distributed.socket_ifname import GLOO, gloo_ifname_from_env, interface_for
 
     name = gloo_ifname_from_env(os.environ) or interface_for(os.environ["MASTER_ADDR"])
     if name and not os.environ.get(GLOO):
@@ -237,19 +237,6 @@ def _training_device(use_cuda: bool, guarded: bool) -> torch.device:
     if use_cuda:
         return torch.device("cuda", torch.cuda.current_device())
     return collective_guard.PRETEND_DEVICE if guarded else torch.device("cpu")
-
-
-def collective_device(group=None) -> torch.device:
-    """The device a tensor must be on for a collective over `group` (the default group if None).
-
-    NCCL groups: this rank's GPU; gloo groups (megatron-core's *_GLOO ones, the CPU build): the
-    host, or the collective guard's pretend accelerator when it checks a CPU run.
-    """
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if collective_guard.installed() and collective_guard.nccl_group(group):
-        return collective_guard.PRETEND_DEVICE
-    return torch.device("cpu")
 
 
 def destroy_parallel(*, destroy_process_group: bool = True) -> None:

@@ -135,18 +135,24 @@ def router_targets(routes: torch.Tensor, layer: int, where: RouteSlice) -> torch
 
 class RoutingReplay:
     """The actor engine's handle on its routers: set a micro-batch's targets, count agreement.
+    ``moe``: the model routes (an MoE actor), whether or not this rank's pipeline stage holds a router:
+    every rank of such a model takes the batch's routes and joins the agreement's all-reduce (a stage of
+    dense layers with no router, beside stages with routers, would otherwise skip it and the others hang).
     ``recompute``: the engine recomputes activations in the backward pass (the forwards are re-run);
     ``device``: where the routers run (a micro-batch's routes come from the host, see before_forward)."""
 
-    def __init__(self, routers: list, where: RouteSlice, recompute: bool = False, device=None) -> None:
+    def __init__(self, routers: list, where: RouteSlice, recompute: bool = False, device=None,
+                 moe: bool | None = None) -> None:
         self.routers = routers
         self.where = where
         self.recompute = recompute
         self.device = device
         self.replay = False
+        self.moe = bool(routers) if moe is None else moe
 
     def __bool__(self) -> bool:
-        return bool(self.routers)
+        """True for an MoE actor on every rank (see ``moe``), with or without routers on this stage."""
+        return self.moe
 
     def begin(self, replay: bool) -> None:
         """Before a schedule: replay (True) or only measure (False); counts start at 0."""
@@ -185,7 +191,7 @@ class RoutingReplay:
 
     def end(self, device) -> torch.Tensor:
         """After a schedule: float64 [own agrees, used agrees, total] token x layer counts of this rank, on
-        `device` (for the all-reduce); targets dropped."""
+        `device` (for the all-reduce every rank joins; zeros on a stage without routers); targets dropped."""
         counts = torch.zeros(3, dtype=torch.float64, device=device)
         for _, r in self.routers:
             counts += torch.stack([r.agree.to(device), r.used.to(device), r.total.to(device)]).double()

@@ -1,33 +1,26 @@
-"""Engine checkpoints for exact resume at the same parallel layout.
+"""Reader of the engine checkpoints written before distributed checkpoints (format megatron_sao.engine/1).
 
-Layout on disk (a shared filesystem when ranks span nodes):
-  <dir>/meta.json            role, spec, parallel sizes, world size, state_version
-  <dir>/rank_00000.pt ...    per rank: module state dict (local shards), each sub-optimizer's inner
-                             torch optimizer state (Adam moments of this rank's shard), the fp32
-                             main-parameter shards (bf16 runs), the LR scheduler, torch RNG state
-Saving is atomic: every rank writes into <dir>.tmp, then rank 0 swaps it into place after a
-barrier, so a crash mid-save never leaves a half-written <dir>. Loading checks the layout first
-and says what differs. This is not a resharding format: convert through HF (export_hf_weights /
-checkpoint.convert) to change TP/PP/EP.
+Layout on disk: <dir>/meta.json (role, spec, parallel sizes, world size, state_version) and one
+<dir>/rank_NNNNN.pt per rank (module state dict of its shards, each sub-optimizer's inner torch state, the
+fp32 main-parameter shards of bf16 runs, the LR scheduler, the rank's torch RNG state). Such a checkpoint
+holds per-rank optimizer shards, so it loads only at the layout that wrote it. Nothing writes it any more
+(`dist_state.py` does); a run that has one resumes at that layout once, and its next checkpoint is
+distributed and loads at any layout.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import torch
 import torch.distributed as dist
 
 from megatron_sao.megatron.optimizer import sub_optimizers
 
-_FORMAT = "megatron_sao.engine/1"
-
 
 def _layout_meta(engine) -> dict:
     c = engine.ctx
-    return {"format": _FORMAT, "role": engine.role, "spec": engine.spec.to_dict(),
+    return {"format": "megatron_sao.engine/1", "role": engine.role, "spec": engine.spec.to_dict(),
             "tp": c.tp, "pp": c.pp, "ep": c.ep, "etp": c.etp, "sequence_parallel": c.sequence_parallel,
             "world_size": c.world_size,
             "distributed_optimizer": engine.optim_config.use_distributed_optimizer}
@@ -39,52 +32,19 @@ def _main_params(opt) -> list[torch.Tensor]:
     return [p for g in (groups or []) for p in g]
 
 
-def _rank_file(path: str, rank: int) -> str:
-    return os.path.join(path, f"rank_{rank:05d}.pt")
-
-
-def save_engine_state(engine, path: str) -> None:
-    path = os.path.abspath(path)
-    tmp = path + ".tmp"
-    rank = engine.ctx.rank
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    state = {
-        "module": {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items() if torch.is_tensor(v)},
-        "optimizers": [opt.optimizer.state_dict() for opt in sub_optimizers(engine.optimizer)],
-        "main_params": [[p.detach().cpu().clone() for p in _main_params(opt)]
-                        for opt in sub_optimizers(engine.optimizer)],
-        "scheduler": engine.scheduler.state_dict(),
-        "rng": torch.get_rng_state(),
-    }
-    torch.save(state, _rank_file(tmp, rank))
-    dist.barrier()
-    if rank == 0:
-        meta = dict(_layout_meta(engine), state_version=engine.state_version)
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        old = path + ".old"
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-
-
-def load_engine_state(engine, path: str) -> None:
-    path = os.path.abspath(path)
-    meta_file = os.path.join(path, "meta.json")
-    if not os.path.isfile(meta_file):
-        raise FileNotFoundError(f"no engine checkpoint at {path} (missing meta.json)")
-    with open(meta_file) as f:
-        meta = json.load(f)
+def load_engine_state(engine, path: str, meta: dict) -> None:
+    """Load a per-rank checkpoint at the layout that wrote it; at any other, say how to get one that reshards."""
     expected = _layout_meta(engine)
     diff = {k: (meta.get(k), v) for k, v in expected.items() if meta.get(k) != v}
     if diff:
-        raise ValueError(f"engine checkpoint {path} does not match this engine (saved, current): {diff}")
-    state = torch.load(_rank_file(path, engine.ctx.rank), map_location="cpu", weights_only=False)
+        saved = {k: meta.get(k) for k in ("tp", "pp", "ep", "etp", "sequence_parallel", "world_size")}
+        raise ValueError(
+            f"engine checkpoint {path} is a per-rank checkpoint (format megatron_sao.engine/1, written before "
+            f"distributed checkpoints): it loads only at the layout that wrote it, {saved}; this engine differs "
+            f"(saved, current): {diff}. Convert it by resuming once at that layout (`sao train --resume` with "
+            "parallel.* and the number of ranks as saved, run.save_every=1 or a stop after one step): the "
+            "checkpoint that run writes is a distributed one and loads at any layout.")
+    state = torch.load(os.path.join(path, f"rank_{engine.ctx.rank:05d}.pt"), map_location="cpu", weights_only=False)
     missing, unexpected = engine.module.load_state_dict(state["module"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:

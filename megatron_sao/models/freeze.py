@@ -1,7 +1,7 @@
 """Freeze parameters by name pattern (SAO's critic keeps its attention frozen during RL).
 
 Patterns are matched against *canonical* parameter names (see
-`megatron_sao.checkpoint.names.canonical_name`), so one preset works for the local and the TE
+`megatron_sao.models.names.canonical_name`), so one preset works for the local and the TE
 layer spec. A pattern is an fnmatch glob, or a regular expression when prefixed with "re:".
 
 The critic preset (the paper's frozen-attention critic: "freeze attention, train only the MoE
@@ -35,8 +35,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from megatron_sao.checkpoint.names import canonical_name
 from megatron_sao.models.hf_config import ModelSpec
+from megatron_sao.models.names import canonical_name
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def check_patterns_matched_globally(report: FreezeReport, group=None) -> None:
     patterns = list(report.matches_per_pattern)
     counts = [report.matches_per_pattern[p] for p in patterns]
     if torch.distributed.is_initialized():
-        from megatron_sao.megatron.parallel import collective_device
+        from megatron_sao.distributed.devices import collective_device
 
         counts = torch.tensor(counts, dtype=torch.long, device=collective_device(group))
         torch.distributed.all_reduce(counts, group=group)

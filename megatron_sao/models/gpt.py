@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_sao.models.hf_config import ModelSpec
@@ -31,7 +32,7 @@ ROLES = ("actor", "critic")
 
 
 def _backend_settings(use_te: bool, params_dtype: torch.dtype) -> dict[str, Any]:
-    """Kernel/fusion switches. The CPU set is the one verified on gloo (tests/megatron); the TE set
+    """Kernel/fusion switches. The CPU set is the one verified on gloo (tests/integration/megatron); the TE set
     is the usual GPU choice (grouped GEMM, all-to-all dispatch, fused kernels) and has NOT been run
     by this project's tests (no GPU here).
 
@@ -175,6 +176,13 @@ class CriticGPTModel(GPTModel):
         if name == "output_layer" and "value_head" in self.__dict__.get("_modules", {}):
             return self._modules["value_head"]
         return super().__getattr__(name)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Megatron's default (every submodule's own sharded state dict, `value_head` replicated over TP).
+        LanguageModule's would mark `output_layer.weight` as vocabulary-padded (allow_shape_mismatch) and
+        fails with KeyError on the critic, whose last stage has `value_head` instead: one output, nothing
+        padded. Nothing else of GPTModel's applies (no tied embedding, no multi-token prediction)."""
+        return MegatronModule.sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
 
 def build_gpt_model(spec: ModelSpec, config: TransformerConfig, *, role: str = "actor", pre_process: bool = True,

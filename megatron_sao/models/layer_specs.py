@@ -6,7 +6,7 @@ exact-logits tests check. Its only gap is normalisation: `WrappedTorchNorm` refu
 parallel, so every norm is swapped for `SPRMSNorm` (same math, same parameter name `weight`).
 
 Parameter names differ between the two specs (TE folds the input norm into linear_qkv and uses
-grouped-GEMM expert weights); `megatron_sao.checkpoint.names.canonical_name` maps both to one
+grouped-GEMM expert weights); `megatron_sao.models.names.canonical_name` maps both to one
 naming, so nothing else needs to know which spec was built.
 """
 

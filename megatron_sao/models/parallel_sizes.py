@@ -107,7 +107,7 @@ class ParallelSizes:
                      f"expert tp={etp} must divide moe_intermediate_size={spec.moe_ffn_hidden_size}")
                 need(tp == 1 or self.sequence_parallel, "parallel.sequence_parallel",
                      "MoE layers with tp > 1 need sequence_parallel: true (Megatron asserts it when training)")
-                # Measured on megatron-core 0.16.1 (tests/megatron/workers/engine_parallel.py): TP=2+SP
+                # Measured on megatron-core 0.16.1 (tests/integration/megatron/workers/engine_parallel.py): TP=2+SP
                 # with etp=1, ep=1 gives correct log-probs but gradients that differ from TP=1
                 # (post-step log-probs off by 0.24). etp=tp or etp*ep >= tp train correctly.
                 need(tp == 1 or etp * ep >= tp, "parallel.etp",

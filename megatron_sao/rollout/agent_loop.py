@@ -24,7 +24,9 @@ How an episode ends (``info["end_reason"]``):
     ``info["bootstrap"] = "no_room_for_observation"``): a trained state, and with the stop token's
     reward 0 the return there is that value, as for any cut episode, not the 0 of a failure.
 * ``error``: the environment (or anything but the engine call) raised -> ``failed``, reward 0, ``error`` =
-  type + message; ``engine_error``: the engine's generate raised (a dead or unreachable server). A
+  type + message; ``env_timeout``: an environment call did not return within ``env_timeout_s`` (the
+  error names the environment and the tool call; rollout/env_calls.py); ``engine_error``: the engine's
+  generate raised (a dead or unreachable server). A
   failure ends only its own episode; the trainer counts failed trajectories and never trains on them,
   and the driver re-runs an ``engine_error`` episode on another server if its server is unhealthy.
 
@@ -48,145 +50,32 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from megatron_sao.envs.base import Environment, Task
+from megatron_sao.envs.base import Environment, Task, is_harness
+from megatron_sao.rollout.agent_endpoint.episode import run_harness_episode
 from megatron_sao.rollout.chat import ChatFormatter
-from megatron_sao.rollout.engines.protocol import GenerationResult, RolloutEngine, SamplingParams
+from megatron_sao.rollout.engines.protocol import RolloutEngine
+from megatron_sao.rollout.env_calls import EnvTimeoutError, call_env
+from megatron_sao.rollout.turns import (
+    AgentLoopConfig,
+    EngineActivity,
+    EngineCallError,
+    add_turn_routes,
+    generate_turn,
+    turn_seed,
+)
 from megatron_sao.trajectory import Trajectory, TrajectoryBuilder
 
 EnvFactory = Callable[[Task], "Environment | Awaitable[Environment]"]
 OnDone = Callable[[Trajectory], "None | Awaitable[None]"]
 
 
-class AbortRetriesExceeded(RuntimeError):
-    """The engine aborted the same turn more than ``max_abort_retries`` times."""
-
-
-class EngineCallError(RuntimeError):
-    """The engine's ``generate`` raised: the server may be gone (the driver checks its health)."""
-
-
-@dataclass(frozen=True)
-class AgentLoopConfig:
-    """Limits and sampling of the agent loop.
-
-    ``sampling.max_new_tokens`` is replaced per turn by ``min(max_new_tokens_per_turn, tokens left)``;
-    its stop ids are merged with the formatter's (EOS / end-of-turn).
-    """
-
-    max_turns: int = 8
-    max_total_tokens: int = 4096  # prompt + actions + observations
-    max_new_tokens_per_turn: int = 1024
-    sampling: SamplingParams = SamplingParams(max_new_tokens=1024)
-    max_concurrency: int = 16  # run_many: episodes in flight at once
-    observation_role: str = "tool"  # role of the environment's replies in the chat template
-    max_abort_retries: int = 16
-    # MoE routing replay: every turn asks the engine for the routes of the tokens not yet covered
-    # (routes_start) and stitches them into the trajectory's routed_experts (TrajectoryBuilder.add_routes)
-    return_routes: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("max_turns", "max_total_tokens", "max_new_tokens_per_turn", "max_concurrency"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"AgentLoopConfig.{name} must be an int >= 1, got {v!r}")
-        if not isinstance(self.max_abort_retries, int) or self.max_abort_retries < 0:
-            raise ValueError(f"AgentLoopConfig.max_abort_retries must be an int >= 0, got {self.max_abort_retries!r}")
-        if not isinstance(self.sampling, SamplingParams):
-            raise TypeError(f"AgentLoopConfig.sampling must be a SamplingParams, got {type(self.sampling).__name__}")
-
-
-class EngineActivity:
-    """Counts generate calls in flight to measure how long the engine sat with nothing to do.
-
-    Idle time is wall time with zero requests in flight (every episode is waiting on its environment,
-    or none is running): the quantity asynchrony is meant to drive to zero.
-    """
-
-    def __init__(self) -> None:
-        self.active = 0
-        self.idle_s = 0.0
-        self._idle_since: float | None = time.monotonic()
-
-    def begin(self) -> None:
-        if self.active == 0 and self._idle_since is not None:
-            self.idle_s += time.monotonic() - self._idle_since
-            self._idle_since = None
-        self.active += 1
-
-    def end(self) -> None:
-        self.active -= 1
-        if self.active == 0:
-            self._idle_since = time.monotonic()
-
-    def total_idle_s(self) -> float:
-        """Idle seconds so far, including the current idle stretch."""
-        extra = time.monotonic() - self._idle_since if self._idle_since is not None else 0.0
-        return self.idle_s + extra
-
-
 async def _maybe_await(x: Any) -> Any:
     return await x if inspect.isawaitable(x) else x
-
-
-def _turn_seed(base: int | None, prompt_id: str, turn: int) -> int | None:
-    """A distinct, reproducible seed per (prompt, turn) when the config fixes one.
-
-    Passing one fixed seed to every request would give every episode the same sampling noise (and the
-    same action for the same prefix), which is no longer sampling from the policy.
-    """
-    if base is None:
-        return None
-    digest = hashlib.blake2b(f"{base}/{prompt_id}/{turn}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1  # non-negative int63
-
-
-async def _generate_turn(engine: RolloutEngine, prefix: list[int], sampling: SamplingParams, cfg: AgentLoopConfig,
-                         info: dict, timings: dict, activity: EngineActivity | None) -> GenerationResult:
-    """One assistant turn; an aborted request is re-generated from the same prefix (module docstring)."""
-    while True:
-        t0 = time.monotonic()
-        if activity is not None:
-            activity.begin()
-        try:
-            result = await engine.generate(list(prefix), sampling)
-        except Exception as e:  # tagged for the driver's failover
-            raise EngineCallError(f"{type(e).__name__}: {e}") from e
-        finally:
-            if activity is not None:
-                activity.end()
-            timings["generate_s"] += time.monotonic() - t0
-        if result.finish_reason != "abort":
-            break
-        info["abort_retries"] += 1
-        if info["abort_retries"] > cfg.max_abort_retries:
-            raise AbortRetriesExceeded(f"engine aborted {info['abort_retries']} generate calls "
-                                       f"(max_abort_retries={cfg.max_abort_retries})")
-    n = len(result.token_ids)
-    if n == 0:
-        raise RuntimeError(f"engine returned no tokens (finish_reason={result.finish_reason!r})")
-    if n > sampling.max_new_tokens:
-        raise RuntimeError(f"engine returned {n} tokens for max_new_tokens={sampling.max_new_tokens}")
-    return result
-
-
-def _add_turn_routes(b: TrajectoryBuilder, result: GenerationResult, prefix_len: int) -> None:
-    """Stitch one turn's routes: the re-prefilled history before ``routes_start`` was covered by the
-    earlier turns, so the engine returns the rest of the prefix and every sampled token but the last."""
-    start = b.routes_covered
-    expected = prefix_len - start + len(result.token_ids) - 1
-    routes = result.routed_experts
-    if routes is None or routes.dim() != 3 or routes.shape[0] != expected:
-        got = None if routes is None else tuple(routes.shape)
-        raise RuntimeError(f"engine returned routes {got} for tokens {start}..{start + expected - 1} "
-                           f"({expected} rows expected)")
-    b.add_routes(start, routes)
 
 
 async def run_episode(engine: RolloutEngine, env: Environment, task: Task, formatter: ChatFormatter,
@@ -200,9 +89,10 @@ async def run_episode(engine: RolloutEngine, env: Environment, task: Task, forma
     info: dict[str, Any] = {"turns": 0, "abort_retries": 0, "finish_reasons": []}
     stop_ids = tuple(dict.fromkeys(cfg.sampling.stop_token_ids + formatter.stop_token_ids))
     status, reward, error, bootstrap = "failed", 0.0, None, None
+    calls = activity.env_calls if activity is not None else None
     try:
         t0 = time.monotonic()
-        await env.reset(task)
+        await call_env(env.reset(task), task.env, "reset()", cfg.env_timeout_s, calls)
         b.timings["env_s"] += time.monotonic() - t0
         prompt = formatter.prompt_ids(task.messages)
         b.add_prompt(prompt)
@@ -212,11 +102,11 @@ async def run_episode(engine: RolloutEngine, env: Environment, task: Task, forma
         while True:
             budget = min(cfg.max_new_tokens_per_turn, cfg.max_total_tokens - len(b))
             sampling = dataclasses.replace(cfg.sampling, max_new_tokens=budget, stop_token_ids=stop_ids,
-                                           seed=_turn_seed(cfg.sampling.seed, task.prompt_id, info["turns"]),
+                                           seed=turn_seed(cfg.sampling.seed, task.prompt_id, info["turns"]),
                                            return_routes=cfg.return_routes, routes_start=b.routes_covered)
-            result = await _generate_turn(engine, b.tokens, sampling, cfg, info, b.timings, activity)
+            result = await generate_turn(engine, b.tokens, sampling, cfg, info, b.timings, activity)
             if cfg.return_routes:
-                _add_turn_routes(b, result, len(b))
+                add_turn_routes(b, result, len(b))
             b.add_action(result.token_ids, result.logprobs, result.versions)
             info["turns"] += 1
             info["finish_reasons"].append(result.finish_reason)
@@ -224,7 +114,8 @@ async def run_episode(engine: RolloutEngine, env: Environment, task: Task, forma
                 status, bootstrap, info["end_reason"] = "truncated", "critic", "max_total_tokens"  # mid-action
                 break
             t0 = time.monotonic()
-            step = await env.step(formatter.action_text(result.token_ids))
+            action = formatter.action_text(result.token_ids)
+            step = await call_env(env.step(action), task.env, "step()", cfg.env_timeout_s, calls, action)
             b.timings["env_s"] += time.monotonic() - t0
             if step.info:
                 info["env_info"] = dict(step.info)
@@ -251,10 +142,11 @@ async def run_episode(engine: RolloutEngine, env: Environment, task: Task, forma
     except Exception as e:  # an episode's failure must never stop the others
         engine_side = isinstance(e, EngineCallError)  # its message already names the engine's exception
         status, reward, error = "failed", 0.0, str(e) if engine_side else f"{type(e).__name__}: {e}"
-        info["end_reason"] = "engine_error" if engine_side else "error"
+        info["end_reason"] = "engine_error" if engine_side else "env_timeout" if isinstance(e, EnvTimeoutError) \
+            else "error"
     finally:
         try:
-            await env.close()
+            await call_env(env.close(), task.env, "close()", cfg.env_timeout_s, calls)
         except Exception as e:  # the data is valid; record and go on
             info["close_error"] = f"{type(e).__name__}: {e}"
     if status == "failed" and len(b) == 0:
@@ -265,33 +157,54 @@ async def run_episode(engine: RolloutEngine, env: Environment, task: Task, forma
                     error=error, info=info)
 
 
-async def run_one(engine: RolloutEngine, env_factory: EnvFactory, task: Task, formatter: ChatFormatter,
-                  cfg: AgentLoopConfig, *, activity: EngineActivity | None = None) -> Trajectory:
-    """Create the task's environment and run the episode; a factory error gives a failed trajectory."""
+def failed_placeholder(task: Task, formatter: ChatFormatter, error: str) -> Trajectory:
+    """A failed trajectory for an episode that produced no tokens (the contract needs T >= 1)."""
+    b = TrajectoryBuilder(prompt_id=task.prompt_id, env=task.env)
+    b.add_prompt([formatter.pad_token_id])
+    return b.finish("failed", error=error, info={"end_reason": "error", "placeholder_tokens": True, "turns": 0})
+
+
+async def run_unit(engine: RolloutEngine, env_factory: EnvFactory, task: Task, formatter: ChatFormatter,
+                   cfg: AgentLoopConfig, *, activity: EngineActivity | None = None,
+                   endpoint: Any = None) -> list[Trajectory]:
+    """Create the task's environment and run its episode: the agent loop's one trajectory, or, for an
+    environment that runs its own agent harness (``envs.base.HarnessEnvironment``), the harness's episode
+    through ``endpoint`` (``rollout/agent_endpoint/``): one trajectory per segment, the last one ending
+    the episode. A factory error gives a failed trajectory."""
     try:
         env = await _maybe_await(env_factory(task))
     except Exception as e:  # e.g. an unknown env name: this task fails, the others run
-        b = TrajectoryBuilder(prompt_id=task.prompt_id, env=task.env)
-        b.add_prompt([formatter.pad_token_id])  # placeholder, see run_episode
-        return b.finish("failed", error=f"{type(e).__name__}: {e}",
-                        info={"end_reason": "error", "placeholder_tokens": True, "turns": 0})
-    return await run_episode(engine, env, task, formatter, cfg, activity=activity)
+        return [failed_placeholder(task, formatter, f"{type(e).__name__}: {e}")]
+    if is_harness(env):
+        if endpoint is None:
+            await env.close()
+            return [failed_placeholder(task, formatter, f"environment {task.env!r} runs an agent harness and needs "
+                                                        "the agent endpoint (rollout.agent_endpoint)")]
+        return await run_harness_episode(engine, env, task, endpoint, cfg, activity=activity)
+    return [await run_episode(engine, env, task, formatter, cfg, activity=activity)]
+
+
+async def run_one(engine: RolloutEngine, env_factory: EnvFactory, task: Task, formatter: ChatFormatter,
+                  cfg: AgentLoopConfig, *, activity: EngineActivity | None = None, endpoint: Any = None) -> Trajectory:
+    """``run_unit``'s episode as one trajectory: the one that ends it (evaluation: one result per task)."""
+    return (await run_unit(engine, env_factory, task, formatter, cfg, activity=activity, endpoint=endpoint))[-1]
 
 
 async def run_many(engine: RolloutEngine, env_factory: EnvFactory, tasks: Sequence[Task], formatter: ChatFormatter,
-                   cfg: AgentLoopConfig, on_done: OnDone | None = None) -> list[Trajectory]:
+                   cfg: AgentLoopConfig, on_done: OnDone | None = None, endpoint: Any = None) -> list[Trajectory]:
     """Run every task, at most ``cfg.max_concurrency`` at once; one environment per task.
 
     ``on_done(traj)`` (sync or async) is called for each trajectory the moment it finishes, in finish
     order. The returned list is in task order. An exception raised by ``on_done`` is a consumer bug:
-    it cancels the remaining episodes and propagates.
+    it cancels the remaining episodes and propagates. A harness environment's episode counts as the
+    trajectory that ends it (``run_one``); ``endpoint`` serves its harness.
     """
     sem = asyncio.Semaphore(cfg.max_concurrency)
     out: list[Trajectory | None] = [None] * len(tasks)
 
     async def one(i: int, task: Task) -> None:
         async with sem:
-            traj = await run_one(engine, env_factory, task, formatter, cfg)
+            traj = await run_one(engine, env_factory, task, formatter, cfg, endpoint=endpoint)
         out[i] = traj
         if on_done is not None:
             await _maybe_await(on_done(traj))

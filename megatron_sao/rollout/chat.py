@@ -90,12 +90,13 @@ class ChatFormatter:
             self._probe_observation(role, strict)
 
     # ------------------------------------------------------------------ rendering
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
-        """The template's text for ``messages`` (no tokenization)."""
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool, **extra: Any) -> str:
+        """The template's text for ``messages`` (no tokenization); ``extra``: more template variables
+        for this render only (``tools=[...]`` of one request of the agent endpoint)."""
         try:
             return self.tokenizer.apply_chat_template(
                 list(messages), chat_template=self.chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt, **self.template_kwargs)
+                add_generation_prompt=add_generation_prompt, **{**self.template_kwargs, **extra})
         except Exception as e:  # jinja errors, raise_exception in templates
             roles = [m.get("role") for m in messages]
             raise ChatTemplateError(f"chat template failed on roles {roles}: {type(e).__name__}: {e}") from e
@@ -130,13 +131,19 @@ class ChatFormatter:
 
     def _observation_suffix(self, role: str, text: str) -> str:
         """Template text after the assistant turn's closing: role markers, ``text``, generation prompt."""
-        full = self.render([_PROBE_USER, {"role": "assistant", "content": _MARK}, {"role": role, "content": text}],
-                           add_generation_prompt=True)
+        return self._suffix_after_assistant([{"role": role, "content": text}])
+
+    def _suffix_after_assistant(self, messages: Sequence[dict], **extra: Any) -> str:
+        """Template text after an assistant turn's closing for the ``messages`` that follow it, up to and
+        including the next generation prompt (the render diff of the module docstring)."""
+        full = self.render([_PROBE_USER, {"role": "assistant", "content": _MARK}, *messages],
+                           add_generation_prompt=True, **extra)
         i = full.find(_MARK)
         rest = full[i + len(_MARK):] if i >= 0 else ""
         if i < 0 or not rest.startswith(self._closing_text):
-            raise ChatTemplateError(f"the chat template closes an assistant turn differently when a {role!r} message "
-                                    f"follows (expected {self._closing_text!r} after the content, got {rest[:40]!r})")
+            roles = [m.get("role") for m in messages]
+            raise ChatTemplateError(f"the chat template closes an assistant turn differently when {roles} follow "
+                                    f"(expected {self._closing_text!r} after the content, got {rest[:40]!r})")
         return rest[len(self._closing_text):]
 
     def _probe_observation(self, role: str, strict: bool) -> None:
@@ -150,9 +157,17 @@ class ChatFormatter:
                 "whole conversation (a merge across the turn boundary); pass strict=False to accept that")
 
     # ------------------------------------------------------------------ the agent loop's calls
-    def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
+    def prompt_ids(self, messages: Sequence[dict], **extra: Any) -> list[int]:
         """Ids of the initial conversation plus the assistant generation prompt."""
-        return self.encode(self.render(_check_messages(messages), add_generation_prompt=True))
+        return self.encode(self.render(_check_messages(messages), add_generation_prompt=True, **extra))
+
+    def continuation_ids(self, messages: Sequence[dict], action_ids: Sequence[int], **extra: Any) -> list[int]:
+        """Ids to append after an assistant turn for every message that follows it (one or more tool
+        results, a user message: rendered together, so a template that groups consecutive tool results,
+        as Qwen3's does, groups them here too), up to the next generation prompt. The agent endpoint's
+        call; ``observation_ids`` is this for one message of a probed role."""
+        return self.closing_for(action_ids) + self.encode(self._suffix_after_assistant(_check_messages(messages),
+                                                                                       **extra))
 
     def closing_for(self, action_ids: Sequence[int]) -> list[int]:
         """The part of the assistant turn's closing that ``action_ids`` did not already sample.

@@ -48,7 +48,7 @@ import time
 from typing import Any, Callable
 
 from megatron_sao.envs.base import Task
-from megatron_sao.rollout.agent_loop import AgentLoopConfig, EngineActivity, run_one
+from megatron_sao.rollout.agent_loop import AgentLoopConfig, EngineActivity, run_unit
 from megatron_sao.rollout.prompts import PromptStream, Unit, unit_of
 from megatron_sao.rollout.server_pool import ServerPool, ServerSlot
 from megatron_sao.trajectory import Trajectory
@@ -64,10 +64,11 @@ class EpisodeDriver:
                  ahead: int, concurrency: int, group_size: int = 1, next_pos: int = 0,
                  requeue: list[Unit] | None = None, skip: set[Unit] | None = None, step_offset: int = 0,
                  health_interval_s: float = 10.0, health_timeout_s: float = 30.0, server_deadline_s: float = 300.0,
-                 start_timeout_s: float = 1800.0, start_min_servers: int = 1):
+                 start_timeout_s: float = 1800.0, start_min_servers: int = 1, endpoint=None):
         self.pool = pool if isinstance(pool, ServerPool) else ServerPool([pool])
         self.env_factory, self.stream, self.formatter = env_factory, stream, formatter
         self.loop_cfg, self.on_done = loop_cfg, on_done
+        self.endpoint = endpoint  # the agent endpoint harness environments reach the policy through (or None)
         self.batch_size, self.ahead, self.concurrency, self.group_size = batch_size, ahead, concurrency, group_size
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         # With health checks off nothing could notice a server coming back: stop at once then.
@@ -138,7 +139,10 @@ class EpisodeDriver:
         self._poke()
 
     def requeue(self, traj: Trajectory) -> None:
-        self._requeue_unit(unit_of(traj))
+        """The buffer dropped ``traj`` as stale: its episode runs again. An earlier segment of a harness
+        episode is only dropped (its episode's end, dropped or trained, decides)."""
+        if traj.ends_episode:
+            self._requeue_unit(unit_of(traj))
 
     def _requeue_unit(self, unit: Unit) -> None:
         with self._lock:
@@ -220,7 +224,9 @@ class EpisodeDriver:
         self._running[unit] = (asyncio.current_task(), slot)
         finished = False
         try:
-            traj = await run_one(engine, self.env_factory, task, self.formatter, self.loop_cfg, activity=self.activity)
+            trajs = await run_unit(engine, self.env_factory, task, self.formatter, self.loop_cfg,
+                                   activity=self.activity, endpoint=self.endpoint)
+            traj = trajs[-1]  # the one that ends the episode (a harness episode may have earlier segments)
             if traj.info.get("end_reason") == "engine_error" and not await self.pool.check(slot, self.health_timeout_s):
                 await self._server_failed(slot, f"unhealthy after a request of an episode failed ({traj.error})")
                 self._rerun_unit(unit)  # on another server, or on one that comes back
@@ -234,7 +240,8 @@ class EpisodeDriver:
         finally:
             self._running.pop(unit, None)
             self.pool.unpin(slot, finished)
-        traj.info.update(data_pos=pos, sample=k, policy_step=policy_step, server=slot.label)
+        for t in trajs:
+            t.info.update(data_pos=pos, sample=k, policy_step=policy_step, server=slot.label)
         with self._lock:
             self.in_flight.discard(unit)
             self.finished += 1
@@ -246,7 +253,8 @@ class EpisodeDriver:
                 self.failed_in_a_row += 1
             else:
                 self.failed_in_a_row = 0
-        self.on_done(traj)
+        for t in trajs:  # segments in order, the episode's end last (resume: prompts.complete_units)
+            self.on_done(t)
         if not traj.trainable:
             await self._check_failing(traj)
 
@@ -374,6 +382,8 @@ class EpisodeDriver:
 
     async def _main(self) -> None:
         tasks = self._tasks
+        if self.endpoint is not None:  # on this loop: a harness's request reaches its engine without a thread hop
+            await self.endpoint.start()
         monitor = asyncio.create_task(self._monitor_health()) if self.health_interval_s > 0 else None
         starting = asyncio.create_task(self._await_start()) if self.pool.starting() else None
         try:
@@ -400,6 +410,8 @@ class EpisodeDriver:
             for t in [*tasks, *helpers]:
                 t.cancel()
             await asyncio.gather(*tasks, *helpers, return_exceptions=True)
+            if self.endpoint is not None:
+                await self.endpoint.stop()
 
     def _on_task_done(self, tasks: set):
         def done(t: asyncio.Task) -> None:

@@ -18,6 +18,15 @@ def unit_of(traj: Trajectory) -> Unit:
     return int(traj.info["data_pos"]), int(traj.info.get("sample", 0))
 
 
+def complete_units(trajs: list[Trajectory]) -> tuple[set[Unit], list[str]]:
+    """Resume: the units whose episode is whole in ``trajs`` (their trajectory, or all their segments: the
+    driver hands an episode's segments over in order, its end last), and the ids of segments whose episode
+    has no end here (the run stopped between two of its files): those are set aside and the unit re-runs."""
+    ended = {unit_of(t) for t in trajs if t.ends_episode}
+    partial = [t.traj_id for t in trajs if unit_of(t) not in ended]
+    return ended, partial
+
+
 class PromptStream:
     """An endless, seeded stream of tasks: epoch e visits a permutation of the dataset."""
 

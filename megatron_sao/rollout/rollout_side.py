@@ -6,11 +6,8 @@ them, the ``EpisodeDriver`` that keeps episodes in flight under admission contro
 (``push_weights``) and takes trajectories (through ``on_done``, into its buffer), nothing more; it
 knows no server, URL or transport.
 
-Weight updates stream: ``push_weights`` pulls the trainer's export generator on the calling (trainer)
-thread, because producing a bucket runs collectives on every trainer rank, and sends each bucket to
-every server on the driver's loop while it produces the next one. It waits until bucket k reached
-every server before it asks for bucket k+2, so at most two buckets exist at a time (the rest of the
-model is never materialized: 57 GiB of bf16 for Qwen3-30B-A3B would not fit next to the trainer state).
+Weight updates stream (``weights/stream.py``): ``push_weights`` chooses the servers that take the update
+and settles what happened to each; the bytes move bucket by bucket while the trainer produces the next.
 A server that fails its update is taken out of service like a dead one (logged, counted; its episodes
 re-run elsewhere); a weight check that fails, or no server left, stops the run. A dead server that
 answers its health check again is included in the next update and revived if it takes all of it
@@ -22,18 +19,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from megatron_sao.rollout.agent_loop import AgentLoopConfig, run_one
-from megatron_sao.rollout.engines.protocol import RolloutEngine, WeightBucket
+from megatron_sao.rollout.engines.protocol import RolloutEngine
 from megatron_sao.rollout.episode_driver import EpisodeDriver
 from megatron_sao.rollout.prompts import PromptStream, Unit
 from megatron_sao.rollout.server_pool import ServerPool
-from megatron_sao.rollout.weights.sync import SyncMetrics, WeightSync, WeightSyncError, check_due
 from megatron_sao.trajectory import Trajectory
+from megatron_sao.weights.buckets import WeightBucket
+from megatron_sao.weights.stream import drain, stream_update
+from megatron_sao.weights.sync import SyncMetrics, WeightSync, WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +60,7 @@ class RolloutSide:
     def __init__(self, engines: list[RolloutEngine], env_factory: Callable, stream: PromptStream, formatter,
                  loop_cfg: AgentLoopConfig, on_done: Callable[[Trajectory], None], cfg: RolloutSideConfig, *,
                  labels: list[str] | None = None, next_pos: int = 0, requeue: list[Unit] | None = None,
-                 skip: set[Unit] | None = None, step_offset: int = 0):
+                 skip: set[Unit] | None = None, step_offset: int = 0, endpoint=None):
         self.cfg, self.formatter = cfg, formatter
         self.pool = ServerPool(engines, labels, cfg.max_num_seqs, starting=cfg.start_timeout_s is not None)
         self.sync = WeightSync(self.pool.engines, cfg.sync_timeout_s, check=cfg.check_weights, atol=cfg.check_atol,
@@ -74,7 +72,7 @@ class RolloutSide:
                                     health_timeout_s=cfg.health_timeout_s,
                                     server_deadline_s=cfg.server_deadline_s,
                                     start_timeout_s=cfg.start_timeout_s or 0.0,
-                                    start_min_servers=cfg.start_min_servers)
+                                    start_min_servers=cfg.start_min_servers, endpoint=endpoint)
         self.last_sync: SyncMetrics | None = None
 
     # ------------------------------------------------------------------ what the trainer reads
@@ -116,6 +114,10 @@ class RolloutSide:
     def state(self) -> dict[str, Any]:
         return self.driver.state()
 
+    def waiting_on(self) -> str:
+        """What episodes wait on besides the engines: the environment call in progress the longest ("" if none)."""
+        return self.driver.activity.env_calls.describe_oldest()
+
     def engine_idle_fraction(self) -> float:
         return self.driver.engine_idle_fraction()
 
@@ -130,67 +132,20 @@ class RolloutSide:
                      check_prompt_len: int = 1, reference_logprobs: list[float] | None = None,
                      routed_reference: Callable[[dict[int, Any]], dict[int, list[float]]] | None = None
                      ) -> SyncMetrics:
-        """Stream ``buckets`` (pulled here, on the caller's thread) to every live server as ``version``.
-
-        The generator is always iterated to the end, even after a failure: on the trainer it runs
-        collectives that every rank must pair. The weight check compares every server's log-probs of
-        ``check_tokens`` with ``reference_logprobs``; under routing replay with ``routed_reference``
-        instead: the servers return their routes of the check tokens with their log-probs, and
-        ``routed_reference({server index: routes})`` (called here, on the trainer thread: it runs the
-        trainer's forward on every rank) gives each server's reference, computed with its routes.
-        """
+        """Stream ``buckets`` (pulled here, on the caller's thread) to every live server as ``version``, and
+        readmitted servers on probation; the check arguments as in ``weights.stream.stream_update``."""
         live, rejoin = self.driver.call(self._members())  # rejoin: dead servers that answer again (server_pool)
-        if not live and not rejoin and self.pool.starting():
+        if not live and not rejoin:
+            drain(buckets)  # keep the trainer ranks' collectives paired
+            if not self.pool.starting():
+                raise RuntimeError(f"no rollout server left to update: {self.pool.describe_dead()}")
             # A resume before any server is up: each one gets this version when it comes up (it rejoins).
-            for _ in buckets:  # keep the trainer ranks' collectives paired
-                pass
             logger.info("weights v%d: no rollout server is up yet; each gets them when it is", version)
             return SyncMetrics(version, 0.0, 0, 0.0)
-        if not live and not rejoin:
-            raise RuntimeError(f"no rollout server left to update: {self.pool.describe_dead()}")
-        wait_s = self.cfg.sync_timeout_s + 60.0  # each step is bounded per server inside WeightSync
-        it, begun = iter(buckets), None
-        produce_s = wait_s_total = 0.0  # the overlap: producing bucket k+1 (the export's gathers) vs
-        try:                            # waiting for bucket k to reach every server
-            # The servers pause and open the update while the first bucket is produced.
-            begun = self.driver.submit(self.sync.begin(version, live + rejoin, probation=rejoin))
-            in_flight = None
-            while True:  # bucket k+1 is produced here while bucket k is on its way
-                t0 = time.perf_counter()
-                bucket = next(it, None)
-                t1 = time.perf_counter()
-                produce_s += t1 - t0
-                if begun is not None:
-                    begun.result(wait_s)
-                    begun = None
-                if in_flight is not None:
-                    in_flight.result(wait_s)  # bucket k reached every server before k+2 is produced
-                    wait_s_total += time.perf_counter() - t1
-                if bucket is None:
-                    break
-                in_flight = self.driver.submit(self.sync.send_bucket(bucket))
-                bucket = None  # the sender holds it until sent, not us
-            routed = routed_reference is not None and self.sync.check and check_due(version, self.sync.check_every)
-            metrics = self.driver.call(self.sync.finish(version, check_tokens=check_tokens,
-                                                        check_prompt_len=check_prompt_len,
-                                                        reference_logprobs=reference_logprobs,
-                                                        routed_check=routed), timeout=wait_s)
-            if routed:
-                scored = self.driver.call(self.sync.score_routed(check_tokens, check_prompt_len), timeout=wait_s)
-                routes = {i: got[1] for i, got in scored.items() if not isinstance(got, BaseException)}
-                self.sync.judge(metrics, scored, routed_reference(routes) if routes else {}, check_prompt_len)
-        except BaseException:
-            for _ in it:  # keep the trainer ranks' collectives paired
-                pass
-            try:
-                if begun is not None:  # the update is opened before it is aborted
-                    concurrent.futures.wait([begun], wait_s)
-                self.driver.call(self.sync.abort(), timeout=wait_s)
-            except Exception:  # already failing
-                pass
-            raise
-        metrics.phase_seconds["produce"] = produce_s  # on the trainer thread, while the previous bucket was sent
-        metrics.phase_seconds["send_wait"] = wait_s_total  # the trainer waiting for a bucket still on the wire
+        metrics = stream_update(self.sync, self.driver, buckets, version, live + rejoin, probation=rejoin,
+                                wait_s=self.cfg.sync_timeout_s + 60.0,  # each step is bounded per server
+                                check_tokens=check_tokens, check_prompt_len=check_prompt_len,
+                                reference_logprobs=reference_logprobs, routed_reference=routed_reference)
         self.last_sync = metrics
         if rejoin:
             self._settle_rejoins(rejoin, metrics, version)
@@ -247,7 +202,8 @@ class RolloutSide:
                         raise RuntimeError(f"no rollout server left to evaluate on: {self.pool.describe_dead()}")
                     engine = self.pool.pin(slot)
                     try:
-                        return await run_one(engine, env_factory, task, self.formatter, loop_cfg)
+                        return await run_one(engine, env_factory, task, self.formatter, loop_cfg,
+                                             endpoint=self.driver.endpoint)
                     finally:
                         self.pool.unpin(slot, finished=False)
             return list(await asyncio.gather(*(one(t) for t in tasks)))

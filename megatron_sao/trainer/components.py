@@ -5,30 +5,17 @@ Kept apart from the loop so the loop reads as the algorithm and nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from megatron_sao.cluster.layout import max_num_seqs
 from megatron_sao.config import CriticConfig, OptimSection, SAOConfig
-from megatron_sao.envs.registry import GENERATED as GENERATED_ENVS  # tasks from a seeded generator, not a file
 
 logger = logging.getLogger(__name__)
-
-# Built-in models that need no download: name -> (architecture preset, overrides). The demo model is
-# Qwen3-MoE-shaped (q/k norm, GQA, top-k routed experts) at a size a 2-core laptop trains in minutes.
-BUILTIN_MODELS: dict[str, dict[str, Any]] = {
-    "tiny_qwen3_moe": dict(arch="qwen3_moe", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=32, moe_intermediate_size=128, num_experts=4,
-                           num_experts_per_tok=2, intermediate_size=256, max_position_embeddings=512),
-    # The same shape at the smallest size that still exercises everything (tests, CI).
-    "tiny_qwen3_moe_ci": dict(arch="qwen3_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=32, moe_intermediate_size=64, num_experts=4,
-                              num_experts_per_tok=2, intermediate_size=128, max_position_embeddings=256),
-}
 
 # Critic parameter groups whose grad norms are logged separately (frozen attention vs trained MoE).
 CRITIC_NORM_GROUPS = {
@@ -42,49 +29,6 @@ CRITIC_NORM_GROUPS_DENSE = {
     "mlp": ["*mlp.linear_fc*"],
     "value_head": ["value_head*"],
 }
-
-
-def is_builtin(path: str) -> bool:
-    return path in BUILTIN_MODELS
-
-
-def materialize_builtin_model(name: str, out_dir: str | os.PathLike, seed: int) -> Path:
-    """Write a randomly initialised built-in model + the char tokenizer as an HF directory."""
-    from megatron_sao.models.presets import tiny_hf_config, tiny_hf_model
-    from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
-
-    out = Path(out_dir)
-    if (out / "config.json").exists():
-        return out
-    spec = dict(BUILTIN_MODELS[name])
-    arch = spec.pop("arch")
-    tok = build_char_tokenizer()
-    # Pad the vocabulary to a multiple of 8 (like Megatron's make-vocab-size-divisible-by) so that
-    # tensor parallelism can split it; the extra rows are never produced by the tokenizer.
-    hf_config = tiny_hf_config(arch, vocab_size=-(-len(tok) // 8) * 8, **spec)
-    model = tiny_hf_model(hf_config, seed=seed)
-    # Written aside and renamed: a trainer and a rollout server may materialize it at once.
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    try:
-        os.replace(tmp, out)
-    except OSError:  # the other process won the race; its copy is identical (same seed)
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def resolve_model_dir(cfg: SAOConfig, run_dir: Path) -> Path:
-    if is_builtin(cfg.model.path):
-        return materialize_builtin_model(cfg.model.path, run_dir / "base_model", cfg.run.seed)
-    p = Path(cfg.model.path)
-    if not (p / "config.json").exists():
-        from megatron_sao.errors import MissingInputError
-
-        raise MissingInputError(f"model.path: {p} is neither a built-in model ({sorted(BUILTIN_MODELS)}) "
-                                "nor an HF directory with config.json")
-    return p
 
 
 def load_tokenizer(cfg: SAOConfig, model_dir: Path):
@@ -201,8 +145,8 @@ def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = N
     """The critic engine; `total_steps` (optimizer steps, for the LR schedule) defaults to a
     `sao train` run's, `optim` to critic.optim. Logs the whole model's trainable / frozen parameters
     per group."""
+    from megatron_sao.checkpoint.param_counts import format_param_counts, param_counts_by_group
     from megatron_sao.megatron.engine import MegatronEngine
-    from megatron_sao.models.param_counts import format_param_counts, param_counts_by_group
 
     spec = model_spec(model_dir)
     steps = total_steps if total_steps is not None else critic_optimizer_steps(cfg)
@@ -251,16 +195,6 @@ def build_rollout_engine(cfg: SAOConfig, model_dir: Path):
     return make_engine(engine_config(cfg, model_dir))
 
 
-def max_num_seqs(cfg: SAOConfig, engines: int | None) -> int | None:
-    """Generate requests one engine runs at once: rollout.max_num_seqs, else an even share of
-    rollout.concurrency over `engines` (what the launch plan gives each vllm serve, and each colocated
-    engine's vLLM scheduler); None (unbounded) for one in-process engine (`engines=None`)."""
-    r = cfg.rollout
-    if r.max_num_seqs is not None:
-        return r.max_num_seqs
-    return -(-r.concurrency // engines) if engines else None
-
-
 def build_rollout_side(cfg: SAOConfig, model_dir: Path, on_done, *, group_size: int, state: dict | None,
                        in_buffer: set, step_offset: int, engines: list | None = None):
     """Every rollout engine, the episode driver and weight sync, as one ``RolloutSide`` (not started).
@@ -289,10 +223,41 @@ def build_rollout_side(cfg: SAOConfig, model_dir: Path, on_done, *, group_size: 
         health_interval_s=r.health_check_interval_s, server_deadline_s=r.server_deadline_s,
         start_timeout_s=r.server_start_timeout_s if servers else None,  # servers: up once they answer /health
         start_min_servers=r.start_min_servers)
+    formatter = ChatFormatter(load_tokenizer(cfg, model_dir))
     return RolloutSide(engines, env_factory(cfg), PromptStream(train_tasks(cfg), cfg.run.seed),
-                       ChatFormatter(load_tokenizer(cfg, model_dir)), agent_loop_config(cfg), on_done, side_cfg,
+                       formatter, agent_loop_config(cfg), on_done, side_cfg,
                        labels=labels, next_pos=drv.get("next_pos", 0), requeue=requeue, skip=in_buffer,
-                       step_offset=step_offset)
+                       step_offset=step_offset, endpoint=agent_endpoint(cfg, formatter))
+
+
+def agent_endpoint(cfg: SAOConfig, formatter):
+    """The OpenAI-compatible endpoint of rollout.agent_endpoint (not started: it starts on the loop its
+    episodes run on), when the environment runs an agent harness; else None."""
+    from megatron_sao.envs.registry import runs_harness
+
+    if not runs_harness(cfg.env.name):
+        return None
+    from megatron_sao.rollout.agent_endpoint.server import AgentEndpoint
+
+    e = cfg.rollout.agent_endpoint
+    return AgentEndpoint(formatter, host=e.host, port=e.port, model_name=e.model_name,
+                         public_host=e.public_host or None,
+                         turn_log=Path(cfg.run.dir) / "agent_turns.jsonl" if e.log_turns else None)
+
+
+@contextlib.asynccontextmanager
+async def started_endpoint(cfg: SAOConfig, formatter):
+    """``agent_endpoint`` started on the running loop for a stage that runs episodes on its own loop
+    (evaluation of a model dir, value pre-training); None when the environment runs no harness."""
+    endpoint = agent_endpoint(cfg, formatter)
+    if endpoint is None:
+        yield None
+        return
+    await endpoint.start()
+    try:
+        yield endpoint
+    finally:
+        await endpoint.stop()
 
 
 def agent_loop_config(cfg: SAOConfig):
@@ -305,7 +270,8 @@ def agent_loop_config(cfg: SAOConfig):
                            max_new_tokens_per_turn=min(r.max_new_tokens_per_turn, max_total),
                            sampling=SamplingParams(max_new_tokens=min(r.max_new_tokens_per_turn, max_total),
                                                    temperature=r.temperature, top_p=r.top_p),
-                           max_concurrency=r.concurrency, return_routes=r.returns_routes)
+                           max_concurrency=r.concurrency, return_routes=r.returns_routes,
+                           env_timeout_s=r.timeout_s)  # a hung tool call fails its episode, naming the env
 
 
 def env_factory(cfg: SAOConfig):
@@ -320,23 +286,21 @@ def env_factory(cfg: SAOConfig):
     return factory
 
 
-
-
 def train_tasks(cfg: SAOConfig):
-    from megatron_sao.envs import load_tasks
+    from megatron_sao.envs.registry import generates_tasks, load_tasks
 
     kw = dict(cfg.env.task_kwargs)
-    if cfg.env.name in GENERATED_ENVS:
+    if generates_tasks(cfg.env.name):
         kw.setdefault("seed", cfg.run.seed)
     return load_tasks(cfg.env.name, cfg.env.train_data, **kw)
 
 
 def eval_tasks(cfg: SAOConfig) -> list:
     """The held-out tasks: the eval file, or (generated envs) a generator seeded apart from training."""
-    from megatron_sao.envs import load_tasks
+    from megatron_sao.envs.registry import generates_tasks, load_tasks
 
     kw = dict(cfg.env.task_kwargs)
-    if cfg.env.name in GENERATED_ENVS:
+    if generates_tasks(cfg.env.name):
         seed = cfg.env.eval_seed if cfg.env.eval_seed is not None else cfg.run.seed + 100_003
         kw.update(seed=seed, n=cfg.env.eval_size)
     tasks = load_tasks(cfg.env.name, cfg.env.eval_data or cfg.env.train_data, **kw)
@@ -350,8 +314,9 @@ def start_stage(cfg: SAOConfig):
     """
     from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
     from megatron_sao.megatron.parallel import init_parallel, process_group_timeout_s
-    from megatron_sao.trainer.run_dir import RunDir
+    from megatron_sao.trainer.run_dir import RunDir, check_run_dir
 
+    check_run_dir(Path(cfg.run.dir))  # one line, before the world starts (every stage: sft, value-pretrain, train)
     set_threads()
     ensure_cpu_compat()
     ctx = init_parallel(parallel_sizes(cfg), timeout_s=process_group_timeout_s(cfg.rollout.timeout_s))

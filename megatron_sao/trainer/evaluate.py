@@ -26,7 +26,8 @@ def eval_loop_config(cfg: SAOConfig):
 async def eval_episodes(cfg: SAOConfig, engine, formatter, tasks) -> list:
     from megatron_sao.rollout.agent_loop import run_many
 
-    return await run_many(engine, C.env_factory(cfg), tasks, formatter, eval_loop_config(cfg))
+    async with C.started_endpoint(cfg, formatter) as endpoint:
+        return await run_many(engine, C.env_factory(cfg), tasks, formatter, eval_loop_config(cfg), endpoint=endpoint)
 
 
 def summarize(tasks, trajs, out_path: str | Path | None) -> dict[str, Any]:

@@ -15,8 +15,8 @@ import re
 import shutil
 from pathlib import Path
 
-from megatron_sao.checkpoint.atomic_dir import atomic_output_dir
 from megatron_sao.checkpoint.hf_io import HFCheckpointReader, HFCheckpointWriter, copy_extra_files
+from megatron_sao.files.atomic_dir import atomic_output_dir
 
 KEPT_EXPORTS = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")

@@ -16,7 +16,7 @@ and at the end save(), the HF export and close(). Rollouts never wait for the tr
 admission control (rollout/episode_driver.py). Every collective that may follow a phase only rank 0 runs
 goes through the rank-0 gate (`distributed/gated.py`).
 
-Where the engines run is the placement's business (`trainer/colocated.py`): the loop calls its hooks
+Where the engines run is the placement's business (`trainer/placement.py`): the loop calls its hooks
 (wait for the batch, before/after the train step, evaluate, end of step) the same way for every
 placement; only the colocated one does something in them.
 """
@@ -31,14 +31,15 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from megatron_sao.algorithms import RunningMeanBaseline
 from megatron_sao.buffer import TrajectoryBuffer
-from megatron_sao.config import SAOConfig, dump_config, to_dict
+from megatron_sao.config import SAOConfig, to_dict
 from megatron_sao.distributed.gated import GatedCollectives
-from megatron_sao.errors import UserError
-from megatron_sao.rollout.prompts import unit_of
+from megatron_sao.errors import TrainingInterrupted, TrainingStopped
+from megatron_sao.megatron.async_saves import AsyncSaves
+from megatron_sao.models.builtin import resolve_model_dir
+from megatron_sao.rollout.prompts import complete_units
 from megatron_sao.rollout.replay import ReplaySource
 from megatron_sao.trainer import checkpoints as ckpts
 from megatron_sao.trainer import colocated as colo
@@ -46,14 +47,15 @@ from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.hf_export import export_hf_model, export_step
 from megatron_sao.trainer.losses import critic_loss_fn, policy_loss_fn
+from megatron_sao.trainer.placement import Placement
 from megatron_sao.trainer.run_dir import rng_state, set_rng_state
 from megatron_sao.trainer.step import sao_step
-from megatron_sao.trainer.stopping import NonFiniteGuard, TrainingInterrupted, TrainingStopped
+from megatron_sao.trainer.stopping import NonFiniteGuard
 from megatron_sao.trainer.targets import mean_return
-from megatron_sao.trainer.weight_push import NoWeightPush
 from megatron_sao.trajectory import collate_padded
+from megatron_sao.weights.push import NoWeightPush
 
-__all__ = ["SAOTrainer", "TrainingInterrupted", "TrainingStopped"]
+__all__ = ["SAOTrainer"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +106,10 @@ class SAOTrainer:
         if self.rank0:
             self.run_dir.start_train(overwrite=overwrite)
         if self.rank0 and not resume:  # a resume writes its config once it has resumed (below)
-            dump_config(cfg, self.run_dir.path / "config.yaml")
+            self.run_dir.write_config(cfg, keep_previous=False)
             self.run_dir.configure_scalars(cfg.run.tensorboard, cfg.run.wandb, cfg.run.name, to_dict(cfg))
         self.collectives.barrier()
-        self.model_dir = C.resolve_model_dir(cfg, self.run_dir.path) if self.rank0 else None
+        self.model_dir = resolve_model_dir(cfg.model.path, self.run_dir.path, cfg.run.seed) if self.rank0 else None
         self.model_dir = Path(self.collectives.broadcast(str(self.model_dir) if self.model_dir else None))
         C.check_trainer_memory(cfg, self.model_dir, self.ctx)
         self.actor = C.build_actor(cfg, self.model_dir, ctx=self.ctx)
@@ -117,12 +119,17 @@ class SAOTrainer:
         self.group = a.group_size if a.uses_groups else 1
         self.warmup = a.critic_warmup_steps if a.uses_critic else 0
         self.step, self.version = 0, 0
+        self.checkpointer = ckpts.Checkpointer(
+            self.run_dir.ckpt_root, is_writer=self.rank0, asynchronous=cfg.run.async_save,
+            barrier=self.collectives.barrier, broadcast=self.collectives.broadcast,
+            gate=self.collectives.wait_for_rank0, saves=AsyncSaves() if cfg.run.async_save else None)
         self.nonfinite = NonFiniteGuard(cfg.run.max_consecutive_nonfinite, self.save)
         self.total = self.warmup + cfg.run.total_steps
         self.policy_loss, self.critic_loss = policy_loss_fn(a), critic_loss_fn()
         self.console = Console(cfg.run.console if self.rank0 else "none", total=self.total)
         self.wait_s = self.busy_s = 0.0
-        self.placement = colo.make_placement(cfg, self.model_dir, self.ctx)
+        self.placement = (colo.ColocatedPlacement(cfg, self.model_dir, self.ctx) if colo.is_colocated(cfg)
+                          else Placement(cfg))
         self.weights = NoWeightPush()
         # Rank 0's source of trajectories: the RolloutSide (every engine, the episode driver, weight
         # sync), or the ReplaySource of trainer.replay. None on the other ranks.
@@ -136,7 +143,9 @@ class SAOTrainer:
         self.bias_from_first_batch = (state is None and self.critic is not None and self.critic.fresh_value_head
                                       and cfg.critic.value_head_bias == "mean_return")
         if self.rank0 and resume:  # a failed resume leaves the run's config.yaml as the run wrote it
-            dump_config(cfg, self.run_dir.path / "config.yaml")
+            kept = self.run_dir.write_config(cfg, keep_previous=True)  # (checked in train.preflight)
+            if kept is not None:
+                logger.info("resumed with other settings: the run's previous config is kept as %s", kept.name)
         self._start_rollouts(state)
         if state is not None and not cfg.trainer.replay:  # the engine starts from the base model
             # rank 0 started the rollout engines alone: meet it outside the export's collectives
@@ -215,12 +224,14 @@ class SAOTrainer:
         m.update(self.placement.end_step(self.step - 1, self.run_dir))  # colocated: seconds and memory per phase
         if self.cfg.run.export_every and self.step % self.cfg.run.export_every == 0:
             m["time/export_s"] = self._export()
+        m.update(self.checkpointer.take_metrics())  # the latest save's blocked seconds, a commit since the last step
         self._log(m, trajs, batch, step_s)
         if self._stop_agreed():
             self.save()
             raise TrainingInterrupted(f"stopped by a signal after step {self.step}; checkpoint written")
+        self.checkpointer.poll()  # commits an asynchronous checkpoint once every rank has written it
         if self.cfg.run.save_every and self.step % self.cfg.run.save_every == 0:
-            self.save()
+            self.save(final=False)
 
     # ------------------------------------------------------------------ batches
     def _next_batch(self):
@@ -244,9 +255,11 @@ class SAOTrainer:
                 elif self._rejoin_due():
                     trajs = "rejoin"
                 else:
+                    waiting = getattr(self.rollout, "waiting_on", lambda: "")()  # a hung environment, named
                     trajs = (f"no batch of {self.cfg.buffer.batch_size} trajectories within rollout.timeout_s="
                              f"{self.cfg.rollout.timeout_s}s (finished {self.rollout.finished}, failed "
-                             f"{self.rollout.failed}, in flight {len(self.rollout.in_flight)})")
+                             f"{self.rollout.failed}, in flight {len(self.rollout.in_flight)})"
+                             + (f"; {waiting}" if waiting else ""))
         trajs = self.collectives.broadcast(trajs)
         if trajs == "interrupted":
             self.save()
@@ -259,7 +272,7 @@ class SAOTrainer:
             return self._next_batch()
         if isinstance(trajs, str):
             self.save()
-            raise TrainingStopped(f"rollout engine: {trajs}; checkpoint written at step {self.step}")
+            raise TrainingStopped(f"rollouts: {trajs}; checkpoint written at step {self.step}")
         return trajs
 
     def _rejoin_due(self) -> bool:
@@ -284,7 +297,9 @@ class SAOTrainer:
             return
         self.placement.start(self.actor, self.models)
         if self.rank0:
-            in_buffer = {unit_of(t) for t in self.buffer.restore()} if state else set()
+            in_buffer, partial = complete_units(self.buffer.restore()) if state else (set(), [])
+            if partial:  # segments of a harness episode whose last file was never written: it runs again
+                self.buffer.set_aside(partial, "its episode's end was not written before the run stopped")
             self.rollout = C.build_rollout_side(cfg, self.model_dir, self.buffer.put, group_size=self.group,
                                                 state=state, in_buffer=in_buffer, step_offset=self.step,
                                                 engines=self.placement.engines)
@@ -311,7 +326,12 @@ class SAOTrainer:
         return m
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self) -> None:
+    def save(self, final: bool = True) -> None:
+        """A checkpoint of the current step (trainer/checkpoints.py::Checkpointer); `final` (the run ends
+        after it) waits until it is written and committed, a periodic one (run.async_save) does not."""
+        if final and self.checkpointer.last_step == self.step:  # the periodic save of the last step: the same state
+            self.checkpointer.wait()
+            return
         state = {"step": self.step, "version": self.version, "nonfinite": self.nonfinite.in_a_row,
                  "driver": self.rollout.state() if self.rank0 else None,
                  "baseline": self.baseline.state_dict() if self.baseline else None,
@@ -320,16 +340,23 @@ class SAOTrainer:
                  # again, whether or not the release below happened before a kill.
                  "covered": self.buffer.covered() if self.rank0 else None}
 
-        def parts(d: Path):
-            self.actor.save(str(d / "actor"))
-            if self.critic is not None:
-                self.critic.save(str(d / "critic"))
+        def parts(d: Path) -> list:
+            requests = [engine.save(str(d / name), asynchronous=self.cfg.run.async_save)
+                        for name, engine in self._engines().items()]
+            return [r for r in requests if r is not None]
+
+        def on_commit(previous: Path | None) -> None:
+            if self.rank0 and previous is not None:
+                # Release only what the older kept checkpoint covers too: a fallback to it (the newest
+                # one damaged) must still find the trajectories trained after it.
+                self.buffer.release_consumed(ckpts.step_of(previous) - 1)
         with self.placement.trainer_resident():
-            previous = self.run_dir.save_checkpoint(self.step, parts, state, barrier=self.collectives.barrier)
-        if self.rank0 and previous is not None:
-            # Release only what the older kept checkpoint covers too: a fallback to it (the newest
-            # one damaged) must still find the trajectories trained after it.
-            self.buffer.release_consumed(ckpts.step_of(previous) - 1)
+            self.checkpointer.save(self.step, parts, state, on_commit)
+        if final:
+            self.checkpointer.wait()
+
+    def _engines(self) -> dict:
+        return {name: e for name, e in (("actor", self.actor), ("critic", self.critic)) if e is not None}
 
     def _export(self) -> float:
         """run.export_every: the actor as an HF checkpoint in <run>/exports/step_N (collective)."""
@@ -342,34 +369,14 @@ class SAOTrainer:
         """Load the newest intact checkpoint (falling back past damaged ones, which are named and set
         aside); with none at all, clear what an earlier attempt logged and start fresh."""
         root = self.run_dir.ckpt_root
-        found = self.collectives.broadcast([str(p) for p in ckpts.candidates(root)] if self.rank0 else None)
-        if not found:
+        ckpt = ckpts.load_newest_intact(root, self.collectives, self.ctx.rank, self._engines())
+        if ckpt is None:
             if self.rank0:
                 self.run_dir.clear_training()
             logger.warning("--resume: no checkpoint in %s; starting fresh (what an earlier attempt logged "
                            "and buffered is removed: no checkpoint covers it)", root)
             return None
-        damaged: list[tuple[Path, str]] = []
-        for ckpt in map(Path, found):
-            problem = self._checkpoint_damage(ckpt)
-            if problem is None:
-                break
-            logger.warning("checkpoint %s is damaged: %s", ckpt.name, problem)
-            damaged.append((ckpt, problem))
-        else:
-            raise UserError(f"--resume: no intact checkpoint in {root}: "
-                            + "; ".join(f"{c.name}: {p}" for c, p in damaged))
-        if damaged:
-            if self.rank0:
-                for bad, _ in damaged:
-                    ckpts.set_aside(root, bad, ckpt)
-            logger.warning("resuming from %s, the newest intact checkpoint (set aside as *.damaged: %s)",
-                           ckpt.name, ", ".join(bad.name for bad, _ in damaged))
-            self.collectives.barrier()
         state = ckpts.load_trainer_state(ckpt)
-        self.actor.load(str(ckpt / "actor"))
-        if self.critic is not None:
-            self.critic.load(str(ckpt / "critic"))
         self.step, self.version = state["step"], state["version"]
         self.nonfinite.in_a_row = dict(state["nonfinite"])
         if self.baseline is not None and state.get("baseline"):
@@ -387,18 +394,6 @@ class SAOTrainer:
         buffer file of another run), which the train step would refuse; the buffer sets it aside."""
         s = self.actor.spec
         return traj.routes_problem(s.num_layers, s.moe_topk, s.num_experts) if s.is_moe else None
-
-    def _checkpoint_damage(self, ckpt: Path) -> str | None:
-        """Agreed by all ranks: rank 0 checks the manifest and trainer state, every rank its own shards."""
-        r = self.ctx.rank
-        mine = [f"{role}/rank_{r:05d}.pt" for role in ("actor", "critic")
-                if role == "actor" or self.critic is not None]
-        problem = (ckpts.damage(ckpt) if self.rank0 else None) or ckpts.damage(ckpt, rank_files=mine)
-        if self.ctx.world_size == 1:
-            return problem
-        everyone = [None] * self.ctx.world_size
-        dist.all_gather_object(everyone, problem)
-        return next((p for p in everyone if p), None)
 
     # ------------------------------------------------------------------ logging
     def _log(self, m: dict, trajs, batch, step_s: float) -> None:
@@ -427,6 +422,7 @@ class SAOTrainer:
         self.console.update(m)
 
     def close(self) -> None:
+        self.checkpointer.abort()  # after an error only: a finished run waited for its last checkpoint
         if self.rollout is not None:
             self.rollout.close()  # every engine's sessions and transfer groups, then the loop
             self.rollout = None

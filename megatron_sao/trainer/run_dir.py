@@ -1,6 +1,7 @@
 """The run directory: everything a run writes, and the only place resume reads from.
 
-    <run>/config.yaml              resolved config snapshot
+    <run>/config.yaml              resolved config snapshot (a resume with other settings keeps the
+                                   previous one as config.<n>.yaml)
     <run>/metrics.jsonl            one JSON object per step (append, flushed each step)
     <run>/batches.jsonl            which trajectories and prompts each step trained on (audit trail)
     <run>/tensorboard/             TensorBoard event files with the same scalars
@@ -12,7 +13,10 @@
 
 `sao train` refuses a run directory that already holds a training run unless it is resumed
 (`--resume`) or started over (`--overwrite`); what a run leaves half-written (temp files of a
-killed process) is removed when the next one starts.
+killed process) is removed when the next one starts. A resume compares its config with the run's
+(`resume_config_changes`): a change of what is trained, on what, or of the shapes its checkpoint
+holds (`RESUME_FIXED`) is refused with the diff; any other change is logged, and the run's previous
+config.yaml is kept as config.<n>.yaml.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
-from megatron_sao.config import WandbConfig
+from megatron_sao.config import SAOConfig, WandbConfig, config_text
+from megatron_sao.config.strict_yaml import load_strict
 from megatron_sao.errors import UserError
 from megatron_sao.faults import fault_point
 from megatron_sao.trainer import checkpoints as ckpts
@@ -69,6 +75,79 @@ def existing_training(run: Path) -> list[str]:
     return found
 
 
+# What a resumed run may not change, as dotted config keys (a key or a section): what is trained (the
+# model, its tokenizer, dtype and context, the critic's initialisation, which models the algorithm
+# has), on what (the environment, its data and task settings: the checkpoint's data position indexes
+# those tasks), and the shapes the checkpoint holds (which parameters train, i.e. the optimizer state).
+# The parallel layout (parallel.*, the number of ranks) may change: checkpoints are Megatron distributed
+# checkpoints and reshard on load (megatron/dist_state.py). Anything else (steps, learning rates, batch
+# size, timeouts, ...) may change on resume and is logged.
+RESUME_FIXED = ("model", "actor.init", "critic.init", "critic.freeze", "algorithm.name", "algorithm.group_size",
+                "env.name", "env.train_data", "env.kwargs", "env.task_kwargs")
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict) and tree:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def config_changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) of every leaf that differs; "<unset>" where one side lacks it."""
+    a, b = _flat(old), _flat(new)
+    return [(k, a.get(k, "<unset>"), b.get(k, "<unset>")) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+            or (k in a) != (k in b)]
+
+
+def _fixed(key: str) -> bool:
+    return any(key == f or key.startswith(f + ".") for f in RESUME_FIXED)
+
+
+def resume_config_changes(run: Path, cfg: SAOConfig) -> list[str]:
+    """Before a resume starts (every rank; it only reads): `cfg` against the run's config.yaml. Raises
+    UserError with the diff when a RESUME_FIXED key changed; returns the other changes as "key: old ->
+    new" lines (to log). Nothing to compare without a config.yaml or a checkpoint (the resume then
+    starts fresh)."""
+    snapshot = run / "config.yaml"
+    if not snapshot.is_file() or not (run / "checkpoints").is_dir() or not ckpts.candidates(run / "checkpoints"):
+        return []
+    try:
+        old = load_strict(snapshot.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
+        raise UserError(f"--resume: the run's {snapshot} cannot be read ({e}); it is the record of what the run "
+                        "trains, restore it or start over with --overwrite") from None
+    new = load_strict(config_text(cfg))  # the same normalisation as the file (what dump_config writes)
+    changes = config_changes(old if isinstance(old, dict) else {}, new)
+    lines = [f"{k}: {a!r} -> {b!r}" for k, a, b in changes]
+    refused = [line for (k, _, _), line in zip(changes, lines) if _fixed(k)]
+    if refused:
+        raise UserError(f"--resume: the config changes what {run} trains, on what, or the shapes of its checkpoint; "
+                        f"a resume keeps them: {'; '.join(refused)} (start another run.dir, or --overwrite)")
+    return lines
+
+
+def check_run_dir(run: Path) -> None:
+    """Before any stage starts: `run.dir` is a directory this process can write, or can be created
+    (a file there, or a parent that is a file or read-only, is one line naming it, not a traceback
+    from the first mkdir after the models are built)."""
+    if run.exists():
+        if not run.is_dir():
+            raise UserError(f"run.dir: {run} exists and is not a directory")
+        if not os.access(run, os.W_OK | os.X_OK):
+            raise UserError(f"run.dir: {run} is not writable by this user")
+        return
+    parent = run.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"run.dir: {run} cannot be created: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"run.dir: {run} cannot be created: {parent} is not writable by this user")
+
+
 def check_train_dir(run: Path, resume: bool, overwrite: bool) -> None:
     """Before anything is written: refuse to mix a new run into an old one."""
     if resume and overwrite:
@@ -98,10 +177,14 @@ class RunDir:
         # Only what the trainer itself writes: other processes (a rollout server materializing the
         # base model) may be writing their own temp files into the run directory right now.
         patterns = [(self.path, f".{name}.tmp-*") for name in TRAIN_LOGS]
+        patterns += [(self.path, ".final_model.tmp-*")]  # the end-of-run HF export, killed mid-write
         patterns += [(self.buffer_dir, "*.tmp-*"), (self.buffer_dir / "failed", "*.tmp-*")]
         for d, pattern in patterns:
             for p in d.glob(pattern) if d.is_dir() else ():
-                p.unlink(missing_ok=True)
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
                 gone.append(p)
         if gone:
             logger.info("removed %d half-written file(s) of an earlier process: %s", len(gone),
@@ -113,6 +196,20 @@ class RunDir:
         self.remove_stale()
         if overwrite:
             self.clear_training()
+
+    def write_config(self, cfg: SAOConfig, keep_previous: bool) -> Path | None:
+        """Rank 0: the run's config snapshot, atomically. `keep_previous` (a resume): a config.yaml with
+        other settings is kept as config.<n>.yaml (the next free n), never overwritten; returns it."""
+        p = self.path / "config.yaml"
+        text, kept = config_text(cfg), None
+        if keep_previous and p.is_file() and p.read_text(encoding="utf-8") != text:
+            n = 1
+            while (self.path / f"config.{n}.yaml").exists():
+                n += 1
+            kept = self.path / f"config.{n}.yaml"
+            os.replace(p, kept)
+        atomic_write_text(p, text)
+        return kept
 
     def clear_training(self) -> None:
         """Delete what an earlier training run wrote (--overwrite, or --resume with no checkpoint:
@@ -128,11 +225,6 @@ class RunDir:
         (self.buffer_dir / "failed").mkdir(parents=True, exist_ok=True)  # the buffer may already be open
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, step: int, write_parts: Callable[[Path], None], state: dict[str, Any],
-                        barrier: Callable[[], None] = lambda: None) -> Path | None:
-        """Collective (checkpoints.save); returns the previous checkpoint, kept as the fallback."""
-        return ckpts.save(self.ckpt_root, step, write_parts, state, self.is_writer, barrier)
-
     load_trainer_state = staticmethod(ckpts.load_trainer_state)
 
     # ------------------------------------------------------------------ metrics

@@ -14,14 +14,14 @@ from pathlib import Path
 
 def main(args: argparse.Namespace) -> int:
     from megatron_sao.config import load_config
+    from megatron_sao.models.builtin import resolve_model_dir
     from megatron_sao.rollout.engines.http_server import serve_forever
     from megatron_sao.rollout.engines.protocol import EngineConfig
-    from megatron_sao.trainer.components import resolve_model_dir
     from megatron_sao.trainer.train import wire_stages
 
     cfg = wire_stages(load_config(args.config, args.overrides))
     try:
-        model_dir = resolve_model_dir(cfg, Path(cfg.run.dir))
+        model_dir = resolve_model_dir(cfg.model.path, Path(cfg.run.dir), cfg.run.seed)
     except FileNotFoundError as e:
         raise SystemExit(f"serve-rollout: {e}") from None
     r = cfg.rollout

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron_sao.config import OptimSection, SAOConfig, load_config, to_dict
+from megatron_sao.models.builtin import resolve_model_dir
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.hf_export import export_hf_model
@@ -36,45 +37,12 @@ def load_demonstrations(cfg: SAOConfig) -> list[list[dict]]:
                         raise ValueError(f"{cfg.sft.data}:{i + 1}: a demonstration needs a 'messages' list")
                     rows.append(row["messages"])
         return rows
-    if cfg.env.name == "toy_tool":
-        from megatron_sao.envs.toy_tool import make_demonstrations
+    from megatron_sao.envs.registry import make_demonstrations
 
-        return [d if isinstance(d, list) else d["messages"] for d in
-                make_demonstrations(cfg.sft.demonstrations, seed=cfg.run.seed, error_rate=cfg.sft.error_rate,
-                                    **_toy_kwargs(cfg))]
-    if cfg.env.name == "style_shift":
-        from megatron_sao.envs.style_shift import make_demonstrations
-
-        return make_demonstrations(cfg.sft.demonstrations, seed=cfg.run.seed, **_style_kwargs(cfg))
-    if cfg.env.name == "arith_python":
-        from megatron_sao.envs.arith_python import make_demonstrations
-
-        kw = {k: v for k, v in cfg.env.task_kwargs.items() if k in ("max_ops", "kinds", "system_prompt")}
-        return make_demonstrations(cfg.sft.demonstrations, seed=cfg.run.seed, error_rate=cfg.sft.error_rate, **kw)
-    if cfg.env.name == "toy_chain":
-        from megatron_sao.envs.toy_chain import make_demonstrations
-
-        kw = {k: v for k, v in cfg.env.task_kwargs.items() if k in ("min_ops", "max_ops")}
-        return make_demonstrations(cfg.sft.demonstrations, seed=cfg.run.seed, error_rate=cfg.sft.error_rate, **kw)
-    if cfg.env.name == "chain_python":
-        from megatron_sao.envs.chain_python import make_demonstrations
-
-        kw = {k: v for k, v in cfg.env.task_kwargs.items() if k in ("min_steps", "max_steps", "system_prompt")}
-        return make_demonstrations(cfg.sft.demonstrations, seed=cfg.run.seed, error_rate=cfg.sft.error_rate, **kw)
-    raise ValueError(f"sft.data: env {cfg.env.name!r} has no demonstration generator; give a jsonl file")
-
-
-def _toy_kwargs(cfg: SAOConfig) -> dict:
-    return {k: v for k, v in cfg.env.task_kwargs.items() if k in ("max_ops", "alpha")}
-
-
-def _style_kwargs(cfg: SAOConfig) -> dict:
-    """The task loader's prompt settings (so demonstrations start exactly like the RL prompts) and
-    the env's styles (so SFT covers every style the schedule will ask for, and no other)."""
-    kw = {k: v for k, v in cfg.env.task_kwargs.items() if k in ("prompts", "system_prompt")}
-    if cfg.env.kwargs.get("styles") is not None:
-        kw["styles"] = cfg.env.kwargs["styles"]
-    return kw
+    # Task settings win over environment settings where both name one (the prompts must match RL's).
+    settings = {**{k: v for k, v in cfg.env.kwargs.items() if v is not None}, **cfg.env.task_kwargs}
+    return make_demonstrations(cfg.env.name, cfg.sft.demonstrations, seed=cfg.run.seed,
+                               error_rate=cfg.sft.error_rate, settings=settings)
 
 
 def pad_examples(examples: list[tuple[list[int], list[bool]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -94,7 +62,7 @@ def run_sft(cfg: SAOConfig) -> Path:
     from megatron_sao.rollout.chat import ChatFormatter
 
     ctx, run = C.start_stage(cfg)
-    model_dir = C.resolve_model_dir(cfg, run.path)
+    model_dir = resolve_model_dir(cfg.model.path, run.path, cfg.run.seed)
     formatter = ChatFormatter(C.load_tokenizer(cfg, model_dir))
     demos = load_demonstrations(cfg)
     encoded = [formatter.encode_demonstration(m) for m in demos]

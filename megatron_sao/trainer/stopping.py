@@ -1,19 +1,13 @@
-"""Why a training run stops before its last step: the two outcomes, and the non-finite step policy."""
+"""The non-finite step policy: how many skipped optimizer steps in a row stop a run."""
 
 from __future__ import annotations
 
 import logging
 from typing import Callable
 
+from megatron_sao.errors import TrainingStopped
+
 logger = logging.getLogger(__name__)
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped on purpose (non-finite steps, dead rollout engine); a checkpoint was written."""
-
-
-class TrainingInterrupted(RuntimeError):
-    """Ctrl-C / SIGTERM: the current step finished, a checkpoint was written, the run ended."""
 
 
 class NonFiniteGuard:

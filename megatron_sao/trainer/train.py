@@ -6,11 +6,14 @@ say otherwise, the policy starts from `<run>/sft_model` and the critic from `<ru
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
 from megatron_sao.config import SAOConfig, load_config
 from megatron_sao.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 
 def wire_stages(cfg: SAOConfig) -> SAOConfig:
@@ -28,12 +31,17 @@ def preflight(cfg: SAOConfig, resume: bool, overwrite: bool) -> None:
     """The user errors that can be found before anything is written (every rank runs it; it only
     reads): the run directory against --resume/--overwrite, that --resume has an intact checkpoint,
     the model and init paths, the replay file."""
-    from megatron_sao.trainer.components import is_builtin
-    from megatron_sao.trainer.run_dir import check_train_dir
+    from megatron_sao.models.builtin import is_builtin
+    from megatron_sao.trainer.run_dir import check_run_dir, check_train_dir, resume_config_changes
 
+    check_run_dir(Path(cfg.run.dir))
     check_train_dir(Path(cfg.run.dir), resume, overwrite)
     if resume:
         _check_some_checkpoint_is_intact(Path(cfg.run.dir) / "checkpoints")
+        changed = resume_config_changes(Path(cfg.run.dir), cfg)  # the fixed keys raise, with the diff
+        if changed:
+            logger.warning("--resume with other settings than the run's (kept as config.<n>.yaml): %s",
+                           "; ".join(changed))
     if not is_builtin(cfg.model.path) and not (Path(cfg.model.path) / "config.json").is_file():
         raise UserError(f"model.path: {cfg.model.path} is neither a built-in model nor an HF directory "
                         "with config.json")
@@ -75,7 +83,8 @@ def main(args) -> int:
     cfg = wire_stages(load_config(args.config, args.overrides))
     overwrite = getattr(args, "overwrite", False)
     preflight(cfg, args.resume, overwrite)
-    from megatron_sao.trainer.loop import SAOTrainer, TrainingInterrupted, TrainingStopped
+    from megatron_sao.errors import TrainingInterrupted, TrainingStopped
+    from megatron_sao.trainer.loop import SAOTrainer
 
     trainer = SAOTrainer(cfg, resume=args.resume, overwrite=overwrite)
     try:

@@ -76,8 +76,9 @@ def collect_rollouts(cfg: SAOConfig, policy_dir: Path, n: int) -> list:
     async def go():
         engine = C.build_rollout_engine(cfg, policy_dir)
         try:
-            return await run_many(engine, C.env_factory(cfg), tasks, formatter, C.agent_loop_config(cfg),
-                                  on_done=progress)
+            async with C.started_endpoint(cfg, formatter) as endpoint:
+                return await run_many(engine, C.env_factory(cfg), tasks, formatter, C.agent_loop_config(cfg),
+                                      on_done=progress, endpoint=endpoint)
         finally:
             await engine.close()
     return asyncio.run(go())
@@ -113,7 +114,7 @@ def run_value_pretrain(cfg: SAOConfig) -> Path:
 def _from_cache(cfg: SAOConfig, ctx, run, hit: Path, key: str) -> Path:
     out = run.path / "critic_pretrained"
     if ctx.rank == 0:
-        from megatron_sao.checkpoint.atomic_dir import atomic_output_dir
+        from megatron_sao.files.atomic_dir import atomic_output_dir
 
         with atomic_output_dir(out, overwrite=True) as tmp:
             shutil.copytree(hit, tmp, dirs_exist_ok=True)

@@ -1,13 +1,10 @@
-"""Shared fixtures of the cluster tests: repository paths and the Qwen3-30B-A3B spec."""
+"""Shared fixtures of the cluster tests: the Qwen3-30B-A3B spec."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPES = REPO / "examples" / "qwen3_30b_a3b"
-QWEN_JSON = REPO / "megatron_sao" / "models" / "configs" / "qwen3_30b_a3b.json"
+from tests.cluster.recipes import QWEN_JSON
 
 
 @pytest.fixture(scope="session")

@@ -5,11 +5,12 @@ for `vllm serve`, pushes weights to it over HTTP after every actor step, and tra
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-CONFIG = Path(__file__).resolve().parents[1] / "e2e" / "tiny_ci.yaml"
+from tests.paths import REPO
+
+CONFIG = REPO / "tests" / "e2e" / "tiny_ci.yaml"
 
 
 @pytest.mark.slow

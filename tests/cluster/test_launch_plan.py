@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import RECIPES, REPO
 
-from megatron_sao.cluster.launch_plan import LaunchPlanError, build_launch_plan, render_bash
+from megatron_sao.cluster.launch_plan import LaunchPlanError, build_launch_plan, build_parser, render_bash
+from tests.cluster.recipes import RECIPES
+from tests.paths import REPO
 
 AIME = str(RECIPES / "aime_disaggregated.yaml")
 COLOC = str(RECIPES / "aime_colocated.yaml")
@@ -109,6 +110,19 @@ def test_plan_errors_name_the_fix():
         build_launch_plan(AIME, ["a", "b"], run_dir="/r", trainer_nodes=1).node(5)
 
 
+def test_trainer_nodes_all_follows_the_allocation():
+    """SAO_TRAINER_NODES=all: a colocated job requeued on fewer nodes trains on all of them (its checkpoint
+    reshards to the new data-parallel size, docs/cluster.md); the CLI takes a count or "all"."""
+    for hosts in (["a", "b", "c", "d"], ["a", "b"]):
+        plan = build_launch_plan(COLOC, hosts, run_dir="/r", trainer_nodes="all")
+        assert plan.trainer_nodes == len(hosts) and plan.rollout_nodes == 0
+        assert f"cluster.trainer_nodes={len(hosts)}" in plan.trainer_overrides
+    with pytest.raises(LaunchPlanError, match="leaves none for vLLM"):
+        build_launch_plan(AIME, ["a", "b"], run_dir="/r", trainer_nodes="all")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--config", COLOC, "--nodelist", "a", "--run-dir", "/r", "--trainer-nodes", "most"])
+
+
 def test_bash_rendering_round_trips_through_eval():
     """Quoting: what common.sh evals must give back argv exactly (JSON, spaces, quotes)."""
     plan = build_launch_plan(AIME, ["t0", "r0"], run_dir="/r w/x", trainer_nodes=1,
@@ -156,7 +170,7 @@ def test_trainers_get_gloo_socket_ifname_beside_nccl(env, expected):
 
 
 def test_gloo_interface_rules():
-    from megatron_sao.cluster.socket_ifname import gloo_ifname_from_env, interface_for
+    from megatron_sao.distributed.socket_ifname import gloo_ifname_from_env, interface_for
 
     assert gloo_ifname_from_env({"NCCL_SOCKET_IFNAME": "^lo,docker"}) is None
     assert gloo_ifname_from_env({"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "ib0"}) == "eth0"
@@ -168,14 +182,15 @@ def test_gloo_interface_rules():
 def test_the_plan_and_the_trainer_agree_on_transfer_ports_and_the_per_server_cap():
     """The trainer's view (its config after the plan's overrides) and each vllm serve command agree:
     one rendezvous port per server on the first trainer host (weight_sync_port + i: the ports the one
-    transfer group over every server is formed on in turn, rollout/weights/server_group.py), each
+    transfer group over every server is formed on in turn, weights/server_group.py), each
     server's own rendezvous rule as vLLM computes it (rank offset 1, world 1 + rollout_tp), and its
     --max-num-seqs is the trainer's per-server cap."""
     from pathlib import Path
 
+    from megatron_sao.cluster.layout import max_num_seqs
     from megatron_sao.config import load_config
-    from megatron_sao.rollout.vllm_worker.transfer_group import Rendezvous
-    from megatron_sao.trainer.components import engine_config, max_num_seqs
+    from megatron_sao.trainer.components import engine_config
+    from megatron_sao.weights.vllm_worker.transfer_group import Rendezvous
 
     hosts = ["t0", "t1", "r0", "r1"]
     plan = build_launch_plan(AIME, hosts, run_dir="/r", trainer_nodes=2, gpus_per_node=8)

@@ -1,9 +1,9 @@
 """The launch plan starts every `vllm serve` with --enable-return-routed-experts exactly when routes are asked for."""
 
 import pytest
-from conftest import RECIPES
 
 from megatron_sao.cluster.launch_plan import build_launch_plan
+from tests.cluster.recipes import RECIPES
 
 AIME = str(RECIPES / "aime_disaggregated.yaml")
 

@@ -15,10 +15,11 @@ import torch
 
 from megatron_sao.cluster.planner import PlanOptions, plan, resolve_hf_config
 from megatron_sao.config import load_config
+from megatron_sao.models.builtin import is_builtin, materialize_builtin_model
 from megatron_sao.models.hf_config import model_spec_from_hf
 from megatron_sao.trainer import components as C
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "examples" / "qwen3_30b_a3b"
 EXAMPLES = sorted((REPO / "examples").rglob("*.yaml"))
 CLUSTER_RECIPES = sorted(RECIPES.glob("*.yaml"))
@@ -30,8 +31,8 @@ SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermedia
 
 def recipe_spec(cfg, tmp_path: Path):
     """The ModelSpec a recipe trains: a built-in model, a known hub checkpoint, or SmolLM2's config."""
-    if C.is_builtin(cfg.model.path):
-        return C.model_spec(C.materialize_builtin_model(cfg.model.path, tmp_path / cfg.model.path, seed=0))
+    if is_builtin(cfg.model.path):
+        return C.model_spec(materialize_builtin_model(cfg.model.path, tmp_path / cfg.model.path, seed=0))
     if cfg.model.path.endswith("smollm2/hf"):
         return model_spec_from_hf(SMOLLM2)
     return resolve_hf_config(cfg)

@@ -3,10 +3,10 @@
 import json
 
 import pytest
-from conftest import QWEN_JSON as QWEN
 
 from megatron_sao.cluster import memory as mem
 from megatron_sao.models.hf_config import model_spec_from_hf
+from tests.cluster.recipes import QWEN_JSON as QWEN
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ import sys
 import textwrap
 import time
 
-from conftest import RECIPES, REPO
-
 from megatron_sao.cluster.launch_local import build_local_plan
 from megatron_sao.cluster.supervisor import RestartPolicy, Supervisor, SupervisorError
+from tests.cluster.recipes import RECIPES
+from tests.paths import REPO
 
 FAKE_VLLM = textwrap.dedent(f"""\
     #!{sys.executable}
@@ -245,7 +245,7 @@ def test_local_plan_is_the_slurm_plan_on_localhost(tmp_path):
     assert s0[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "Qwen/Qwen3-30B-A3B-Instruct-2507"]
     assert s1[s1.index("--port") + 1] == "9102" and "--enable-scale-out" in s1
     assert s1[s1.index("--weight-transfer-config") + 1] == '{"backend":"sao_gloo"}'
-    assert s1[s1.index("--worker-extension-cls") + 1] == "megatron_sao.rollout.vllm_worker.extension.SAOWorkerExtension"
+    assert s1[s1.index("--worker-extension-cls") + 1] == "megatron_sao.weights.vllm_worker.extension.SAOWorkerExtension"
     assert s1[s1.index("--max-num-seqs") + 1] == "64"  # online_style: rollout.max_num_seqs
     assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in plan.servers] == ["0", str(1 % (os.cpu_count() or 1))]
     assert plan.health == ["http://127.0.0.1:9101/health", "http://127.0.0.1:9102/health"]

@@ -1,12 +1,12 @@
 """`sao plan`: recipes fit, memory numbers match hand calculations, impossible layouts are refused."""
 
 import pytest
-from conftest import RECIPES
 
 from megatron_sao.cluster import memory as mem
 from megatron_sao.cluster.layout import LayoutError
 from megatron_sao.cluster.planner import PlanOptions, main, plan
 from megatron_sao.config import load_config
+from tests.cluster.recipes import RECIPES
 
 AIME = str(RECIPES / "aime_disaggregated.yaml")
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))

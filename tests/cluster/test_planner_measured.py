@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "train_step_peak.py")
+from tests.paths import REPO
+
+WORKER = "tests.cluster.workers.train_step_peak"
 
 pytestmark = pytest.mark.slow  # a subprocess that builds and trains two engines
 
@@ -20,8 +21,8 @@ pytestmark = pytest.mark.slow  # a subprocess that builds and trains two engines
 @pytest.mark.parametrize("recompute", ["full", "none"])
 def test_planned_trainer_peak_is_within_10_percent_of_the_measured_one(recompute):
     # Every allocation over 64 KiB gets its own mmap, so the resident set follows the live tensors.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, MALLOC_MMAP_THRESHOLD_="65536")
-    proc = subprocess.run([sys.executable, WORKER, recompute], cwd=ROOT, env=env, capture_output=True, text=True,
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
+    proc = subprocess.run([sys.executable, "-m", WORKER, recompute], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     r = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("PEAK "))[5:])

@@ -34,12 +34,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 
-sys.path.insert(0, str(REPO / "tools" / "slurm_local"))
-from cluster import ClusterError, SlurmCluster, missing_tools  # noqa: E402
-
-from megatron_sao.cluster.launch_local import free_port_block  # noqa: E402
+from megatron_sao.cluster.launch_local import free_port_block
+from tests.paths import REPO
+from tools.slurm_local.cluster import ClusterError, SlurmCluster, missing_tools
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 RECIPES = REPO / "examples" / "slurm_cpu"
@@ -68,10 +66,11 @@ def slurm(tmp_path_factory):
 def model_dir(tmp_path_factory):
     """The recipes' built-in model as the HF directory vllm serve loads (SAO_MODEL_DIR)."""
     from megatron_sao.config import load_config
-    from megatron_sao.trainer.components import resolve_model_dir
+    from megatron_sao.models.builtin import resolve_model_dir
 
     d = tmp_path_factory.mktemp("model")
-    return resolve_model_dir(load_config(RECIPES / "disaggregated.yaml"), d)
+    cfg = load_config(RECIPES / "disaggregated.yaml")
+    return resolve_model_dir(cfg.model.path, d, cfg.run.seed)
 
 
 def _job_env(slurm: SlurmCluster, run_root: Path, config: Path, model_dir: Path, **extra: str) -> dict:

@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launch import torchrun_cmd
+from tests.launch import torchrun_cmd
 
 CONFIG = str(Path(__file__).with_name("tiny_ci.yaml"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

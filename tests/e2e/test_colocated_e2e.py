@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from e2e_util import CONFIG, ENV, sao
+
+from tests.e2e.e2e_util import CONFIG, ENV, sao
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(900)

@@ -1,9 +1,10 @@
 """kill -9 at every moment that matters, then `sao train --resume`: nothing trained twice, nothing lost.
 
 The trainer is a real subprocess killed by its own fault hook (megatron_sao/faults.py, SAO_FAULT) at
-exact points of the real code: before the first checkpoint, mid-step, mid-checkpoint write, right
-after the commit (before the buffer release), mid-rollout. Each test chains the kills in one run
-directory, each resume starting from what the previous kill left, and then checks batches.jsonl.
+exact points of the real code: before the first checkpoint, mid-step, mid-checkpoint write, while an
+asynchronous checkpoint's writers run, right after the commit (before the buffer release), mid-rollout.
+Each test chains the kills in one run directory, each resume starting from what the previous kill left,
+and then checks batches.jsonl.
 """
 
 import json
@@ -13,7 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from e2e_util import CONFIG, ENV, sao
+
+from tests.e2e.e2e_util import CONFIG, ENV, sao
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +33,10 @@ def killed_at(fault, *args):
 
 
 def test_replay_run_killed_at_every_moment_equals_an_uninterrupted_one(tmp_path, replay_file):
+    # Synchronous saves, so that each kill below lands where its comment says; the asynchronous kill is
+    # the one link that turns them on.
     common = [f"trainer.replay={replay_file}", "algorithm.critic_warmup_steps=1", "run.total_steps=5",
-              "run.save_every=1", "run.console=none"]
+              "run.save_every=1", "run.console=none", "run.async_save=false"]
     full, run = tmp_path / "full", tmp_path / "killed"
     sao("train", CONFIG, f"run.dir={full}", *common)
     at = [f"run.dir={run}", *common]
@@ -45,21 +49,25 @@ def test_replay_run_killed_at_every_moment_equals_an_uninterrupted_one(tmp_path,
     assert (run / "checkpoints" / "latest").read_text() == "step_000002"
     assert len(list((run / "buffer").glob("*.safetensors"))) == 64  # nothing released yet
     killed_at("checkpoint_parts_written:1", *at, "--resume")  # step 2 trained, checkpoint 3 half-done
-    assert (run / "checkpoints" / "step_000003.tmp").is_dir()
+    assert list((run / "checkpoints").glob("step_000003.tmp-*"))
     (run / "buffer" / "000000999-0123abcd.safetensors.tmp-1-cafe").write_bytes(b"half a file")  # a kill mid-write
     killed_at("batch_taken:2", *at, "--resume")  # checkpoint 3 written, step 3's batch taken
-    assert not (run / "checkpoints" / "step_000003.tmp").exists()
+    assert not list((run / "checkpoints").glob("step_000003.tmp-*"))
     assert not list((run / "buffer").glob("*.tmp-*"))
     killed_at("batch_logged:2", *at, "--resume")  # step 3 and checkpoint 4, step 4 logged, no checkpoint 5
     assert (run / "checkpoints" / "latest").read_text() == "step_000004"
+    # kill -9 while an asynchronous checkpoint (5) is being written: the trainer is gone before any commit
+    killed_at("checkpoint_save_scheduled:1", *at, "--resume", "run.async_save=true")
+    assert (run / "checkpoints" / "latest").read_text() == "step_000004"
 
-    # The latest checkpoint is damaged: resume falls back to step_000003 and says which file was bad.
-    shard = run / "checkpoints" / "step_000004" / "actor" / "rank_00000.pt"
-    data = bytearray(shard.read_bytes())
+    # The latest checkpoint is damaged (the actor's index, same size): its load fails, resume falls back to
+    # step_000003 and names the directory.
+    index = run / "checkpoints" / "step_000004" / "actor" / ".metadata"
+    data = bytearray(index.read_bytes())
     data[len(data) // 2: len(data) // 2 + 64] = bytes(64)
-    shard.write_bytes(bytes(data))
+    index.write_bytes(bytes(data))
     p = sao("train", CONFIG, *at, "--resume")
-    assert "step_000004 is damaged" in p.stderr and str(shard) in p.stderr, p.stderr[-3000:]
+    assert "step_000004 is damaged" in p.stderr and str(index.parent) in p.stderr, p.stderr[-3000:]
     assert "resuming from step_000003" in p.stderr
     assert (run / "checkpoints" / "step_000004.damaged").is_dir()
 

@@ -4,9 +4,9 @@ choices are the routes)."""
 import json
 
 import pytest
-from e2e_util import CONFIG, sao
 
 from megatron_sao.trajectory import load_trajectories
+from tests.e2e.e2e_util import CONFIG, sao
 
 pytestmark = pytest.mark.slow  # runs `sao train`
 

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = str(ROOT / "examples" / "smollm2_arith.yaml")
-FIXTURE = ROOT / "tests" / "fixtures" / "smollm2_tokenizer"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1",
-       "PYTHONPATH": str(ROOT)}
+from tests.paths import REPO
+
+EXAMPLE = str(REPO / "examples" / "smollm2_arith.yaml")
+FIXTURE = REPO / "tests" / "fixtures" / "smollm2_tokenizer"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"}
 # CI size: few demonstrations of one-operation problems, a high LR so a random model picks up the tool
 # format in 50 small steps (~1 min on 2 cores; it still writes random digits). The LR decays (cosine,
 # 5e-3 -> 5e-4) so the model the test samples from has settled: at a constant 1e-2 the SFT oscillated,
@@ -46,7 +46,7 @@ TRAIN = ["run.total_steps=2", "algorithm.critic_warmup_steps=1", "run.eval_every
 
 
 def sao(*args, timeout=900):
-    p = subprocess.run([sys.executable, "-m", "megatron_sao.cli", *args], env=ENV, cwd=ROOT, capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "megatron_sao.cli", *args], env=ENV, cwd=REPO, capture_output=True,
                        text=True, timeout=timeout)
     assert p.returncode == 0, f"sao {' '.join(args)} failed ({p.returncode}):\n{p.stderr[-4000:]}"
     return p

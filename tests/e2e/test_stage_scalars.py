@@ -3,16 +3,13 @@
 of the stage's metrics file, each stage its own W&B run in the experiment's group."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from e2e_util import CONFIG, sao
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-from scalar_records import history, runs, tensorboard_scalars  # noqa: E402
-
-from megatron_sao.trainer.scalar_sinks import flat_scalars  # noqa: E402
+from megatron_sao.trainer.scalar_sinks import flat_scalars
+from tests.e2e.e2e_util import CONFIG, sao
+from tests.scalar_records import history, runs, tensorboard_scalars
 
 
 def assert_same_scalars(stage_dir: Path, metrics_file: Path, steps=(0, 1)) -> None:

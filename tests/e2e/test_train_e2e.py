@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_util import CONFIG, ENV, sao
+
+from tests.e2e.e2e_util import CONFIG, ENV, sao
 
 pytestmark = pytest.mark.slow  # each test runs `sao` (and torchrun) subprocesses
 
@@ -77,14 +78,17 @@ def test_async_mode_honours_the_staleness_bound(tmp_path):
     assert len(seen) == len(set(seen))
 
 
-def test_tp2_resumed_gives_the_same_losses_as_one_rank(tmp_path, replay_file):
+def test_tp2_resumed_at_tp1_gives_the_same_losses_as_one_rank(tmp_path, replay_file):
+    """`sao train --resume` on another layout: a TP 2 run of two ranks stops after step 1 (its checkpoint
+    written asynchronously, the default); the run resumes on one rank at TP 1 and continues the losses of
+    a run that never left TP 1."""
     common = ["trainer.replay=" + str(replay_file), "run.total_steps=2", "algorithm.critic_warmup_steps=1"]
     one, two = tmp_path / "tp1", tmp_path / "tp2"
     sao("train", CONFIG, f"run.dir={one}", *common)
-    # The TP=2 run stops after step 1 and resumes on both ranks (each verifies its own shards).
-    tp2 = [f"run.dir={two}", "parallel.tp=2", "parallel.sequence_parallel=true", *common]
-    sao("train", CONFIG, *tp2, "run.total_steps=1", torchrun=2)
-    sao("train", CONFIG, *tp2, "--resume", torchrun=2)
+    sao("train", CONFIG, f"run.dir={two}", "parallel.tp=2", "parallel.sequence_parallel=true", *common,
+        "run.total_steps=1", torchrun=2)
+    p = sao("train", CONFIG, f"run.dir={two}", *common, "--resume")
+    assert "(saved at {'tp': 2," in p.stderr, p.stderr[-3000:]
     a, b = metrics(one), metrics(two)
     assert len(a) == len(b) == 3
     for ra, rb in zip(a, b):
@@ -128,13 +132,10 @@ def test_periodic_hf_exports_wandb_and_the_new_actor_metrics(tmp_path, replay_fi
     """run.export_every=1 writes loadable HF checkpoints, the newest two kept, the last one the final
     model; W&B (offline) gets the scalars metrics.jsonl has; every actor step logs its entropy and the
     DIS-masked share of the first turn's tokens."""
-    import sys as _sys
-
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    _sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-    from scalar_records import history
+    from tests.scalar_records import history
 
     run = tmp_path / "exp"
     wb = {k: str(tmp_path / k) for k in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")}

@@ -4,14 +4,15 @@ it on held-out rollouts, and a second invocation with the same policy and settin
 import json
 
 import pytest
-from e2e_util import CONFIG, sao
+
+from tests.e2e.e2e_util import CONFIG, sao
 
 
 @pytest.mark.slow
 def test_value_pretrain_holds_out_rollouts_and_caches_the_critic(tmp_path):
     """Regression: it read the critic's returns from the per-algorithm targets, which have none for
     GRPO or the running-mean baseline (TypeError on `fields["returns"] = None`)."""
-    from megatron_sao.trainer.components import materialize_builtin_model
+    from megatron_sao.models.builtin import materialize_builtin_model
 
     policy = materialize_builtin_model("tiny_qwen3_moe_ci", tmp_path / "policy", seed=3)
     run, cache = tmp_path / "vp", tmp_path / "cache"

@@ -182,3 +182,56 @@ def test_a_stop_request_ends_the_wait_though_no_trajectory_wakes_it():
     t0 = time.monotonic()
     assert buf.take(step=0, current_version=0, timeout=60, should_stop=stop.is_set) is None
     assert time.monotonic() - t0 < 10  # not the 60 s timeout
+
+
+def segments(pid, n, version=0, episode=None):
+    """A harness episode of n segments (rollout/agent_endpoint/session.py), in the order they arrive."""
+    out = []
+    for k in range(n):
+        t = traj(pid, version=version)
+        t.info.update(episode=episode or pid, segment=k, segments=n)
+        out.append(t)
+    return out
+
+
+def test_a_batch_is_whole_episodes_and_an_episode_waits_for_its_end():
+    """batch_size counts episodes: a harness episode's segments are taken together, and not before its
+    last one arrived; a synchronous run then trains each batch at one version."""
+    buf = TrajectoryBuffer(batch_size=2, max_staleness=4)
+    a, b = segments("a@0", 3), segments("b@1", 2)
+    buf.put(a[0])
+    buf.put(a[1])
+    buf.put(traj("c@2"))
+    buf.put(b[0])
+    assert buf.take(0, 0, timeout=0.05) is None  # a has no end yet: one whole episode (c) only
+    buf.put(a[2])
+    batch = buf.take(0, 0, timeout=1)  # episodes in the order they began arriving: a, then c
+    assert [t.traj_id for t in batch[:3]] == [t.traj_id for t in a] and len(batch) == 4
+    assert batch[3].prompt_id == "c@2"
+    buf.put(b[1])
+    buf.put(traj("d@3"))
+    assert [t.traj_id for t in buf.take(1, 0, timeout=1)][:2] == [t.traj_id for t in b]
+
+
+def test_a_stale_episode_is_dropped_whole_and_requeued_once():
+    dropped = []
+    buf = TrajectoryBuffer(batch_size=1, max_staleness=0, staleness_policy="drop", on_drop=dropped.append)
+    old = segments("a@0", 2, version=0)
+    for t in old:
+        buf.put(t)
+    buf.put(traj("b@1", version=1))
+    assert [t.prompt_id for t in buf.take(1, current_version=1)] == ["b@1"]
+    assert [t.traj_id for t in dropped] == [old[-1].traj_id] and buf.stats.dropped_stale == 2
+
+
+def test_resume_reruns_an_episode_whose_end_was_not_written():
+    from megatron_sao.rollout.prompts import complete_units
+
+    whole, cut = segments("a@0", 2), segments("b@1", 3)[:2]
+    single = traj("c@2")
+    for t, pos in ((whole, 0), (cut, 1)):
+        for s in t:
+            s.info["data_pos"] = pos
+    single.info["data_pos"] = 2
+    units, partial = complete_units(whole + cut + [single])
+    assert units == {(0, 0), (2, 0)} and partial == [t.traj_id for t in cut]

@@ -11,9 +11,10 @@ value pre-training). Rules, per `dist.<collective>(...)` / `torch.distributed.<c
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "megatron_sao"
+from tests.paths import REPO
+
+PACKAGE = REPO / "megatron_sao"
 TENSOR_COLLECTIVES = {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                       "reduce_scatter_tensor", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv",
                       "isend", "irecv"}

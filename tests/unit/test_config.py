@@ -23,7 +23,7 @@ def test_presets_and_precedence(tmp_path):
     assert cfg.algorithm.eps_high == 2.5  # the file wins over the preset
     assert cfg.algorithm.critic_steps == 3  # overrides win over the file
     assert cfg.rollout.server_urls == ["http://a:8000"]
-    assert cfg.env.name == "coding"
+    assert cfg.env.name == "swe"
 
 
 @pytest.mark.parametrize("overrides, needle", [
@@ -57,6 +57,10 @@ def test_presets_and_precedence(tmp_path):
     (["rollout.start_min_servers=-1"], "rollout.start_min_servers: must be >= 0"),
     (["rollout.backend=vllm_server", "rollout.server_urls=[http://a:8000,http://b:8000]",
       "rollout.start_min_servers=3"], "rollout.start_min_servers: is 3 but rollout.server_urls names 2 servers"),
+    (["cluster.placement=colocated", "cluster.rollout_tp=4", "rollout.backend=vllm", "rollout.routing_replay=true"],
+     "rollout.routing_replay: the colocated placement cannot return routes with cluster.rollout_tp=4"),
+    (["cluster.placement=colocated", "cluster.rollout_tp=2", "rollout.backend=vllm", "rollout.record_routes=true"],
+     "rollout.record_routes: the colocated placement cannot return routes"),
 ])
 def test_errors_name_the_key(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -110,3 +114,11 @@ def test_removed_keys_still_load_with_a_warning_naming_them(tmp_path, key, value
     assert not hasattr(getattr(cfg, section), name)
     with pytest.warns(RemovedConfigKey, match=key):
         load_config(None, [f"{key}={value}"])
+
+
+def test_routes_stay_allowed_where_vllm_returns_them():
+    """Colocated with rollout_tp 1 (one worker per engine), and disaggregated servers at any TP."""
+    for placement, tp in (("colocated", 1), ("disaggregated", 4)):
+        cfg = load_config(None, [f"cluster.placement={placement}", f"cluster.rollout_tp={tp}", "rollout.backend=vllm",
+                                 "rollout.routing_replay=true"])
+        assert cfg.rollout.routing_replay

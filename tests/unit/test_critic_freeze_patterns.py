@@ -7,11 +7,11 @@ Regression: `sao train` on SmolLM2-135M (Llama, no q/k norms) failed in build_cr
 
 import fnmatch
 
-from megatron_sao.checkpoint.names import canonical_name
+from megatron_sao.checkpoint.param_counts import param_group
 from megatron_sao.config import PAPER_CRITIC_FREEZE, CriticConfig
 from megatron_sao.models.freeze import CRITIC_FROZEN_ATTENTION
 from megatron_sao.models.hf_config import model_spec_from_hf
-from megatron_sao.models.param_counts import param_group
+from megatron_sao.models.names import canonical_name
 from megatron_sao.models.presets import tiny_hf_config
 from megatron_sao.trainer.components import critic_freeze_patterns
 

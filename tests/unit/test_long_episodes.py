@@ -8,8 +8,6 @@ loop of take -> version + 1 -> step_finished) has finished 11 steps since the ep
 """
 
 import asyncio
-import sys
-from pathlib import Path
 
 from megatron_sao.buffer import TrajectoryBuffer
 from megatron_sao.config import load_config
@@ -21,9 +19,7 @@ from megatron_sao.rollout.engines.protocol import SamplingParams
 from megatron_sao.rollout.episode_driver import EpisodeDriver
 from megatron_sao.rollout.prompts import PromptStream
 from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
-from engine_fixtures import answering  # noqa: E402 (tests/rollout/engine_fixtures.py)
+from tests.engine_fixtures import answering
 
 SLOW_POS, SLOW_STEPS = 0, 11
 

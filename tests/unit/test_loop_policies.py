@@ -3,8 +3,9 @@
 import pytest
 
 from megatron_sao.config import load_config
+from megatron_sao.errors import TrainingStopped
 from megatron_sao.megatron.engine import StepResult
-from megatron_sao.trainer.stopping import NonFiniteGuard, TrainingStopped
+from megatron_sao.trainer.stopping import NonFiniteGuard
 
 
 def test_three_nonfinite_steps_in_a_row_stop_with_a_checkpoint():

@@ -6,13 +6,13 @@ from __future__ import annotations
 import math
 
 import pytest
-from scalar_records import history, tensorboard_scalars
 
 from megatron_sao.config import WandbConfig, load_config
 from megatron_sao.config.errors import ConfigError
 from megatron_sao.errors import UserError
 from megatron_sao.trainer.run_dir import RunDir
 from megatron_sao.trainer.scalar_sinks import flat_scalars
+from tests.scalar_records import history, tensorboard_scalars
 
 
 @pytest.fixture

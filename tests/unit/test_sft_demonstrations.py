@@ -1,7 +1,6 @@
 """`sao sft`'s demonstration source for the style-shift task, as the CPU example configures it: the
 demonstrations start exactly like the RL prompts, fit the model, and cover every scheduled style."""
 
-from pathlib import Path
 
 from megatron_sao.config import load_config
 from megatron_sao.envs.style_judges import STYLES, RuleBasedStyleJudge
@@ -10,8 +9,9 @@ from megatron_sao.rollout.chat import ChatFormatter
 from megatron_sao.tokenizers.char_tokenizer import build_char_tokenizer
 from megatron_sao.trainer import components as C
 from megatron_sao.trainer.sft import load_demonstrations
+from tests.paths import REPO
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "style_shift_cpu.yaml"
+EXAMPLE = REPO / "examples" / "style_shift_cpu.yaml"
 
 
 def styles_of(demos):

@@ -4,10 +4,9 @@ rollout server is in service (rollout.server_deadline_s pending) and counts from
 import threading
 import time
 
-from test_buffer import traj
-
 from megatron_sao.buffer import TrajectoryBuffer
 from megatron_sao.trainer.loop import take_batch
+from tests.unit.test_buffer import traj
 
 
 def test_the_wait_outlasts_the_timeout_while_a_server_is_awaited():

@@ -14,7 +14,6 @@ from megatron_sao.trajectory import (
     TrajectoryBuilder,
     TrajectoryError,
     TrajectoryFileError,
-    collate_packed,
     collate_padded,
     load_trajectories,
     save_trajectories,
@@ -98,15 +97,6 @@ def test_collate_padded_places_reward_on_last_action_token():
     assert not batch.action_mask[1, 3:].any() and (batch.versions[1, 3:] == -1).all()
     assert batch.bootstrap_from_critic.tolist() == [False, False, True]
     assert batch.lengths.tolist() == [10, 3, 10]
-
-
-def test_collate_packed_concatenates_with_cu_seqlens():
-    a, b = _two_turn(), _raw()
-    packed = collate_packed([a, b])
-    assert packed.cu_seqlens.tolist() == [0, 10, 13]
-    assert packed.tokens[0].tolist() == a.tokens.tolist() + b.tokens.tolist()
-    assert packed.position_ids[0].tolist() == list(range(10)) + [0, 1, 2]
-    assert packed.rewards[0, 9] == 1.0 and packed.rewards[0, 12] == 1.0
 
 
 def test_disk_round_trip_is_lossless(tmp_path):

@@ -18,9 +18,9 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from megatron_sao.checkpoint.names import canonical_name
 from megatron_sao.checkpoint.param_layout import expected_shape, full_param_shapes
 from megatron_sao.models.hf_config import ModelSpec
+from megatron_sao.models.names import canonical_name
 
 Merge = Callable[[Sequence[torch.Tensor], ModelSpec], torch.Tensor]
 Split = Callable[[torch.Tensor, ModelSpec], Sequence[torch.Tensor]]
@@ -50,7 +50,7 @@ class Rule:
 def qkv_merge(tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
     """HF q [NH*D, H], k/v [NG*D, H] -> Megatron linear_qkv, interleaved per query group:
     for each group g, its NH/NG query heads, then k_g, then v_g (a plain [q; k; v] concat gives
-    logits that are wrong by O(1): tests/megatron/test_models_equivalence.py)."""
+    logits that are wrong by O(1): tests/integration/megatron/test_models_equivalence.py)."""
     q, k, v = tensors
     ng, d, hpg = spec.num_kv_heads, spec.head_dim, spec.heads_per_group
     h = q.shape[-1]

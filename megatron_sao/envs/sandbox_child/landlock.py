@@ -3,8 +3,10 @@
 Process mode (no namespaces) uses it: the call may read and execute only below `read_roots` and
 the system library directories, create and write only below its working directory, where it may not
 remove or rename a regular file (`keep_files`: an unlinked file still open would hold disk that the
-parent's disk watch cannot see), and -- with ABI 4+ -- make no TCP connection, with ABI 6+ send no
-signal and reach no abstract unix socket outside its own processes. Process mode as the trainer's
+parent's disk watch cannot see; a workspace, where an agent edits a repository with `sed -i` and git,
+allows it and states the weaker disk bound, envs/sandbox_workspace.py), and -- with ABI 4+ -- make
+no TCP connection, with ABI 6+ send no signal and reach no abstract unix socket outside its own
+processes. Process mode as the trainer's
 own uid refuses to run without Landlock (file access would then rest on an audit hook, which one
 line of Python switches off); as root (a private uid) it runs and `isolation` says no-landlock.
 """

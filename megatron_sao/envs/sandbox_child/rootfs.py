@@ -10,6 +10,10 @@
     /tmp              a tmpfs of `disk_mb` and `max_files` inodes: the only writable place, shared by
                       the working directory /tmp/work, so everything the call writes is bounded as a
                       whole, bytes and files (an inode costs kernel memory even when the file is empty)
+    /tmp/work         with a workspace (envs/sandbox_workspace.py): that host directory, bind-mounted
+                      read-write (nosuid, nodev) over the tmpfs's working directory, so what the call
+                      changes there is still there at the next call; the parent's disk watch bounds it
+                      (the code itself is then /tmp/.sao-main.py, outside the workspace)
 
 Nothing else of the host is reachable: home directories, the run directory, datasets and answers,
 other processes' /proc entries, the trainer's environment. Works as root and, inside a user
@@ -22,6 +26,7 @@ import ctypes
 import os
 
 WORKDIR = "/tmp/work"
+WORKSPACE_CODE = "/tmp/.sao-main.py"  # the call's code when the working directory is a workspace
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
@@ -57,6 +62,13 @@ def _bind_readonly(src: str, dst: str) -> None:
     mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | locked)
 
 
+def _bind_writable(src: str, dst: str) -> None:
+    """A workspace: read-write, never a setuid binary or a device node, keeping the host's locked flags."""
+    mount(src, dst, None, MS_BIND)
+    locked = sum(ms for st, ms in _ST_TO_MS.items() if os.statvfs(src).f_flag & st)
+    mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV | locked)
+
+
 def _place(root: str, path: str, is_dir: bool) -> str:
     dst = root + path
     if is_dir:
@@ -80,8 +92,9 @@ def _expose(root: str, path: str) -> None:
 
 
 def build(root: str, readonly: list[str], disk_mb: int, max_files: int, uid: int, gid: int,
-          code: str) -> None:
-    """Make `root` (an empty directory) the call's root filesystem and switch into it (pivot_root).
+          code: str, workspace: str | None = None) -> str:
+    """Make `root` (an empty directory) the call's root filesystem and switch into it (pivot_root);
+    returns where the code is inside. `workspace`: a host directory to bind at the working directory.
     Needs CAP_SYS_ADMIN in the mount namespace's owner (root, or the creator of a user namespace)."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates to the host
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=8m,nr_inodes=1024,mode=0755")
@@ -108,14 +121,18 @@ def build(root: str, readonly: list[str], disk_mb: int, max_files: int, uid: int
     os.makedirs(root + "/var", exist_ok=True)
     os.symlink("/tmp", root + "/var/tmp")
     os.mkdir(root + WORKDIR, 0o700)
-    with open(root + WORKDIR + "/main.py", "w", encoding="utf-8") as f:
+    code_path = WORKDIR + "/main.py" if workspace is None else WORKSPACE_CODE
+    with open(root + code_path, "w", encoding="utf-8") as f:
         f.write(code)
     if os.geteuid() == 0 and uid != 0:  # root: hand the working directory to the call's private uid
         os.chown(root + WORKDIR, uid, gid)
-        os.chown(root + WORKDIR + "/main.py", uid, gid)
+        os.chown(root + code_path, uid, gid)
+    if workspace is not None:  # already the call's uid's (the workspace holds its uid for its lifetime)
+        _bind_writable(workspace, root + WORKDIR)
     _pivot_into(root)
     mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chdir(WORKDIR)
+    return code_path
 
 
 def _pivot_into(root: str) -> None:

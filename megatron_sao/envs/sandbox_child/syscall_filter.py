@@ -30,14 +30,26 @@ What it denies (EPERM unless noted):
     the caller's pid, so "self" is the value 0, which is how glibc's setrlimit, nice and Python's
     os.sched_setaffinity(0, ...) call them; naming even one's own pid explicitly is refused;
   - execve and execveat: the filter is installed in the already running interpreter, so the call
-    can fork but never start another program (a shell, tmux, a setuid binary);
+    can fork but never start another program (a shell, tmux, a setuid binary); except for a
+    workspace's shell commands (`allow_exec`, envs/sandbox_workspace.py), which run programs from the
+    system directories under this same filter, Landlock and no_new_privs (so no setuid gain, no
+    socket, no signal outside the group: what a started program may do is what the call may do);
   - SysV IPC and POSIX message queues (other processes of the uid may hold segments), kcmp,
     process_madvise, process_mrelease, memfd_create (unnamed memory outside the disk watch and
     outside RLIMIT_AS until mapped), open/openat with O_TMPFILE (an unnamed file the disk watch
     cannot see), openat2 (ENOSYS: its flags sit in a struct the filter cannot read; libc falls back);
   - chmod, chown and extended-attribute writes of any file (Landlock does not govern them, and as
     the user's own uid they would reach every file of the user: `chmod 644 ~/.ssh/id_rsa`); so
-    shutil.copy/copy2, which copy the mode, fail in this mode (shutil.copyfile works).
+    shutil.copy/copy2, which copy the mode, fail in this mode (shutil.copyfile works). A workspace
+    under a private uid (root) may chmod, chown and set timestamps (`allow_modes`): that uid owns
+    nothing but the workspace, and the kernel lets a non-root uid change only its own files;
+  - for the same reason, setting a file's timestamps by path: utime, utimes, futimesat, and
+    utimensat unless its path is NULL (futimens on a descriptor, which Landlock checked when the
+    file was opened).
+- namespaces mode only: socket() of the families the call's network namespace governs (AF_UNIX,
+  AF_INET, AF_INET6), socketpair of AF_UNIX; any other family gets EAFNOSUPPORT. AF_VSOCK in
+  particular is not namespaced: on a VM with virtio-vsock (most cloud and microVM nodes) it would
+  reach the host's vsock port space. (Process mode refuses every socket().)
 """
 
 from __future__ import annotations
@@ -70,7 +82,8 @@ _SYSCALLS = {
         mq_getsetattr=245, kcmp=312, process_madvise=440, process_mrelease=448, memfd_create=319,
         memfd_secret=447, fcntl=72, ioctl=16, open=2, openat=257, openat2=437, chmod=90, fchmod=91,
         fchmodat=268, fchmodat2=452, chown=92, fchown=93, lchown=94, fchownat=260, setxattr=188, lsetxattr=189,
-        fsetxattr=190, removexattr=197, lremovexattr=198, fremovexattr=199, setxattrat=463, removexattrat=466),
+        fsetxattr=190, removexattr=197, lremovexattr=198, fremovexattr=199, setxattrat=463, removexattrat=466,
+        utime=132, utimes=235, futimesat=261, utimensat=280),
     "aarch64": dict(
         ptrace=117, process_vm_readv=270, process_vm_writev=271, mount=40, umount2=39, pivot_root=41,
         chroot=51, unshare=97, setns=268, bpf=280, perf_event_open=241, userfaultfd=282, keyctl=219,
@@ -90,7 +103,7 @@ _SYSCALLS = {
         kcmp=272, process_madvise=440, process_mrelease=448, memfd_create=279, memfd_secret=447, fcntl=25,
         ioctl=29, openat=56, openat2=437, fchmod=52, fchmodat=53, fchmodat2=452, fchownat=54, fchown=55,
         setxattr=5, lsetxattr=6, fsetxattr=7, removexattr=14, lremovexattr=15, fremovexattr=16, setxattrat=463,
-        removexattrat=466),
+        removexattrat=466, utimensat=88),
 }
 _ALWAYS = ("ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot",
            "unshare", "setns", "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
@@ -106,7 +119,10 @@ _SAME_UID = ("tkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open", "pid
              "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr", "kcmp",
              "process_madvise", "process_mrelease", "memfd_create", "memfd_secret", "chmod", "fchmod",
              "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat", "setxattr", "lsetxattr",
-             "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "setxattrat", "removexattrat")
+             "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "setxattrat", "removexattrat",
+             "utime", "utimes", "futimesat")
+_MODES = ("chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat", "utime", "utimes",
+          "futimesat")  # and utimensat with a path, which the filter otherwise checks below
 # process mode: allowed only when the first argument is 0 (the calling process itself)
 _SELF_ONLY = ("prlimit64", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr",
               "migrate_pages", "move_pages")
@@ -116,7 +132,11 @@ _OWNER_IOCTLS = (0x8901, 0x8902, 0x5410, 0x5412)  # FIOSETOWN, SIOCSPGRP, TIOCSP
 _O_TMPFILE = 0x400000  # __O_TMPFILE, the same bit on x86_64 and aarch64
 _SOCK_TYPE_MASK, _SOCK_STREAM = 0xF, 1
 _CLONE_NS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
-_AF_UNIX = 1
+_AF_UNIX, _AF_INET, _AF_INET6 = 1, 2, 10
+# Namespaces mode: the socket families the call's own network namespace governs. AF_VSOCK (the
+# host's virtio-vsock port space), AF_PACKET, AF_NETLINK's non-namespaced protocols, AF_BLUETOOTH,
+# AF_ALG, ... are not, or are kernel attack surface no program here needs.
+_NS_SOCKET_FAMILIES = (_AF_UNIX, _AF_INET, _AF_INET6)
 
 # classic BPF opcodes
 _LD_ABS, _JEQ, _JGE, _JSET, _RET, _AND = 0x20, 0x15, 0x35, 0x45, 0x06, 0x54
@@ -154,8 +174,12 @@ class _Program:
         return b"".join(out)
 
 
-def build(same_uid: bool = False, pgid: int = 0, machine: str | None = None) -> bytes:
-    """The filter program for this machine; `pgid` is the call's process group (same-uid mode)."""
+def build(same_uid: bool = False, pgid: int = 0, machine: str | None = None, allow_exec: bool = False,
+          allow_modes: bool = False) -> bytes:
+    """The filter program for this machine; `pgid` is the call's process group (same-uid mode);
+    `allow_exec` keeps execve/execveat open in same-uid mode (a workspace's shell commands);
+    `allow_modes` keeps chmod, chown and timestamps open there (a workspace under a private uid, which owns no file
+    but the workspace's: git sets modes on its lock files)."""
     machine = machine or os.uname().machine
     if machine not in _ARCH:
         raise OSError(errno.ENOSYS, f"no seccomp syscall table for {machine}")
@@ -169,11 +193,16 @@ def build(same_uid: bool = False, pgid: int = 0, machine: str | None = None) -> 
     if machine == "x86_64":
         p.emit(_JGE, _X32_BIT, "deny", 0)
     denied = _ALWAYS + (_SAME_UID if same_uid else ())
+    opened = (("execve", "execveat") if allow_exec else ()) + (_MODES if allow_modes else ())
+    denied = tuple(n for n in denied if n not in opened)
     for name in denied:
         if name in nr:
             p.emit(_JEQ, nr[name], "deny", 0)
     p.emit(_JEQ, nr["clone3"], "nosys", 0)
     p.emit(_JEQ, nr["clone"], "clone", 0)
+    if not same_uid:
+        p.emit(_JEQ, nr["socket"], "ns_socket", 0)
+        p.emit(_JEQ, nr["socketpair"], "ns_socketpair", 0)
     if same_uid:
         p.emit(_JEQ, nr["openat2"], "nosys", 0)
         p.emit(_JEQ, nr["kill"], "kill", 0)
@@ -189,11 +218,23 @@ def build(same_uid: bool = False, pgid: int = 0, machine: str | None = None) -> 
         p.emit(_JEQ, nr["openat"], "openat", 0)
         if "open" in nr:
             p.emit(_JEQ, nr["open"], "open", 0)
+        if not allow_modes:
+            p.emit(_JEQ, nr["utimensat"], "utimensat", 0)
     p.ret(_ALLOW)
     # Argument checks, then the shared verdicts (classic BPF jumps only forward).
     p.label("clone")
     p.emit(_LD_ABS, _arg(0))
     p.emit(_JSET, _CLONE_NS, "deny", "allow")
+    if not same_uid:
+        p.label("ns_socket")  # socket(family, type, protocol): the allowed families only
+        p.emit(_LD_ABS, _arg(0))
+        for family in _NS_SOCKET_FAMILIES:
+            p.emit(_JEQ, family, "allow", 0)
+        p.ret(_ERRNO | errno.EAFNOSUPPORT)
+        p.label("ns_socketpair")  # only AF_UNIX has pairs
+        p.emit(_LD_ABS, _arg(0))
+        p.emit(_JEQ, _AF_UNIX, "allow", 0)
+        p.ret(_ERRNO | errno.EAFNOSUPPORT)
     if same_uid:
         p.label("kill")  # kill(pid, sig): only the call's own group (0, -pgid) or its first process (pgid)
         p.emit(_LD_ABS, _arg(0))
@@ -234,6 +275,11 @@ def build(same_uid: bool = False, pgid: int = 0, machine: str | None = None) -> 
         p.label("openat")  # (dirfd, path, flags, mode)
         p.emit(_LD_ABS, _arg(2))
         p.emit(_JSET, _O_TMPFILE, "deny", "allow")
+        p.label("utimensat")  # (dirfd, path, times, flags): only path NULL, i.e. futimens(fd)
+        p.emit(_LD_ABS, _arg(1))
+        p.emit(_JEQ, 0, 0, "deny")
+        p.emit(_LD_ABS, _arg(1) + 4)  # the pointer's high half
+        p.emit(_JEQ, 0, "allow", "deny")
         p.label("eacces")
         p.ret(_ERRNO | errno.EACCES)
     p.label("deny")

@@ -43,7 +43,7 @@ from megatron_sao.rollout.colocate.hub import LockstepEngine, RequestHub
 from megatron_sao.rollout.colocate.layout import EngineLayout
 from megatron_sao.rollout.colocate.lockstep import PhaseStats, RoundLeader, serve_phase
 from megatron_sao.rollout.colocate.probe import PhaseProbe, phase_metrics
-from megatron_sao.rollout.weights.check import check_reference
+from megatron_sao.weights.check import check_reference
 
 logger = logging.getLogger(__name__)
 

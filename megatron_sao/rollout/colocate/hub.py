@@ -21,7 +21,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from megatron_sao.rollout.engines.protocol import GenerationResult, SamplingParams, WeightBucket
+from megatron_sao.rollout.engines.protocol import GenerationResult, SamplingParams
+from megatron_sao.weights.buckets import WeightBucket
 
 if TYPE_CHECKING:
     import torch

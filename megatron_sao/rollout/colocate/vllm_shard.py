@@ -39,8 +39,9 @@ import torch
 from megatron_sao.distributed import collective_guard
 from megatron_sao.rollout.colocate import vllm_cpu
 from megatron_sao.rollout.colocate.layout import EngineLayout
-from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams, WeightBucket
+from megatron_sao.rollout.engines.protocol import EngineConfig, SamplingParams
 from megatron_sao.rollout.engines.routes import num_experts_of, packed_routes, routes_tensor, scored_routes
+from megatron_sao.weights.buckets import WeightBucket
 
 # request id, token ids, log-probs, finish reason, routes (routing replay: packed_routes, else None)
 Finished = tuple[str, list[int], list[float], str, "tuple | None"]
@@ -73,7 +74,7 @@ def _finish_reload(worker, names: list[str]) -> int:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-    from megatron_sao.rollout.vllm_worker.cpu_moe_repack import expert_modules, repack_cpu_moe
+    from megatron_sao.weights.vllm_worker.cpu_moe_repack import expert_modules, repack_cpu_moe
 
     model = worker.model_runner.model
     with set_current_vllm_config(worker.vllm_config):

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from megatron_sao.rollout.engines.hf_weights import WeightTargets, apply_update, plan_update
+from megatron_sao.rollout.engines.kinds import INFLIGHT_POLICIES
 from megatron_sao.rollout.engines.protocol import (
     EngineConfig,
     GenerationResult,
@@ -109,7 +110,7 @@ class HFEngine(StreamedUpdate):
         name: str = "hf",
         device: str | torch.device | None = None,
     ) -> None:
-        if inflight_policy not in ("keep", "abort"):
+        if inflight_policy not in INFLIGHT_POLICIES:
             raise ValueError(f"HFEngine inflight_policy must be 'keep' or 'abort', got {inflight_policy!r}")
         self.model = model.eval()
         self.device = torch.device(device) if device is not None else _model_device(model)

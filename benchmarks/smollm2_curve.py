@@ -8,8 +8,16 @@
 What runs, each as its own `sao` subprocess exactly as a user types it (the real CLI):
   0. `sao eval CONFIG --checkpoint <model.path>`        -> the instruct model's held-out accuracy (no SFT)
   1. `sao sft CONFIG run.dir=WORK/seed1 run.seed=S1 sft.eval=false`   -> WORK/seed1/sft_model
-  2. `sao train CONFIG run.dir=WORK/seed1 run.seed=S1 --resume` (starts from that sft_model: stage wiring)
-  3. `sao train CONFIG run.dir=WORK/seedN run.seed=N actor.init=WORK/seed1/sft_model --resume` for the other seeds
+  2. `sao value-pretrain CONFIG run.dir=WORK/seed1 run.seed=S1`       -> WORK/seed1/critic_pretrained
+     (the critic fitted on the SFT policy's rollouts; the recipe's value_pretrain.cache_dir keeps it per
+     SFT model and settings, so a second invocation or checkout with the same SFT weights reuses it)
+  3. `sao train CONFIG run.dir=WORK/seed1 run.seed=S1 --resume` (starts from that sft_model and critic:
+     stage wiring)
+  4. `sao train CONFIG run.dir=WORK/seedN run.seed=N actor.init=WORK/seed1/sft_model
+     critic.init=WORK/seed1/critic_pretrained --resume` for the other seeds
+`--paper-critic` adds the paper's critic settings to every train stage (benchmarks/reproduce/critic_presets.py:
+10 critic-only warm-up steps, K=2, critic LR 5x the actor's); `--no-value-pretrain` skips stage 2 (the
+critic then starts from the SFT weights, as the first curve did).
 `--resume` makes a second invocation continue a killed training run from its latest checkpoint (the
 recipe saves every 5 steps); a run dir without a checkpoint is started over by it.
 Every evaluation uses the same held-out tasks (arith_python's eval split), so seeds vary only RL. The
@@ -44,7 +52,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SAO = str(Path(sys.executable).with_name("sao"))
-DONE = {"sft": "sft_model/config.json", "train": "final_model/config.json", "eval": "base_eval.jsonl"}
+DONE = {"sft": "sft_model/config.json", "value-pretrain": "critic_pretrained/config.json",
+        "train": "final_model/config.json", "eval": "base_eval.jsonl"}
 TIME_KEYS = ("time/wait_batch_s", "time/critic_forward_s", "time/critic_train_s", "time/actor_train_s",
              "time/weight_sync_s", "time/eval_s", "step_time_s")
 
@@ -246,12 +255,14 @@ def report(curves: dict[int, dict], base_acc: float, stages: dict, out: Path, co
                      f"machine +{s.get('peak_machine_used_gib')} GiB, "
                      f"load {s.get('load1_mean')}"
                      + (" (cached from an earlier invocation)" if s.get("cached") else ""))
-    for seed in curves:  # what a user of the recipe runs: sft, then train (the base eval is the curve's extra)
-        sft, train = stages.get("sft", {}), stages.get(f"train seed {seed}", {})
-        if sft.get("wall_s") and train.get("wall_s"):
-            lines.append(f"- the recipe for seed {seed} (sft + train): "
-                         f"{(sft['wall_s'] + train['wall_s']) / 60:.1f} min, "
-                         f"peak {max(sft['peak_mem_gib'], train['peak_mem_gib'])} GiB")
+    for seed in curves:  # what a user of the recipe runs: sft, value-pretrain, train (not the base eval)
+        parts = {name: stages.get(label, {}) for name, label in
+                 (("sft", "sft"), ("value-pretrain", "value-pretrain"), ("train", f"train seed {seed}"))}
+        parts = {name: st for name, st in parts.items() if st.get("wall_s")}
+        if "sft" in parts and "train" in parts:
+            lines.append(f"- the recipe for seed {seed} ({' + '.join(parts)}): "
+                         f"{sum(st['wall_s'] for st in parts.values()) / 60:.1f} min, "
+                         f"peak {max(st['peak_mem_gib'] for st in parts.values())} GiB")
     lines += ["", "CPU seconds per part of the process tree (trainer process incl. the agent loop; vLLM engine "
               "core + worker; other = sandboxes):", ""]
     for name, s in stages.items():
@@ -286,6 +297,10 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="runs/smollm2/curve")
     p.add_argument("--out", default="results/smollm2")
     p.add_argument("--plot-only", action="store_true", help="only re-draw from the runs already in --work")
+    p.add_argument("--paper-critic", action="store_true",
+                   help="the paper's critic settings in every train stage (10 warm-up steps, K=2, critic LR 5x)")
+    p.add_argument("--no-value-pretrain", action="store_true",
+                   help="no value pretraining: the critic starts from the SFT weights")
     p.add_argument("overrides", nargs="*", help="k=v overrides passed to every stage")
     args = p.parse_args(argv)
     work, out = ROOT / args.work, ROOT / args.out
@@ -295,11 +310,21 @@ def main(argv=None) -> int:
     plan = [("base eval", "eval", [*common, f"run.dir={work}", "--checkpoint", _model_path(args), "--out",
                                    str(work / "base_eval.jsonl")], work),
             ("sft", "sft", [*common, f"run.dir={first}", f"run.seed={args.seeds[0]}", "sft.eval=false"], first)]
+    if not args.no_value_pretrain:
+        plan.append(("value-pretrain", "value-pretrain", [*common, f"run.dir={first}", f"run.seed={args.seeds[0]}"],
+                     first))
+    critic = []
+    if args.paper_critic:
+        from benchmarks.reproduce.critic_presets import paper_critic
+
+        critic = list(paper_critic(args.config, tuple(args.overrides)))
     for seed in args.seeds:
         d = work / f"seed{seed}"
         extra = [] if seed == args.seeds[0] else [f"actor.init={sft_model}"]
+        if seed != args.seeds[0] and not args.no_value_pretrain:
+            extra.append(f"critic.init={first / 'critic_pretrained'}")
         plan.append((f"train seed {seed}", "train",
-                     [*common, f"run.dir={d}", f"run.seed={seed}", *extra, "--resume"], d))
+                     [*common, f"run.dir={d}", f"run.seed={seed}", *extra, *critic, "--resume"], d))
     stages = {}
     for label, stage, overrides, run_dir in plan:
         if args.plot_only:
@@ -311,8 +336,10 @@ def main(argv=None) -> int:
     base_acc = sum(r["correct"] for r in base) / max(len(base), 1)
     curves = {seed: curve_of(work / f"seed{seed}") for seed in args.seeds}
     plot(curves, base_acc, out / "curve.png")
-    command = ("make smollm2-curve" if not args.overrides
-               else f"python benchmarks/smollm2_curve.py {' '.join(args.overrides)}")
+    flags = [f for f, on in (("--paper-critic", args.paper_critic), ("--no-value-pretrain", args.no_value_pretrain))
+             if on]
+    command = ("make smollm2-curve" if not args.overrides and not flags
+               else f"python benchmarks/smollm2_curve.py {' '.join([*flags, *args.overrides])}")
     summary = report(curves, base_acc, stages, out, command)
     print(json.dumps({s: v["eval"] for s, v in summary["seeds"].items()}))
     print(f"smollm2_curve: wrote {out / 'curve.png'}, {out / 'results.md'}, {out / 'summary.json'}")

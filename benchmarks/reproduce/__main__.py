@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="main only: smollm2 = the comparison on SmolLM2-135M-Instruct (smollm2_main.py)")
     ap.add_argument("--max-runs", type=int, default=None,
                     help="--model smollm2 and dynamics: train at most N of the missing runs, then write the report")
+    ap.add_argument("--rows", nargs="+", default=None,
+                    help="--model smollm2: train only the missing runs of these rows (e.g. sao_pretrained)")
     ap.add_argument("--out", default=None,
                     help="results folder (default results/reproduce, --quick: <work>/quick_results)")
     ap.add_argument("--work", default=None, help="runs and starting points (default runs/reproduce[_quick])")
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--model smollm2: only the main comparison runs on SmolLM2")
     if args.max_runs is not None and not (smollm2 or args.experiment in LONG):
         ap.error(f"--max-runs: only with --model smollm2 or {', '.join(LONG)} (their runs have per-run result files)")
+    if args.rows is not None and not smollm2:
+        ap.error("--rows: only with --model smollm2")
     seeds = args.seeds or ([1] if args.quick else smollm2_main.DEFAULT_SEEDS if smollm2 else [1, 2, 3])
     jobs = args.jobs or (1 if smollm2 and not args.quick else 2)
     work = Path(args.work or ROOT / ("runs/reproduce_quick" if args.quick else "runs/reproduce")).resolve()
@@ -54,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if smollm2:
             name = "main_smollm2"
-        s = Settings(name, args.quick, seeds, jobs, out_root / name, work, args.fresh, command, max_runs=args.max_runs)
+        s = Settings(name, args.quick, seeds, jobs, out_root / name, work, args.fresh, command, max_runs=args.max_runs,
+                     rows=args.rows)
         s.log(f"start: seeds {seeds}, {jobs} job(s), results in {s.out}")
         code = (smollm2_main if smollm2 else EXPERIMENTS[name]).run(s)
         s.log(f"{'done' if code == 0 else 'FAILED runs'}: {s.out / 'results.md'}")

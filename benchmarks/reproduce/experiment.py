@@ -45,6 +45,7 @@ class Settings:
     fresh: bool = False
     command: str = ""
     max_runs: int | None = None  # experiments with per-run result files: train at most this many missing runs
+    rows: list[str] | None = None  # ... and only the missing runs of these rows (None: every row)
     t0: float = field(default_factory=time.time)
 
     @property

@@ -21,19 +21,14 @@ from pathlib import Path
 
 from benchmarks.reproduce.runner import Run, RunResult, algorithm_version
 from benchmarks.reproduce.summary import curves_of
+from megatron_sao.checkpoint.digest import dir_digest
 
 START_PLACEHOLDER = "<start>"
 
 
 def weights_digest(model_dir: Path) -> str:
     """sha256 over every file of an HF model directory (names and bytes, in name order)."""
-    h = hashlib.sha256()
-    for f in sorted(p for p in model_dir.iterdir() if p.is_file()):
-        h.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 24), b""):
-                h.update(chunk)
-    return h.hexdigest()
+    return dir_digest(model_dir)
 
 
 def portable_overrides(overrides: tuple[str, ...], start_dir: Path) -> tuple[str, ...]:

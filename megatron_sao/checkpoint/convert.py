@@ -90,7 +90,7 @@ def _files_of_stage(names: Iterable[str], spec: ModelSpec, sizes: ParallelSizes,
 
 
 def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1,
-                           ep: int = 1, etp: int | None = None, role: str = "actor", value_head_init: str = "normal",
+                           ep: int = 1, etp: int | None = None, role: str = "actor", value_head_init: str = "zero",
                            overwrite: bool = False, progress: bool = True) -> Path:
     """HF safetensors dir -> megatron-sao sharded checkpoint for the given layout.
 

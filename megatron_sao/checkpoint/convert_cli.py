@@ -22,7 +22,7 @@ def hf_to_megatron_main(argv=None) -> int:
     ap.add_argument("--etp", type=int, default=None,
                     help="expert tensor parallel size (default: the trainer's rule: 1 when ep >= tp, else tp)")
     ap.add_argument("--role", choices=("actor", "critic"), default="actor")
-    ap.add_argument("--value-head-init", choices=("normal", "zero"), default="normal")
+    ap.add_argument("--value-head-init", choices=("zero", "normal"), default="zero")
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)

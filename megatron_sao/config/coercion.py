@@ -76,8 +76,6 @@ class RemovedConfigKey(UserWarning):
 # Keys that were validated but never read; old configs and run snapshots still carry them.
 REMOVED_KEYS: dict[str, str] = {
     "run.log_every": "metrics are logged every step",
-    "critic.value_head_init": "a critic without a saved value head starts from N(0, init_std); for a zero "
-                              "head convert with `sao convert hf-to-megatron --role critic --value-head-init zero`",
     "buffer.max_pending": "admission control (buffer.max_staleness) bounds the finished trajectories held",
     "trainer.global_batch_tokens": "the token budget of a micro-batch is parallel.max_tokens_per_micro_batch",
 }

@@ -115,6 +115,17 @@ class CriticConfig:
     # and norms frozen, so only the expert (dense: MLP) projections and the value head train.
     # [embeddings, router, norms] is the "attention trained" ablation; [] trains everything.
     freeze: list[str] = field(default_factory=lambda: list(PAPER_CRITIC_FREEZE))
+    # The value head of a critic that starts from a policy checkpoint (no saved head). zero: weight 0, so
+    # the critic starts as a constant (explained variance exactly 0); normal: N(0, 0.02), which on
+    # final-norm hidden states of norm ~50 starts with values of std ~1 and EV far below 0 (SmolLM2: -3.5).
+    value_head_init: Literal["zero", "normal"] = "zero"
+    # That fresh head's bias: 0, or the token-mean return of the first data it is fitted on (value
+    # pretraining's training split; the first warm-up batch of `sao train`), the best constant value.
+    value_head_bias: Literal["zero", "mean_return"] = "mean_return"
+    # Learning rate of the value head (weight and bias) alone; None: critic.optim.lr. A [1, H] head under
+    # Adam moves each weight by about lr per step whatever its gradient, so at the backbone's LR it
+    # cannot follow the returns within a run; a higher one lets a fresh head fit in a few steps.
+    value_head_lr: Optional[float] = None
 
 
 @dataclass
@@ -297,6 +308,20 @@ class ValuePretrainConfig:
     # Apply `critic.freeze` (attention, embeddings, router, norms by default) during pretraining too.
     # Off: pretraining fits the whole critic; the paper freezes attention during RL only.
     apply_critic_freeze: bool = False
+    # Fit on the rollouts of an earlier run (its value_pretrain_rollouts.safetensors) instead of rolling
+    # out: the same data under other fitting settings. They must come from this config's policy and task.
+    rollouts_file: Optional[str] = None
+    # Share of the rollouts' prompts the critic never trains on: held-out EV, value and loss.
+    heldout_fraction: float = 0.2
+    eval_every: int = 1  # critic steps between held-out evaluations (the first and last step always)
+    # Stop when the held-out EV has not improved by more than min_delta over `patience` evaluations;
+    # the critic written is the one of the best held-out EV. 0: run all `steps`.
+    patience: int = 5
+    min_delta: float = 0.002
+    # Where pretrained critics are kept, one per SFT model and pretraining settings (trainer/critic_cache.py):
+    # a second `sao value-pretrain` with the same policy weights and settings copies it instead of
+    # rolling out and fitting again. None: no cache.
+    cache_dir: Optional[str] = None
 
 
 @dataclass

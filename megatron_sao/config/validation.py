@@ -196,6 +196,24 @@ def _check_optimizers(cfg: SAOConfig) -> None:
         _check(o.clip_grad >= 0, f"{role}.optim.clip_grad", "must be >= 0")
 
 
+def _check_critic(cfg: SAOConfig) -> None:
+    lr = cfg.critic.value_head_lr
+    if lr is not None:
+        _check(lr > 0, "critic.value_head_lr", f"must be > 0 (or null: critic.optim.lr), got {lr}")
+    v = cfg.value_pretrain
+    _check(v.rollouts >= 2, "value_pretrain.rollouts",
+           f"must be >= 2 (a training and a held-out split), got {v.rollouts}")
+    _check(0 < v.heldout_fraction < 1, "value_pretrain.heldout_fraction",
+           f"must be in (0, 1), got {v.heldout_fraction}")
+    _check(v.steps >= 1, "value_pretrain.steps", f"must be >= 1, got {v.steps}")
+    _check(v.batch_size >= 1, "value_pretrain.batch_size", f"must be >= 1, got {v.batch_size}")
+    _check(v.eval_every >= 1, "value_pretrain.eval_every", f"must be >= 1, got {v.eval_every}")
+    _check(v.patience >= 0, "value_pretrain.patience", f"must be >= 0 (0: no early stop), got {v.patience}")
+    _check(v.min_delta >= 0, "value_pretrain.min_delta", f"must be >= 0, got {v.min_delta}")
+    if v.lr is not None:
+        _check(v.lr > 0, "value_pretrain.lr", f"must be > 0 (or null: critic.optim.lr), got {v.lr}")
+
+
 def validate(cfg: SAOConfig) -> SAOConfig:
     _check_algorithm(cfg.algorithm, cfg.buffer)
     _check_model_layout(cfg.parallel, cfg.model)
@@ -206,6 +224,7 @@ def validate(cfg: SAOConfig) -> SAOConfig:
     _check_policy_lag(cfg)
     _check_run(cfg.run)
     _check_optimizers(cfg)
+    _check_critic(cfg)
     _check_harness_env(cfg)
     _check(cfg.model.max_seq_len >= 2, "model.max_seq_len", "must be >= 2")
     _check(0 <= cfg.sft.error_rate <= 1, "sft.error_rate", "must be in [0, 1]")

@@ -184,6 +184,11 @@ def load_arith_tasks(path_or_spec: str | None = "train", n: int = 2000, seed: in
         for i, r in enumerate(rows)])
 
 
+def reference_actions(task: Task) -> list[str]:
+    """The actions of a correct episode (the demonstrations' format): the tool call, then the answer."""
+    return [f"<python>print({task.meta['expression']})</python>", f"The answer is \\boxed{{{task.answer}}}."]
+
+
 def _perturb(rng: random.Random, value: int) -> int:
     """``value`` with one digit changed (never a leading zero): a plausible typo, a different number."""
     s = str(abs(value))

@@ -31,6 +31,9 @@ class EnvEntry:
     generated_tasks: bool = False  # tasks from a seeded generator (n=, seed=), not from a file
     # (n, seed=, error_rate=, **settings) -> conversations; takes the task and env settings it knows
     demonstrations: Callable[..., list] | str | None = None
+    # task -> the actions of a correct episode, for the oracle value (trainer/oracle_value.py); only
+    # tasks with one known solution path have it
+    reference_actions: Callable[[Any], list[str]] | str | None = None
     module: str | None = None  # where the string attributes above live
 
 
@@ -39,13 +42,24 @@ _BUILTIN: dict[str, EnvEntry] = {
     "coding": EnvEntry("CodingEnv", "load_coding_tasks", module="megatron_sao.envs.coding"),
     "style_shift": EnvEntry("StyleShiftEnv", "load_style_tasks", generated_tasks=True,
                             demonstrations="make_demonstrations", module="megatron_sao.envs.style_shift"),
-    "toy_tool": EnvEntry("ToyToolEnv", "load_toy_tasks", generated_tasks=True,
-                         demonstrations="make_demonstrations", module="megatron_sao.envs.toy_tool"),
+    "toy_tool": EnvEntry("ToyToolEnv", "load_toy_tasks", generated_tasks=True, demonstrations="make_demonstrations",
+                         reference_actions="reference_actions", module="megatron_sao.envs.toy_tool"),
     "arith_python": EnvEntry("ArithPythonEnv", "load_arith_tasks", demonstrations="make_demonstrations",
-                             module="megatron_sao.envs.arith_python"),
+                             reference_actions="reference_actions", module="megatron_sao.envs.arith_python"),
+    "toy_chain": EnvEntry("ToyChainEnv", "load_toy_chain_tasks", generated_tasks=True,
+                          demonstrations="make_demonstrations", reference_actions="reference_actions",
+                          module="megatron_sao.envs.toy_chain"),
+    "chain_python": EnvEntry("ChainPythonEnv", "load_chain_tasks", demonstrations="make_demonstrations",
+                             reference_actions="reference_actions", module="megatron_sao.envs.chain_python"),
     "swe": EnvEntry("SWEEnv", "load_swe_tasks", module="megatron_sao.envs.swe.env"),  # a harness: mini-swe-agent
 }
 _CUSTOM: dict[str, EnvEntry] = {}
+
+
+def reference_actions_of(name: str) -> Callable[[Any], list[str]] | None:
+    """The environment's reference solution function, or None when it has none (open-ended tasks)."""
+    entry = _entry(name)
+    return _resolve(entry, entry.reference_actions)
 
 
 def available_envs() -> list[str]:
@@ -103,8 +117,8 @@ def load_tasks(name: str, path_or_spec: str | None = None, **kwargs: Any) -> Tas
 
     ``path_or_spec`` is a dataset path or short name for ``math_python`` (``"aime25"`` with
     ``data_dir=`` or $SAO_DATA_DIR), a jsonl path or ``"builtin"`` for ``coding``, the split
-    (``"train"`` / ``"eval"``, disjoint by content) for ``arith_python`` and for ``swe``'s generated tasks
-    (or a SWE-bench jsonl, with ``repos_dir=``); environments whose tasks are generated
+    (``"train"`` / ``"eval"``, disjoint by content) for ``arith_python``, ``chain_python`` and for ``swe``'s
+    generated tasks (or a SWE-bench jsonl, with ``repos_dir=``); environments whose tasks are generated
     (``generates_tasks``) take no path and are configured by ``kwargs`` (``n``, ``seed``, ``max_ops``...).
     """
     entry = _entry(name)

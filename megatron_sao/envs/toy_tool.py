@@ -166,6 +166,12 @@ class ToyToolEnv:
         return {"tool_calls": len(self._outputs), **extra}
 
 
+def reference_actions(task: Task) -> list[str]:
+    """The actions of a correct episode: one calculator call per operation, then the answer."""
+    calls = _calls(task.meta["nums"], task.meta["ops"], -1, 0, 0)
+    return [f"<c>{a}{op}{b}</c>" for a, op, b, _ in calls] + [f"={calls[-1][3]}"]
+
+
 def _perturb(rng: random.Random, value: int) -> int:
     """Change one digit of ``value`` (never to a leading zero), giving a different number."""
     s = str(abs(value))

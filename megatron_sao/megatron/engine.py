@@ -73,6 +73,12 @@ class StepResult:
     skipped: bool = False
 
 
+def _hf_has_value_head(hf_dir: str) -> bool:
+    from megatron_sao.checkpoint.hf_io import HFCheckpointReader
+
+    return "score.weight" in HFCheckpointReader(hf_dir)
+
+
 def _finalize_grads_sum(model_chunks, num_tokens=None, **kwargs):
     """Megatron's finalize_model_grads without the 1/num_tokens rescale (see forward.py docstring)."""
     from megatron.core.distributed import finalize_model_grads
@@ -101,6 +107,8 @@ class MegatronEngine:
         params_dtype: float32 or bfloat16 (bf16 keeps fp32 main params in the optimizer).
         ctx: an existing ParallelContext; created with `init_parallel(sizes)` when None.
         config_overrides: extra TransformerConfig fields (e.g. MoE aux-loss settings).
+        value_head_init: the critic's head where the init source has none ("zero" or "normal";
+            models/value_head.py); `fresh_value_head` then says so.
     """
 
     def __init__(
@@ -119,6 +127,7 @@ class MegatronEngine:
         params_dtype: torch.dtype = torch.float32,
         ctx: ParallelContext | None = None,
         config_overrides: Mapping | None = None,
+        value_head_init: str = "zero",
     ) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -169,7 +178,7 @@ class MegatronEngine:
                                             force_reset_rng=True)
             torch.manual_seed(init.seed)
         model = build_gpt_model(spec, self.config, role=role, pre_process=c.is_first_stage,
-                                post_process=c.is_last_stage)
+                                post_process=c.is_last_stage, value_head_init=value_head_init)
         model.to(c.device)
         # The MoE actor's routers replay (or, with replay_routes False, are only compared with) the
         # batch's `routes`; the critic routes by itself and never sees them.
@@ -184,6 +193,10 @@ class MegatronEngine:
         self.last_routing_agreement: dict[str, float] | None = None  # of the latest logprobs() call with routes
         self.layout = self._rank_layout()
         self.shape_rule = self._shape_rule()
+        # A critic whose head was just drawn (value_head_init), not loaded: its bias may then be set
+        # from the first data it sees (set_value_head_bias).
+        self.fresh_value_head = role == "critic" and init.megatron_dir is None and (
+            init.seed is not None or not _hf_has_value_head(init.hf_dir))
         if init.hf_dir is not None:
             from megatron_sao.checkpoint.load import load_hf_into_model
 
@@ -439,6 +452,26 @@ class MegatronEngine:
     def device_bytes(self) -> dict[str, int]:
         """Bytes of params / grads / optimizer state on the device now."""
         return self._offload.device_bytes()
+
+    @torch.no_grad()
+    def set_value_head_bias(self, value: float) -> None:
+        """Set the critic's value-head bias to `value` (collective: every rank calls it with the same
+        value), in the model and in the optimizer's main copy (the fp32 master of a bf16 run, or this
+        rank's shard under the distributed optimizer), so the next step updates from it."""
+        if self.role != "critic":
+            raise RuntimeError(f"set_value_head_bias: this engine is a {self.role}")
+        if not math.isfinite(value):
+            raise ValueError(f"set_value_head_bias: value must be finite, got {value!r}")
+        self._require("params", "optimizer")
+        for p in self.module.parameters():
+            if self._param_names.get(id(p)) == "value_head.bias":
+                p.fill_(value)
+        from megatron_sao.megatron.optimizer import model_main_param_pairs, sub_optimizers
+
+        for opt in sub_optimizers(self.optimizer):
+            for model_p, main_p in model_main_param_pairs(opt):
+                if self._param_names.get(id(model_p)) == "value_head.bias":
+                    main_p.fill_(value)
 
     def save(self, path: str, *, asynchronous: bool = False):
         """Model + optimizer + scheduler as a distributed checkpoint in `path` (an existing, empty

@@ -163,7 +163,7 @@ class CriticGPTModel(GPTModel):
     [B, S, 1]; labels would make GPTModel compute a (meaningless) LM loss on them.
     """
 
-    def __init__(self, *args: Any, value_head_init: str = "normal", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, value_head_init: str = "zero", **kwargs: Any) -> None:
         if kwargs.get("share_embeddings_and_output_weights"):
             raise ValueError("critic cannot tie its value head to the embedding")
         super().__init__(*args, **kwargs)
@@ -186,7 +186,7 @@ class CriticGPTModel(GPTModel):
 
 
 def build_gpt_model(spec: ModelSpec, config: TransformerConfig, *, role: str = "actor", pre_process: bool = True,
-                    post_process: bool = True, value_head_init: str = "normal", vp_stage: int | None = None,
+                    post_process: bool = True, value_head_init: str = "zero", vp_stage: int | None = None,
                     **gpt_kwargs: Any) -> GPTModel:
     """Actor (logits [B, S, V/TP], parallel_output=True) or critic (values [B, S, 1]) for `spec`.
 

@@ -28,7 +28,7 @@ _VALUE_HEAD_SEED = 20250711
 class ValueHead(torch.nn.Module):
     """[S(/TP under SP), B, H] hidden states -> ([S, B, 1] values, None)."""
 
-    def __init__(self, config: TransformerConfig, init: str = "normal", tp_group=None) -> None:
+    def __init__(self, config: TransformerConfig, init: str = "zero", tp_group=None) -> None:
         super().__init__()
         if init not in VALUE_HEAD_INITS:
             raise ValueError(f"value_head_init must be one of {VALUE_HEAD_INITS}, got {init!r}")

@@ -37,14 +37,19 @@ def load_tokenizer(cfg: SAOConfig, model_dir: Path):
     return AutoTokenizer.from_pretrained(cfg.model.tokenizer or str(model_dir))
 
 
-def engine_optim(o: OptimSection, total_steps: int):
+# The critic's value head as the optimizer's name patterns see it (DDP-wrapped: "module.value_head.weight").
+VALUE_HEAD_PARAMS = "*value_head.*"
+
+
+def engine_optim(o: OptimSection, total_steps: int, lr_overrides: tuple[tuple[str, float], ...] = ()):
     from megatron_sao.megatron.optimizer import OptimConfig
 
     # min_lr > 0 asks for a cosine decay to it over the run; 0 keeps the LR constant after warm-up.
     decay = 0 < o.min_lr < o.lr and total_steps > o.warmup_steps
     return OptimConfig(lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
                        clip_grad=o.clip_grad, min_lr=o.min_lr, warmup_steps=min(o.warmup_steps, total_steps),
-                       decay_steps=total_steps if decay else 0, decay_style="cosine" if decay else "constant")
+                       decay_steps=total_steps if decay else 0, decay_style="cosine" if decay else "constant",
+                       lr_overrides=lr_overrides)
 
 
 def parallel_sizes(cfg: SAOConfig):
@@ -129,17 +134,27 @@ def critic_optimizer_steps(cfg: SAOConfig) -> int:
     return (a.critic_warmup_steps + cfg.run.total_steps) * a.critic_steps
 
 
+def critic_lr_overrides(critic: CriticConfig, optim: OptimSection) -> tuple[tuple[str, float], ...]:
+    """The value head's own LR group when `critic.value_head_lr` differs from the critic's LR."""
+    lr = critic.value_head_lr
+    return () if lr is None or lr == optim.lr else ((VALUE_HEAD_PARAMS, lr),)
+
+
 def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = None, freeze: bool = True,
-                 total_steps: int | None = None):
+                 total_steps: int | None = None, optim: OptimSection | None = None):
     """The critic engine; `total_steps` (optimizer steps, for the LR schedule) defaults to a
-    `sao train` run's. Logs the whole model's trainable / frozen parameters per group."""
+    `sao train` run's, `optim` to critic.optim. Logs the whole model's trainable / frozen parameters
+    per group."""
     from megatron_sao.checkpoint.param_counts import format_param_counts, param_counts_by_group
     from megatron_sao.megatron.engine import MegatronEngine
 
     spec = model_spec(model_dir)
     steps = total_steps if total_steps is not None else critic_optimizer_steps(cfg)
-    engine = MegatronEngine(spec, parallel_sizes(cfg), engine_optim(cfg.critic.optim, steps),
+    optim = optim or cfg.critic.optim
+    engine = MegatronEngine(spec, parallel_sizes(cfg),
+                            engine_optim(optim, steps, critic_lr_overrides(cfg.critic, optim)),
                             role="critic", init=_init_source(init or cfg.critic.init or str(model_dir)),
+                            value_head_init=cfg.critic.value_head_init,
                             micro_batch_size=cfg.parallel.micro_batch_size,
                             max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
                             freeze_patterns=critic_freeze_patterns(cfg.critic, spec) if freeze else (),

@@ -51,6 +51,7 @@ from megatron_sao.trainer.placement import Placement
 from megatron_sao.trainer.run_dir import rng_state, set_rng_state
 from megatron_sao.trainer.step import sao_step
 from megatron_sao.trainer.stopping import NonFiniteGuard
+from megatron_sao.trainer.targets import mean_return
 from megatron_sao.trajectory import collate_padded
 from megatron_sao.weights.push import NoWeightPush
 
@@ -138,6 +139,9 @@ class SAOTrainer:
                                            directory=self.run_dir.buffer_dir, group_size=self.group,
                                            max_stale_drops=cfg.buffer.max_stale_drops)
         state = self._resume() if resume else None
+        # critic.value_head_bias mean_return: a head drawn fresh for this run starts at the first batch's mean return.
+        self.bias_from_first_batch = (state is None and self.critic is not None and self.critic.fresh_value_head
+                                      and cfg.critic.value_head_bias == "mean_return")
         if self.rank0 and resume:  # a failed resume leaves the run's config.yaml as the run wrote it
             kept = self.run_dir.write_config(cfg, keep_previous=True)  # (checked in train.preflight)
             if kept is not None:
@@ -186,6 +190,9 @@ class SAOTrainer:
                 self.placement.before_train()  # colocated: engines asleep, trainer state on the device
                 t0 = time.monotonic()
                 batch = collate_padded(trajs, pad_id=0)
+                if self.bias_from_first_batch:
+                    self.critic.set_value_head_bias(mean_return(batch, self.cfg.algorithm))
+                    self.bias_from_first_batch = False
                 outcome = sao_step(batch, self.actor, self.critic, self.cfg.algorithm,
                                    policy_loss=self.policy_loss, critic_loss=self.critic_loss, version=self.version,
                                    train_actor=self.step >= self.warmup,  # critic warm-up: the actor waits

@@ -39,7 +39,9 @@ if TYPE_CHECKING:
 #      a trained state; the step-level ablation keeps the adaptive lambda.
 #   3: issue 26: a trajectory whose last observation does not fit bootstraps from the value of the
 #      state its stop token was sampled in, not 0.
-ALGORITHM_VERSION = 3
+#   4: issue 35: a critic built from a policy starts with a zero value head (was N(0, 0.02)) whose bias is
+#      the first batch's mean return; the critic logs EV by turn, value mean and squared error.
+ALGORITHM_VERSION = 4
 
 # Called after every optimizer step with (result, "actor" | "critic"); it may raise to stop the run
 # (the trainer's non-finite policy does, after a checkpoint), before the next step starts.

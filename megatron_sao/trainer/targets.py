@@ -22,7 +22,7 @@ from megatron_sao.algorithms import (
     RunningMeanBaseline,
     adaptive_lambda,
     broadcast_to_tokens,
-    explained_variance,
+    critic_fit,
     grpo_advantages,
     masked_whiten,
     skip_observation_gae,
@@ -69,6 +69,16 @@ def critic_targets(batch: TrajectoryBatch, state_values: torch.Tensor,
     boot = bootstrap_values(batch, state_values.to(torch.float32))
     _, returns = skip_observation_gae(batch.rewards.to(torch.float32), v, mask, algo.gamma, algo.critic_lambda, boot)
     return v, boot, returns
+
+
+def mean_return(batch: TrajectoryBatch, algo: AlgorithmConfig) -> float:
+    """Token-mean over the action tokens of the critic's returns with every value 0: the best constant
+    value for the critic's token-mean loss (a fresh head's bias). Exact for terminated rows; a row
+    that bootstraps from the critic counts that bootstrap as 0."""
+    zeros = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+    _, _, returns = critic_targets(batch, zeros, algo)
+    mask = batch.action_mask.float()
+    return float((returns * mask).sum() / mask.sum().clamp(min=1))
 
 
 def policy_lambda(chain_lengths: torch.Tensor, algo: AlgorithmConfig) -> torch.Tensor:
@@ -121,6 +131,8 @@ def compute_targets(batch: TrajectoryBatch, state_values: torch.Tensor | None, a
     metrics["advantage_abs_mean"] = float((advantages.abs() * m).sum() / n)
     if returns is not None:
         metrics["return_mean"] = float((returns * m).sum() / n)
-        # How much of the return variance the critic explained before this step's updates.
-        metrics["critic/explained_variance"] = float(explained_variance(old_values, returns, mask))
+        # How well the critic predicted the returns before this step's updates: explained variance
+        # (overall and per action turn), its mean against the returns' mean, the squared error.
+        fit = critic_fit(old_values, returns, mask, batch.turn_ids)
+        metrics.update({f"critic/{k}": v for k, v in fit.items() if k != "return_mean"})
     return Targets(advantages.to(torch.float32), returns, old_values, metrics)

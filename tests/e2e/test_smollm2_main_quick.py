@@ -35,10 +35,14 @@ def test_harness_writes_a_result_per_run_skips_it_after_and_reports_the_missing(
     assert data["start"]["n"] == b.eval_size and data["trajectories_per_s"] > 0
     assert data["load_avg"] >= 0  # sampled while the run trained: its wall time's context
     summary = json.loads((folder / "summary.json").read_text())
-    assert summary["complete"] is False and summary["missing"] == ["sao_sync/s1", "grpo/s1", "grpo_dis/s1"]
+    assert summary["complete"] is False
+    assert summary["missing"] == ["sao_sync/s1", "grpo/s1", "grpo_dis/s1", "sao_pretrained/s1"]
     md = (folder / "results.md").read_text()
-    assert "PARTIAL: 1 of 4 runs finished" in md
-    for label in ("sao_sync", "grpo", "grpo_dis"):
+    assert "PARTIAL: 1 of 5 runs finished" in md
+    assert "The critic over the first 10 actor steps" in md  # the SAO run's early critic diagnostics
+    assert "`sao_pretrained`'s critic: value-pretrained on 8 rollouts" in md
+    assert any(k.startswith("critic/value_mean") for k in data["series"])  # per-step critic diagnostics kept
+    for label in ("sao_sync", "grpo", "grpo_dis", "sao_pretrained"):
         assert f"| {label} | 1 |" in md and f"{label} seed 1" in md.split("Missing")[1].split("\n")[0]
     assert (folder / smollm2_main.FIGURE).stat().st_size > 5000
     # The configuration block names the SFT model as the result files do, not by this machine's path.
@@ -48,12 +52,14 @@ def test_harness_writes_a_result_per_run_skips_it_after_and_reports_the_missing(
     # A later session: no runs/ cache (another checkout), the result file alone says the run is done.
     shutil.rmtree(work / "runs")
     before = (files[0].read_bytes(), files[0].stat().st_mtime_ns)
-    assert bench_main(argv) == 0
+    assert bench_main([*argv, "--rows", "grpo"]) == 0
     second = capsys.readouterr().out
     assert "start train          sao-s1-" not in second and "start sft" not in second
-    assert "start train          sao_sync-s1-" in second  # --max-runs 1 moved on to the next missing run
+    assert "start train          grpo-s1-" in second  # --rows: the next missing run of that row, not sao_sync
     assert (files[0].read_bytes(), files[0].stat().st_mtime_ns) == before
     assert len(list((folder / "runs").glob("*.json"))) == 2
     summary = json.loads((folder / "summary.json").read_text())
-    assert summary["missing"] == ["grpo/s1", "grpo_dis/s1"] and set(summary["results"]) == {"sao/s1", "sao_sync/s1"}
-    assert "PARTIAL: 2 of 4 runs finished" in (folder / "results.md").read_text()
+    assert summary["missing"] == ["sao_sync/s1", "grpo_dis/s1", "sao_pretrained/s1"]
+    assert set(summary["results"]) == {"sao/s1", "grpo/s1"}
+    assert "PARTIAL: 2 of 5 runs finished" in (folder / "results.md").read_text()
+    assert "start value-pretrain" not in second  # the critic came from the start's directory (or the cache)

@@ -12,11 +12,11 @@ from tests.e2e.e2e_util import CONFIG, sao
 from tests.scalar_records import history, runs, tensorboard_scalars
 
 
-def assert_same_scalars(stage_dir: Path, metrics_file: Path) -> None:
+def assert_same_scalars(stage_dir: Path, metrics_file: Path, steps=(0, 1)) -> None:
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == list(steps)
     wb, tb = history(stage_dir), tensorboard_scalars(stage_dir / "tensorboard")
-    assert sorted(wb) == sorted(tb) == [0, 1]
+    assert sorted(wb) == sorted(tb) == list(steps)
     for r in rows:
         want = flat_scalars(r)
         logged = {k: v for k, v in wb[r["step"]].items() if not k.startswith("_")}
@@ -36,7 +36,7 @@ def test_sft_and_value_pretrain_log_to_tensorboard_and_wandb(tmp_path):
     sao("value-pretrain", CONFIG, f"run.dir={run}", "value_pretrain.rollouts=4", "value_pretrain.steps=2",
         "value_pretrain.batch_size=4", *wandb, env=env)
     assert_same_scalars(run / "sft", run / "sft" / "metrics.jsonl")
-    assert_same_scalars(run / "value_pretrain", run / "value_pretrain_metrics.jsonl")
+    assert_same_scalars(run / "value_pretrain", run / "value_pretrain" / "metrics.jsonl", steps=[0, 1, 2])
     sft, vp = runs(run / "sft"), runs(run / "value_pretrain")
     assert [(r["name"], r["group"], r["job_type"]) for r in sft] == [("e2e-sft", "e2e", "sft")]
     assert [(r["name"], r["group"], r["job_type"]) for r in vp] == [("e2e-value-pretrain", "e2e", "value-pretrain")]

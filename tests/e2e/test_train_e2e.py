@@ -40,7 +40,9 @@ def test_policy_lag_makes_every_trajectory_exactly_that_stale(tmp_path):
 
 def test_sync_mode_trains_on_policy_and_syncs_weights_exactly(tmp_path):
     run = tmp_path / "sync"
-    sao("train", CONFIG, f"run.dir={run}", "trainer.mode=sync", "run.total_steps=2")
+    # A head drawn from N(0, 0.02), not the default zero head: the random tiny model earns no reward, so a
+    # zero head (bias at the mean return, 0) would see no value error and pass no gradient to the MLPs.
+    sao("train", CONFIG, f"run.dir={run}", "trainer.mode=sync", "run.total_steps=2", "critic.value_head_init=normal")
     rows = metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["version"] for r in rows] == [0, 0, 1]  # step 0 is critic warm-up: the actor waits
@@ -141,13 +143,15 @@ def test_periodic_hf_exports_wandb_and_the_new_actor_metrics(tmp_path, replay_fi
     wb = {k: str(tmp_path / k) for k in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")}
     sao("train", CONFIG, f"run.dir={run}", f"trainer.replay={replay_file}", "run.total_steps=3",
         "algorithm.critic_warmup_steps=0", "run.export_every=1", "run.wandb.project=sao-e2e",
-        "run.wandb.mode=offline", env={**wb, "WANDB_SILENT": "true"})
+        "run.wandb.mode=offline", "critic.value_head_init=normal", env={**wb, "WANDB_SILENT": "true"})
     assert sorted(p.name for p in (run / "exports").iterdir()) == ["step_000002", "step_000003"]
     last = load_file(run / "exports/step_000003/model.safetensors")
     final = load_file(run / "final_model/model.safetensors")
     assert last.keys() == final.keys() and all(last[k].equal(final[k]) for k in last)
     earlier = load_file(run / "exports/step_000002/model.safetensors")
-    assert any(not earlier[k].equal(last[k]) for k in last)  # a step apart: the actor moved
+    # a step apart: the actor moved (the replay's rewards are all 0: only the normal head's non-constant
+    # baseline gives the actor an advantage; a zero head's would leave it where it was, as it should)
+    assert any(not earlier[k].equal(last[k]) for k in last)
     AutoModelForCausalLM.from_pretrained(run / "exports/step_000002")  # loads as users load it
     rows = metrics(run)
     for r in rows:

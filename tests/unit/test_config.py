@@ -100,7 +100,7 @@ def test_sampling_settings_are_free_for_the_algorithm_that_ignores_rollout_logpr
     assert load_config(None, ["algorithm.name=grpo_rollout_ratio", "algorithm.group_size=2"]).algorithm.uses_groups
 
 
-@pytest.mark.parametrize("key, value", [("run.log_every", 5), ("critic.value_head_init", "zero"),
+@pytest.mark.parametrize("key, value", [("run.log_every", 5),
                                         ("buffer.max_pending", 64), ("trainer.global_batch_tokens", 4096)])
 def test_removed_keys_still_load_with_a_warning_naming_them(tmp_path, key, value):
     """Old configs and run snapshots carry keys that were validated but never read."""

@@ -174,3 +174,19 @@ def test_explained_variance_is_nan_when_returns_vary_only_by_rounding():
     assert torch.isnan(explained_variance(values, returns, mask))
     # a real spread of returns still gives a number
     assert torch.isfinite(explained_variance(values, values + 0.1 * torch.randn(4, 16), mask))
+
+
+def test_critic_fit_reports_level_error_and_ev_per_turn():
+    from megatron_sao.algorithms import critic_fit
+
+    returns = torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, True, False], [True, True, True, False]])
+    turns = torch.tensor([[0, 0, 1, -1], [0, 0, 1, -1]])
+    # Right in turn 1 (the state there says how the episode ends), a constant 0.5 in turn 0.
+    values = torch.tensor([[0.5, 0.5, 1.0, 9.0], [0.5, 0.5, 0.0, 9.0]])
+    fit = critic_fit(values, returns, mask, turns)
+    assert fit["ev_turn_1"] == pytest.approx(1.0) and fit["ev_turn_0"] == pytest.approx(0.0)
+    assert fit["value_mean"] == pytest.approx(0.5) and fit["return_mean"] == pytest.approx(0.5)
+    assert fit["value_mse"] == pytest.approx(4 * 0.25 / 6)  # the padding's 9.0 is not counted
+    assert fit["explained_variance"] == pytest.approx(1 - (4 * 0.25 / 6) / 0.25)
+    assert "ev_turn_2" not in fit

@@ -54,9 +54,9 @@ def test_result_key_changes_with_config_algorithm_version_and_sft_weights_not_wi
 @pytest.mark.parametrize("budget,config", [(smollm2_main.QUICK, TOY_QUICK_CONFIG),
                                            (smollm2_main.FULL, smollm2_main.CONFIG)])
 def test_every_method_sees_the_same_trajectories_per_actor_step_and_in_total(tmp_path, budget, config):
-    start = smollm2_main.SftStart("s", config, tmp_path, (), 0.0, digest="d")
+    start = smollm2_main.SftStart("s", config, tmp_path, (), 0.0, digest="d", pretrained=tmp_path / "critic")
     runs = smollm2_main.plan(start, budget, smollm2_main.DEFAULT_SEEDS)
-    assert sorted({r.label for r in runs}) == sorted(smollm2_main.ROWS) and len(runs) == 4 * 2
+    assert sorted({r.label for r in runs}) == sorted(smollm2_main.ROWS) and len(runs) == 5 * 2
     budgets = {r.label: smollm2_main.budget_of(r) for r in runs}
     assert set(budgets.values()) == {(budget.batch, budget.batch * budget.steps)}, budgets
     by_label = {r.label: r for r in runs}
@@ -65,6 +65,11 @@ def test_every_method_sees_the_same_trajectories_per_actor_step_and_in_total(tmp
     if budget is smollm2_main.FULL:  # the paper's settings: 128 held-out tasks; SAO 20 actor steps after warm-up
         assert "env.eval_size=128" in by_label["sao"].overrides
         assert "run.total_steps=20" in by_label["sao"].overrides and "run.total_steps=25" in by_label["grpo"].overrides
+        # the paper's critic: 10 warm-up steps charged to the same budget, K=2, critic LR 5x the actor's 1e-5
+        paper = by_label["sao_pretrained"].overrides
+        assert {"run.total_steps=15", "algorithm.critic_warmup_steps=10", "algorithm.critic_steps=2",
+                "critic.optim.lr=5e-05", f"critic.init={tmp_path / 'critic'}"} <= set(paper)
+    assert not any(o.startswith("critic.init=") for o in by_label["sao"].overrides)  # the recipe's critic
 
 
 def test_a_missing_smollm2_model_says_how_to_build_it(tmp_path):
@@ -87,3 +92,17 @@ def test_committed_result_files_are_not_ignored_by_git_and_match_the_summary():
     assert {f.name for f in files} == set(by_name)
     for f in files:
         assert json.loads(f.read_text()) == by_name[f.name]
+
+
+def test_the_pretrained_rows_result_is_keyed_on_the_critic_weights_too(tmp_path):
+    def key(critic_digest: str) -> str:
+        start = smollm2_main.SftStart("s", TOY_QUICK_CONFIG, tmp_path, (), 0.0, digest="d" * 64,
+                                      pretrained=tmp_path / "value_pretrain" / "critic_pretrained",
+                                      critic_digest=critic_digest)
+        runs = {r.label: r for r in smollm2_main.plan(start, smollm2_main.QUICK, [1])}
+        return (run_results.result_key(runs["sao_pretrained"], start.dir, smollm2_main.start_digest(start,
+                                                                                                 runs["sao_pretrained"])),
+                run_results.result_key(runs["sao"], start.dir, smollm2_main.start_digest(start, runs["sao"])))
+    (paper_a, sao_a), (paper_b, sao_b) = key("a" * 64), key("b" * 64)
+    assert paper_a != paper_b  # a refitted critic is another starting point
+    assert sao_a == sao_b  # the recipe's rows do not start from it

@@ -4,6 +4,7 @@ import os
 # pytest's terminal summary (after tests that ran threads) can hit "SystemError: AST constructor
 # recursion depth mismatch" (CPython gh-106905) while pytest rewrites its modules.
 import hypothesis  # noqa: F401
+import pytest
 
 from tests.paths import REPO
 
@@ -19,3 +20,15 @@ os.environ.setdefault("SAO_COLLECTIVE_GUARD", "1")
 _paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 if _paths[:1] != [str(REPO)]:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *_paths])
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Whatever a test sets in os.environ (an in-process `sao bench` sets VLLM_CPU_KVCACHE_SPACE for
+    its runs) is undone after it: every process a later test starts inherits this environment, and a
+    1 GiB vllm-cpu KV cache there overrode gpu-check's 32 MiB."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)

@@ -82,9 +82,10 @@ def _resumable_run(tmp: Path) -> Path:
     run = tmp / "resumable"
     RunDir(run).write_config(load_config(CONFIG, [f"run.dir={run}"]), keep_previous=False)
 
-    def parts(d):
+    def parts(d):  # an engine directory of the per-rank format: one torch file per rank and meta.json
         (d / "actor").mkdir()
         torch.save({"w": torch.zeros(4)}, d / "actor" / "rank_00000.pt")
+        (d / "actor" / "meta.json").write_text("{}")
     ckpts.save(run / "checkpoints", 1, parts, {"step": 1}, is_writer=True)
     return run
 

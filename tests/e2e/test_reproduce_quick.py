@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,5 +102,12 @@ def _check_algorithm_switches(main_runs: dict, ablation_runs: dict) -> None:
     rows = _lines(ablation_runs["step_gae_avg/s1"], "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1] and "actor/loss" not in rows[0]
     assert "actor/loss" in rows[1] and "critic/loss" in rows[1]
-    assert _lines(ablation_runs["attention_trained/s1"], "metrics.jsonl")[-1]["critic/grad_norm/attention"] > 0.0
-    assert _lines(ablation_runs["sao/s1"], "metrics.jsonl")[-1]["critic/grad_norm/attention"] == 0.0
+    # Which groups the critic trains, from the trainer's own count; gradients show it only where a value error
+    # reaches the backbone (the quick toy policy may earn no reward: a zero value head then sees none).
+    def log(label: str) -> str:
+        return (Path(ablation_runs[label]) / "train.log").read_text()
+    assert re.search(r"attention [\d,]+ trainable", log("attention_trained/s1"))
+    assert re.search(r"attention [\d,]+ frozen", log("sao/s1"))
+    for r in _lines(ablation_runs["attention_trained/s1"], "metrics.jsonl"):
+        assert (r["critic/grad_norm/attention"] > 0.0) == (r["critic/grad_norm/moe"] > 0.0), r
+    assert all(r["critic/grad_norm/attention"] == 0.0 for r in _lines(ablation_runs["sao/s1"], "metrics.jsonl"))

@@ -44,7 +44,7 @@ def test_a_change_of_model_environment_or_shapes_is_refused_with_the_diff(tmp_pa
 
 def test_other_changes_are_logged_and_the_previous_config_is_kept(tmp_path):
     old = _run(tmp_path)
-    # parallel.*: the checkpoint reshards to the new layout (tests/megatron/test_dist_checkpoint.py)
+    # parallel.*: the checkpoint reshards to the new layout (tests/integration/megatron/test_dist_checkpoint.py)
     new = load_config(None, [f"run.dir={tmp_path}", "buffer.batch_size=64", "run.total_steps=300", "parallel.tp=2"])
     assert resume_config_changes(tmp_path, new) == ["buffer.batch_size: 128 -> 64", "parallel.tp: 1 -> 2",
                                                     "run.total_steps: 100 -> 300"]

@@ -5,7 +5,7 @@
 For each layout: the critic as `sao train` builds it (components.build_critic, default config):
 which parameters the frozen-attention preset freezes, the whole-model parameter counts per group
 (must not depend on the layout), the LR schedule's length, and that frozen tensors stay put through
-a train step on every rank. With `single` also: vanilla GRPO's update equals the one computed with
+two train steps on every rank. With `single` also: vanilla GRPO's update equals the one computed with
 an explicit old-policy forward at the start of the step. Rank 0 prints RESULT lines.
 """
 
@@ -61,7 +61,9 @@ for layout in names:
     params = dict(critic.module.named_parameters())
     frozen = sorted(canonical_name(n) for n, p in params.items() if not p.requires_grad)
     before = snapshot(critic)
-    res = critic.train_step(batch, mse_loss)
+    # Two steps: the default zero value head passes no gradient to the experts in the first (its weight
+    # is 0); the first step moves the head, the second the experts.
+    res = [critic.train_step(batch, mse_loss) for _ in range(2)]
     after = snapshot(critic)
     moved = {n: float((after[n] - before[n]).abs().max()) for n in after}
     frozen_moved = torch.tensor([max((moved[n] for n in frozen), default=0.0)])
@@ -72,7 +74,7 @@ for layout in names:
     if rank == 0:
         emit(layout, {"counts": getattr(critic, "param_counts", None), "frozen": frozen,
                       "trainable": sorted(canonical_name(n) for n, p in params.items() if p.requires_grad),
-                      "decay_steps": critic.optim_config.decay_steps, "skipped": res.skipped,
+                      "decay_steps": critic.optim_config.decay_steps, "skipped": any(r.skipped for r in res),
                       "frozen_max_change": float(frozen_moved), "trainable_unchanged": int(trainable_still)})
     del critic
     destroy_parallel(destroy_process_group=False)

@@ -1,6 +1,7 @@
-"""Distributed checkpoints saved at one layout and resumed at another (tests/megatron/test_dist_checkpoint.py).
+"""Distributed checkpoints saved at one layout and resumed at another
+(tests/integration/megatron/test_dist_checkpoint.py).
 
-Usage: torchrun --nproc_per_node N dist_checkpoint.py <tmp_dir> save|resume
+Usage: torchrun --nproc_per_node N -m tests.integration.megatron.workers.dist_checkpoint <tmp_dir> save|resume
 
 save (2 ranks): at each of tp2sp_ep2, pp2 and dp2 the actor (at tp2sp_ep2 also the critic, attention frozen)
   starts from the tiny Qwen3-MoE HF model, trains on batch 0, is saved to <tmp>/<layout>/<role>, and trains

@@ -131,7 +131,7 @@ emit("frozen_critic", {
     "frozen_max_change": max((after[n] - before[n]).abs().max().item() for n in frozen),
     "trainable_min_change": min((after[n] - before[n]).abs().max().item() for n in after if n not in frozen),
     "values_shape": list(v0.shape), "values_pad_zero": bool((v0[~batch["attention_mask"]] == 0).all()),
-    "loss_decreased": r2.loss < r1.loss, "metrics": r1.metrics})
+    "loss_decreased": r2.loss < r1.loss, "metrics": r1.metrics, "metrics_second": r2.metrics})
 
 # 6. HF export round trip (world size 1)
 eng0 = actor()

@@ -30,6 +30,7 @@ from megatron_sao.envs.base import ListTaskSource, StepResult, Task, check_task_
 from megatron_sao.envs.python_tool import execute_tool_calls
 from megatron_sao.envs.sandbox import SandboxLimits, SandboxPool
 from megatron_sao.envs.tool_calls import extract_boxed, format_tool_response, parse_tool_calls
+from megatron_sao.envs.toy_tool import _perturb  # one digit changed: the demonstrations' mistake, as toy_chain's
 
 ENV_NAME = "chain_python"
 SPLITS = ("train", "eval")
@@ -165,14 +166,6 @@ class ChainPythonEnv:
 
     def _info(self, **extra) -> dict:
         return {"tool_calls": self._calls, "steps_done": self._done, "broken": self._broken, **extra}
-
-
-def _perturb(rng: random.Random, value: int) -> int:
-    """``value`` with one digit changed (never to a leading zero)."""
-    s = str(value)
-    i = rng.randrange(len(s))
-    return int(s[:i] + rng.choice([d for d in "0123456789" if d != s[i] and not (i == 0 and d == "0" and len(s) > 1)])
-               + s[i + 1:])
 
 
 def make_demonstrations(n: int, seed: int = 0, error_rate: float = 0.3, min_steps: int = 3, max_steps: int = 6,

@@ -26,6 +26,7 @@ from megatron_sao.megatron.batching import Batch
 from megatron_sao.megatron.compute_cost import CostModel
 from megatron_sao.megatron.optimizer import OptimConfig, build_optimizer, effective_for, safe_optimizer_step
 from megatron_sao.megatron.parallel import ParallelContext, init_parallel
+from megatron_sao.megatron.wgrad_accumulation import enable_cpu_wgrad_accumulation
 from megatron_sao.models.hf_config import ModelSpec
 from megatron_sao.models.parallel_sizes import ParallelSizes
 
@@ -168,6 +169,8 @@ class MegatronEngine:
 
         overrides = dict(config_overrides or {})
         overrides["calculate_per_token_loss"] = True  # see forward.py: exact global token-mean
+        if enable_cpu_wgrad_accumulation():  # weight gradients GEMM'd into the DDP buffer (wgrad_accumulation.py)
+            overrides.setdefault("gradient_accumulation_fusion", True)
         if role == "actor" and spec.is_moe:  # rollout routing replay (megatron/routing_replay.py)
             overrides["moe_enable_routing_replay"] = True
         self.config = transformer_config_from_spec(spec, sizes, params_dtype=params_dtype, **overrides)

@@ -2,8 +2,10 @@
 
 The local spec is Megatron's pure-PyTorch implementation (DotProductAttention, ColumnParallel/
 RowParallelLinear, SequentialMLP experts). It is what runs on a CPU (no TE, no CUDA) and what the
-exact-logits tests check. Its only gap is normalisation: `WrappedTorchNorm` refuses sequence
-parallel, so every norm is swapped for `SPRMSNorm` (same math, same parameter name `weight`).
+exact-logits tests check. Two parts are swapped: every norm for `SPRMSNorm` (`WrappedTorchNorm` refuses
+sequence parallel; same math, same parameter name `weight`), and the core attention for `SDPAttention`
+(models/sdpa_attention.py: torch's fused causal attention kernel instead of Megatron's spelled-out
+baddbmm / masked softmax / bmm; same math, no parameters).
 
 Parameter names differ between the two specs (TE folds the input norm into linear_qkv and uses
 grouped-GEMM expert weights); `megatron_sao.models.names.canonical_name` maps both to one
@@ -21,6 +23,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_sao.models.norms import SPRMSNorm
+from megatron_sao.models.sdpa_attention import SDPAttention
 
 
 def transformer_engine_usable() -> bool:
@@ -28,15 +31,17 @@ def transformer_engine_usable() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def _with_sp_norms(layer_spec, qk_layernorm: bool):
-    """A copy of one layer spec with every norm replaced by `SPRMSNorm` (q/k norms only when the
-    model has them: otherwise the spec holds IdentityOp there, which must stay)."""
+def _local_layer_spec(layer_spec, qk_layernorm: bool):
+    """A copy of one local layer spec with every norm replaced by `SPRMSNorm` (q/k norms only when the
+    model has them: otherwise the spec holds IdentityOp there, which must stay) and the core attention
+    by `SDPAttention`."""
     layer_spec = copy.deepcopy(layer_spec)
     sub = layer_spec.submodules
     sub.input_layernorm = SPRMSNorm
     sub.pre_mlp_layernorm = SPRMSNorm
+    attn_sub = sub.self_attention.submodules
+    attn_sub.core_attention = SDPAttention
     if qk_layernorm:
-        attn_sub = sub.self_attention.submodules
         attn_sub.q_layernorm = SPRMSNorm
         attn_sub.k_layernorm = SPRMSNorm
     return layer_spec
@@ -54,6 +59,6 @@ def decoder_block_spec(config: TransformerConfig, *, use_te: bool,
     layers = []
     for spec in block.layer_specs:
         if id(spec) not in converted:
-            converted[id(spec)] = _with_sp_norms(spec, config.qk_layernorm)
+            converted[id(spec)] = _local_layer_spec(spec, config.qk_layernorm)
         layers.append(converted[id(spec)])
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SPRMSNorm)

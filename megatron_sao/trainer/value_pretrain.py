@@ -121,7 +121,8 @@ def _from_cache(cfg: SAOConfig, ctx, run, hit: Path, key: str) -> Path:
         entry = json.loads((hit.parent / "entry.json").read_text())
         summary = {**entry.get("summary", {}), "cached": True, "cache_key": key, "cache_entry": str(hit.parent)}
         (run.path / "value_pretrain").mkdir(parents=True, exist_ok=True)
-        (run.path / "value_pretrain" / "summary.json").write_text(json.dumps(summary, indent=1))
+        summary = _json_safe(summary)
+        (run.path / "value_pretrain" / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
         print(json.dumps(summary), flush=True)
     return out
 
@@ -218,7 +219,7 @@ def _collect_and_fit(cfg: SAOConfig, ctx, gate, run, policy_dir: Path, sinks, ke
             rows.append(row)
             if ctx.rank == 0:
                 with open(metrics_path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                    f.write(json.dumps(_json_safe(row), allow_nan=False) + "\n")
             sinks.write(row, step)
             console.update({"step": step, "critic/heldout_ev": row["heldout/explained_variance"]})
             if step == v.steps or (v.patience and best.since >= v.patience):
@@ -242,11 +243,12 @@ def _collect_and_fit(cfg: SAOConfig, ctx, gate, run, policy_dir: Path, sinks, ke
     summary["ceiling"] = _ceiling(cfg, policy_dir, train, held)
     if summary["ceiling"] is not None and summary["ceiling"]["explained_variance"] > 0:
         summary["ev_fraction_of_ceiling"] = summary["ev_heldout_best"] / summary["ceiling"]["explained_variance"]
+    summary = _json_safe(summary)
     if key is not None:
         summary["cache_key"] = key
         entry = {"settings": critic_cache.cache_settings(cfg), "policy": str(policy_dir), "summary": summary}
         critic_cache.store(cfg.value_pretrain.cache_dir, key, out, entry)
-    (run.path / "value_pretrain" / "summary.json").write_text(json.dumps(summary, indent=1))
+    (run.path / "value_pretrain" / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     print(json.dumps(summary), flush=True)
     return out
 
@@ -284,3 +286,15 @@ def _ceiling(cfg: SAOConfig, policy_dir: Path, train, held) -> dict | None:
 def main(args) -> int:
     run_value_pretrain(load_config(args.config, args.overrides))
     return 0
+
+
+def _json_safe(obj):
+    """`obj` with every non-finite float as None: an EV over a turn no held-out trajectory reaches is NaN,
+    and NaN is not JSON (strict readers, jq, browsers refuse the file)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj

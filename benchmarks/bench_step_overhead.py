@@ -294,8 +294,8 @@ def main() -> None:
         out["phases"] = {}
         for role, engine in (("actor", actor), ("critic", critic)):
             table = {}
-            for side, model in ((f"engine_{role}", engine.chunks[0]), (f"plain_{role}", None)):
-                model = model if model is not None else (hf_actor if role == "actor" else hf_critic)
+            plain = hf_actor if role == "actor" else hf_critic
+            for side, model in ((f"engine_{role}", engine.chunks[0]), (f"plain_{role}", plain)):
                 timer = PhaseTimer(model, clock)
                 undo = phase_hooks(timer) if side.startswith("engine") else (lambda: None)
                 try:

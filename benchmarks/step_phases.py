@@ -54,7 +54,8 @@ def _first_grad_tensor(x):
 
 
 class PhaseTimer:
-    """Accumulates seconds per phase over the steps run between `start_step` and `end_step` calls."""
+    """Seconds per phase, summed over the steps run while its hooks are on `model` (until `remove()`); the
+    caller reports where each micro-batch's loss is computed and where its backward returns."""
 
     def __init__(self, model: torch.nn.Module, clock) -> None:
         self.clock = clock
@@ -69,13 +70,11 @@ class PhaseTimer:
         for name, module in model.named_modules():
             phase = _phase_of(name)
             if phase is not None:
-                self.handles.append(module.register_forward_pre_hook(self._pre(phase)))
+                self.handles.append(module.register_forward_pre_hook(self._pre))
                 self.handles.append(module.register_forward_hook(self._post(phase), with_kwargs=True))
 
-    def _pre(self, phase: str):
-        def hook(module, args):
-            self._fwd_start[id(module)] = self.clock()
-        return hook
+    def _pre(self, module, args) -> None:
+        self._fwd_start[id(module)] = self.clock()
 
     def _post(self, phase: str):
         def hook(module, args, kwargs, output):
@@ -85,14 +84,11 @@ class PhaseTimer:
                 self._head_done = now
             out = _first_grad_tensor(output)
             inp = _first_grad_tensor((args, tuple(kwargs.values())))
-            if out is None:
+            if out is None or inp is None:  # the embedding (token ids in): its backward counts as "backward other"
                 return
             key = object()
             out.register_hook(self._bwd_begin(key, phase))
-            if inp is not None:
-                inp.register_hook(self._bwd_end(key, phase))
-            else:  # the embedding: its backward ends where the rest of the backward begins
-                self._bwd_start.pop(key, None)
+            inp.register_hook(self._bwd_end(key, phase))
         return hook
 
     def _bwd_begin(self, key, phase: str):

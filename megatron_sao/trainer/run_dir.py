@@ -241,7 +241,7 @@ class RunDir:
         """One step's record: a line of metrics.jsonl, and its scalars to every sink (scalar_sinks.py)."""
         if not self.is_writer:
             return
-        clean = {k: _jsonable(v) for k, v in record.items()}
+        clean = {k: jsonable(v) for k, v in record.items()}
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(clean) + "\n")
         self.scalars.write(clean, int(record.get("step", 0)))
@@ -287,11 +287,15 @@ def _complete_record_before(line: str, step: int) -> bool:
         return False
 
 
-def _jsonable(v: Any) -> Any:
+def jsonable(v: Any) -> Any:
+    """`v` as strict JSON takes it: tensors as numbers or lists, and a non-finite float as its name
+    ("nan", "inf"; `json.dumps` would write the non-JSON token NaN, which strict readers refuse)."""
     if isinstance(v, torch.Tensor):
         return v.item() if v.numel() == 1 else v.tolist()
     if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
+        return {str(k): jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
     return v

@@ -43,6 +43,7 @@ from megatron_sao.trainer import critic_cache
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.hf_export import export_hf_model
 from megatron_sao.trainer.losses import critic_loss_fn
+from megatron_sao.trainer.run_dir import jsonable
 from megatron_sao.trainer.scalar_sinks import stage_sinks
 from megatron_sao.trainer.targets import critic_targets, mean_return
 from megatron_sao.trainer.value_data import EpochBatches, split_heldout
@@ -121,7 +122,7 @@ def _from_cache(cfg: SAOConfig, ctx, run, hit: Path, key: str) -> Path:
         entry = json.loads((hit.parent / "entry.json").read_text())
         summary = {**entry.get("summary", {}), "cached": True, "cache_key": key, "cache_entry": str(hit.parent)}
         (run.path / "value_pretrain").mkdir(parents=True, exist_ok=True)
-        summary = _json_safe(summary)
+        summary = jsonable(summary)
         (run.path / "value_pretrain" / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
         print(json.dumps(summary), flush=True)
     return out
@@ -219,7 +220,7 @@ def _collect_and_fit(cfg: SAOConfig, ctx, gate, run, policy_dir: Path, sinks, ke
             rows.append(row)
             if ctx.rank == 0:
                 with open(metrics_path, "a") as f:
-                    f.write(json.dumps(_json_safe(row), allow_nan=False) + "\n")
+                    f.write(json.dumps(jsonable(row), allow_nan=False) + "\n")
             sinks.write(row, step)
             console.update({"step": step, "critic/heldout_ev": row["heldout/explained_variance"]})
             if step == v.steps or (v.patience and best.since >= v.patience):
@@ -243,7 +244,7 @@ def _collect_and_fit(cfg: SAOConfig, ctx, gate, run, policy_dir: Path, sinks, ke
     summary["ceiling"] = _ceiling(cfg, policy_dir, train, held)
     if summary["ceiling"] is not None and summary["ceiling"]["explained_variance"] > 0:
         summary["ev_fraction_of_ceiling"] = summary["ev_heldout_best"] / summary["ceiling"]["explained_variance"]
-    summary = _json_safe(summary)
+    summary = jsonable(summary)
     if key is not None:
         summary["cache_key"] = key
         entry = {"settings": critic_cache.cache_settings(cfg), "policy": str(policy_dir), "summary": summary}
@@ -286,15 +287,3 @@ def _ceiling(cfg: SAOConfig, policy_dir: Path, train, held) -> dict | None:
 def main(args) -> int:
     run_value_pretrain(load_config(args.config, args.overrides))
     return 0
-
-
-def _json_safe(obj):
-    """`obj` with every non-finite float as None: an EV over a turn no held-out trajectory reaches is NaN,
-    and NaN is not JSON (strict readers, jq, browsers refuse the file)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj

@@ -90,12 +90,13 @@ def main(argv=None) -> int:
         "critic.value_head_bias=zero", f"value_pretrain.rollouts_file={zero / 'value_pretrain_rollouts.safetensors'}",
         log=normal / "value_pretrain.log")
     ceiling = (z.get("ceiling") or {}).get("explained_variance")
+    ceiling = None if ceiling is None else float(ceiling)  # strict JSON names a non-finite number ("nan")
     out = {"ev_step0_zero": z["ev_step0"], "ev_step0_normal": n["ev_step0"],
            "ev_after_warmup_zero": ev_at(zero, warmup_steps), "ev_after_warmup_normal": ev_at(normal, warmup_steps),
            "warmup_critic_steps": warmup_steps,
            "ev_heldout_pretrained": z["ev_heldout_best"], "ev_heldout_pretrained_normal": n["ev_heldout_best"],
            "ev_ceiling": ceiling,
-           "ev_fraction_of_ceiling": z["ev_heldout_best"] / ceiling if ceiling and ceiling > 0 else None,
+           "ev_fraction_of_ceiling": float(z["ev_heldout_best"]) / ceiling if ceiling and ceiling > 0 else None,
            "ev_ceiling_by_turn": {k: v for k, v in ((z.get("ceiling") or {}).get("fit") or {}).items()
                                   if k.startswith("ev_turn_")},
            "rollouts": z["rollouts"], "heldout_trajectories": z["heldout_trajectories"],

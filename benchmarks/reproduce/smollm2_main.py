@@ -251,8 +251,11 @@ def _tail_mean(xs: list, fraction: float = 0.25) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
-def _f(x: float, digits: int = 3) -> str:
-    return "-" if x is None or math.isnan(x) else f"{x:.{digits}f}"
+def _f(x: float | str | None, digits: int = 3) -> str:
+    """A number as the tables show it; a non-finite one comes back from strict JSON as its name ("nan")."""
+    if x is None or math.isnan(x := float(x)):
+        return "-"
+    return f"{x:.{digits}f}"
 
 
 def plot(runs: list[Run], done: dict, sft_acc: float, out: Path, title: str) -> str:

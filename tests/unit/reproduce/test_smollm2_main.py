@@ -106,3 +106,11 @@ def test_the_pretrained_rows_result_is_keyed_on_the_critic_weights_too(tmp_path)
     (paper_a, sao_a), (paper_b, sao_b) = key("a" * 64), key("b" * 64)
     assert paper_a != paper_b  # a refitted critic is another starting point
     assert sao_a == sao_b  # the recipe's rows do not start from it
+
+
+def test_table_cells_read_the_names_strict_json_gives_non_finite_numbers():
+    """value-pretrain's summary.json names a NaN "nan" (run_dir.jsonable); the report reads it as a missing number."""
+    assert smollm2_main._f("nan") == "-"
+    assert smollm2_main._f(None) == "-"
+    assert smollm2_main._f(0.1234) == "0.123"
+    assert smollm2_main._f("inf") == "inf"

@@ -27,10 +27,11 @@ import random
 from dataclasses import dataclass, field
 
 from megatron_sao.envs.base import ListTaskSource, StepResult, Task, check_task_env, require_task
+from megatron_sao.envs.chain_progress import ChainProgress, Step, chain_steps, demonstration_calls
 from megatron_sao.envs.python_tool import execute_tool_calls
 from megatron_sao.envs.sandbox import SandboxLimits, SandboxPool
 from megatron_sao.envs.tool_calls import extract_boxed, format_tool_response, parse_tool_calls
-from megatron_sao.envs.toy_tool import _perturb  # one digit changed: the demonstrations' mistake, as toy_chain's
+from megatron_sao.envs.toy_tool import apply_op
 
 ENV_NAME = "chain_python"
 SPLITS = ("train", "eval")
@@ -50,23 +51,13 @@ def _draw(rng: random.Random, n_steps: int) -> tuple[int, list[tuple[str, int]]]
         for _ in range(n_steps):
             op = rng.choice("+-*")
             b = rng.randint(2, 9) if op == "*" else rng.randint(10, 99)
-            nxt = cur + b if op == "+" else cur - b if op == "-" else cur * b
+            nxt = apply_op(cur, op, b)
             if not 0 <= nxt <= MAX_VALUE:
                 break
             steps.append((op, b))
             cur = nxt
         if len(steps) == n_steps:
             return start, steps
-
-
-def chain_values(start: int, steps: list[tuple[str, int]]) -> list[tuple[int, str, int, int]]:
-    """(a, op, b, result) of every step of the correct chain."""
-    out, cur = [], start
-    for op, b in steps:
-        nxt = cur + b if op == "+" else cur - b if op == "-" else cur * b
-        out.append((cur, op, b, nxt))
-        cur = nxt
-    return out
 
 
 def split_of(start: int, steps: list[tuple[str, int]]) -> str:
@@ -98,7 +89,7 @@ def load_chain_tasks(path_or_spec: str | None = "train", n: int = 2000, seed: in
         if key in seen or split_of(start, steps) != split:
             continue
         seen.add(key)
-        final = chain_values(start, steps)[-1][3]
+        final = chain_steps(start, steps)[-1][3]
         tasks.append(Task(prompt_id=f"chain/{split}/{seed}/{len(tasks)}", env=ENV_NAME, answer=str(final),
                           messages=[{"role": "system", "content": system_prompt},
                                     {"role": "user", "content": question(start, steps)}],
@@ -108,8 +99,8 @@ def load_chain_tasks(path_or_spec: str | None = "train", n: int = 2000, seed: in
     raise ValueError(f"chain_python: could not draw {n} distinct {split} chains")
 
 
-def _steps(task: Task) -> list[tuple[int, str, int, int]]:
-    return chain_values(task.meta["start"], [tuple(s) for s in task.meta["steps"]])
+def _steps(task: Task) -> list[Step]:
+    return chain_steps(task.meta["start"], [tuple(s) for s in task.meta["steps"]])
 
 
 def reference_actions(task: Task) -> list[str]:
@@ -121,7 +112,7 @@ def reference_actions(task: Task) -> list[str]:
 
 @dataclass
 class ChainPythonEnv:
-    """The checked chain with the sandboxed Python tool."""
+    """The checked chain (envs/chain_progress.py) with the sandboxed Python tool."""
 
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     pool: SandboxPool | None = None
@@ -130,51 +121,42 @@ class ChainPythonEnv:
 
     def __post_init__(self) -> None:
         self._task: Task | None = None
-        self._done = self._calls = 0
-        self._broken = False
+        self._progress: ChainProgress | None = None
 
     async def reset(self, task: Task) -> None:
         check_task_env(self.name, task)
-        self._task, self._done, self._calls, self._broken = task, 0, 0, False
+        self._task, self._progress = task, ChainProgress(_steps(task), self.max_extra_calls)
 
     async def step(self, action_text: str) -> StepResult:
         task = require_task(self.name, self._task)
-        steps = _steps(task)
+        progress = self._progress
         calls = parse_tool_calls(action_text)
         if calls:
-            if self._calls >= len(steps) + self.max_extra_calls:
-                return StepResult(None, True, 0.0, self._info(reason="tool_call_limit", truncated=True))
-            self._calls += len(calls)
-            if not self._broken and len(calls) == 1 and self._done < len(steps):
+            if progress.call_limit_reached():
+                return StepResult(None, True, 0.0, progress.info(reason="tool_call_limit", truncated=True))
+            expected = progress.next_step()
+            if expected is not None and len(calls) == 1:  # a broken chain's calls do not run
                 turn = await execute_tool_calls(calls, self.limits, self.pool, max_calls_per_turn=1)
                 printed = turn.observation.removeprefix("<tool_response>\n").removesuffix("\n</tool_response>")
-                if turn.errors == 0 and printed.strip() == str(steps[self._done][3]):
-                    self._done += 1
-                    return StepResult(turn.observation, False, 0.0, self._info())
-            self._broken = True
-            return StepResult(format_tool_response(BROKEN_MESSAGE), False, 0.0, self._info())
+                if progress.record_call(1, turn.errors == 0 and printed.strip() == str(expected[3])):
+                    return StepResult(turn.observation, False, 0.0, progress.info())
+            else:
+                progress.record_call(len(calls), correct=False)
+            return StepResult(format_tool_response(BROKEN_MESSAGE), False, 0.0, progress.info())
         boxed = extract_boxed(action_text)
         if boxed is None:
-            return StepResult(None, True, 0.0, self._info(reason="no_tool_call_or_answer"))
-        complete = self._done == len(steps) and not self._broken
-        ok = complete and boxed.strip() == str(task.answer)
-        reason = "correct" if ok else ("broken_chain" if self._broken else "incomplete" if not complete else "wrong")
-        return StepResult(None, True, float(ok), self._info(reason=reason, pred=boxed))
+            return StepResult(None, True, 0.0, progress.info(reason="no_tool_call_or_answer"))
+        reward, reason = progress.answer(boxed.strip() == str(task.answer))
+        return StepResult(None, True, reward, progress.info(reason=reason, pred=boxed))
 
     async def close(self) -> None:
-        self._task = None
-
-    def _info(self, **extra) -> dict:
-        return {"tool_calls": self._calls, "steps_done": self._done, "broken": self._broken, **extra}
+        self._task = self._progress = None
 
 
 def make_demonstrations(n: int, seed: int = 0, error_rate: float = 0.3, min_steps: int = 3, max_steps: int = 6,
                         system_prompt: str = SYSTEM_PROMPT) -> list[list[dict]]:
-    """``n`` solved *training* chains for SFT; with probability ``error_rate`` one mistake at a uniform
-    step or in the answer. A wrong call (an operand copied wrongly) gets ``BROKEN_MESSAGE``; the
-    demonstration then goes on with the value it believes it got, every later call answered with the
-    message too, and answers with that belief (reward 0), as the env plays it out. So a failed
-    episode's states after its mistake are as many as before it on average, and all of them show it."""
+    """``n`` solved *training* chains for SFT, a fraction ``error_rate`` of them with one mistake
+    (chain_progress.demonstration_calls); a call after the mistake gets ``BROKEN_MESSAGE``."""
     if not 0.0 <= error_rate <= 1.0:
         raise ValueError(f"chain_python: error_rate must be in [0, 1], got {error_rate}")
     rng = random.Random(f"chain_python/demos/{seed}")
@@ -183,17 +165,11 @@ def make_demonstrations(n: int, seed: int = 0, error_rate: float = 0.3, min_step
     for i in range(n):
         task = tasks[i]
         steps = _steps(task)
-        err = rng.randrange(len(steps) + 1) if rng.random() < error_rate else -1
-        msgs, belief, broken = [dict(m) for m in task.messages], task.meta["start"], False
-        for k, (_, op, b, result) in enumerate(steps):
-            a = belief
-            if k == err:
-                a, b = (_perturb(rng, a), b) if rng.random() < 0.5 else (a, _perturb(rng, b))
-                broken = True
-            belief = a + b if op == "+" else a - b if op == "-" else a * b
+        calls, final = demonstration_calls(steps, rng, error_rate)
+        msgs = [dict(m) for m in task.messages]
+        for (a, op, b, broken), (*_, result) in zip(calls, steps):
             msgs += [{"role": "assistant", "content": f"<python>print({a}{op}{b})</python>"},
                      {"role": "tool", "content": format_tool_response(BROKEN_MESSAGE if broken else str(result))}]
-        final = _perturb(rng, belief) if err == len(steps) else belief
         msgs.append({"role": "assistant", "content": f"The answer is \\boxed{{{final}}}."})
         demos.append(msgs)
     return demos

@@ -21,6 +21,7 @@ from megatron_sao.trainer import components as C
 from megatron_sao.trainer.console import Console
 from megatron_sao.trainer.hf_export import export_hf_model
 from megatron_sao.trainer.losses import sft_loss_fn
+from megatron_sao.trainer.run_dir import jsonable
 from megatron_sao.trainer.scalar_sinks import stage_sinks
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def run_sft(cfg: SAOConfig) -> Path:
                 m = {"step": step, "loss": res.loss, "grad_norm": res.grad_norm, "lr": res.metrics.get("lr"),
                      "skipped": res.skipped, "elapsed_s": time.monotonic() - t_start}
                 with open(metrics_path, "a") as f:
-                    f.write(json.dumps(m) + "\n")
+                    f.write(json.dumps(jsonable(m), allow_nan=False) + "\n")  # a NaN loss as "nan": strict JSON
                 sinks.write(m, step)
                 console.update({"step": step, "loss": res.loss})
     finally:

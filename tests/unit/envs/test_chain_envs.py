@@ -9,6 +9,7 @@ from megatron_sao.envs import chain_python as cp
 from megatron_sao.envs import load_tasks, make_env
 from megatron_sao.envs import toy_chain as tc
 from megatron_sao.envs.registry import reference_actions_of
+from megatron_sao.envs.toy_tool import evaluate
 
 
 async def _play(env_name: str, task, actions: list[str]):
@@ -41,8 +42,8 @@ def test_toy_chain_correct_chain_succeeds_and_a_wrong_step_shows_in_the_next_res
     task = load_tasks("toy_chain", n=5, seed=1)[0]
     refs = tc.reference_actions(task)
     good = asyncio.run(_play("toy_chain", task, refs))
-    assert [r.observation for r in good[:-1]] == [str(s[3]) for s in tc.chain_steps(task.meta["nums"],
-                                                                                      task.meta["ops"])]
+    nums, ops = task.meta["nums"], task.meta["ops"]
+    assert [r.observation for r in good[:-1]] == [str(evaluate(nums[:k + 2], ops[:k + 1])) for k in range(len(ops))]
     assert good[-1].done and good[-1].reward == 1.0
     bad = asyncio.run(_play("toy_chain", task, _wrong_second_step(refs, 0)))
     assert bad[0].observation == good[0].observation  # the first step was right
@@ -77,7 +78,10 @@ def test_chain_python_runs_the_sandbox_and_breaks_the_chain_on_a_wrong_step():
     task = load_tasks("chain_python", "train", n=3, seed=5)[0]
     refs = cp.reference_actions(task)
     good = asyncio.run(_play("chain_python", task, refs))
-    values = [s[3] for s in cp.chain_values(task.meta["start"], [tuple(s) for s in task.meta["steps"]])]
+    values = [task.meta["start"]]
+    for op, b in task.meta["steps"]:
+        values.append(eval(f"{values[-1]}{op}{b}"))  # the chain's arithmetic, by Python itself
+    values = values[1:]
     assert [r.observation for r in good[:-1]] == [f"<tool_response>\n{v}\n</tool_response>" for v in values]
     assert good[-1].done and good[-1].reward == 1.0
     bad = asyncio.run(_play("chain_python", task, _wrong_second_step(refs, 0)))

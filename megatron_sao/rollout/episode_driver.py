@@ -265,6 +265,8 @@ class EpisodeDriver:
 
     async def _server_failed(self, slot: ServerSlot, reason: str) -> None:
         """Take ``slot`` out of service and re-run its episodes; stop when no server is left."""
+        if self._closing:  # the engines are being closed on purpose (rollout_side.close): not a failure
+            return
         if not self.pool.mark_dead(slot, reason):
             return
         me = asyncio.current_task()

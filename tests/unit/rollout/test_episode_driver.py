@@ -294,3 +294,23 @@ def test_the_driver_awaits_a_server_until_the_deadline_then_stops():
         assert not drv.awaiting_server  # past the deadline the error stops the wait instead
     finally:
         drv.stop()
+
+
+def test_engines_closed_at_the_end_of_a_run_are_not_reported_as_failed_servers(caplog):
+    """At shutdown the episodes are cancelled and then the engines closed; a health check that lands
+    after that must not take the server out of service and log "no rollout server in service"."""
+    drv, done, engines, pool = make_pool_driver(n_servers=1, concurrency=2, batch_size=2, delay=0.02,
+                                                health_interval_s=0.05, health_timeout_s=1.0)
+
+    async def closed() -> bool:
+        return False
+    drv.start()
+    try:
+        assert wait_for(lambda: len(done) >= 2)
+        drv.call(drv.cancel_episodes(), timeout=10)
+        engines[0].health = closed  # what a closed vLLM engine answers
+        time.sleep(0.3)  # several health intervals
+    finally:
+        drv.stop()
+    assert pool.slots[0].alive and drv.error is None
+    assert "out of service" not in caplog.text and "no rollout server" not in caplog.text

@@ -14,7 +14,8 @@ Equal trajectory budget: every method trains on 16 trajectories per actor step (
 4) and consumes 400 in total; SAO's warm-up steps consume trajectories too, so SAO takes 20 actor
 steps (`sao_pretrained` 15) and GRPO 25; value pretraining's rollouts are not counted. Held-out
 accuracy (128 tasks, T=1) of the SFT model (one `sao eval`, the curves' point at 0 trajectories) and
-of every run after 208 and 400 trajectories.
+of every run after 208 and 400 trajectories; per method the mean and spread over the seeds, and the
+per-seed paired difference to GRPO+DIS of the same seed.
 
 Each finished run writes its result file into OUT/runs/ at once (run_results.py); an invocation
 skips the runs whose file is there for the same key (config, overrides, seed, ALGORITHM_VERSION,
@@ -46,7 +47,7 @@ from benchmarks.reproduce.experiment import METHODS, Budget, Settings
 from benchmarks.reproduce.report import git_commit, header, md_table, runs_section, save_fig, write_report
 from benchmarks.reproduce.runner import ROOT, Run, RunResult, algorithm_version, execute, execute_all
 from benchmarks.reproduce.starts import EVAL_SEED, TOY_QUICK_CONFIG, Start
-from benchmarks.reproduce.summary import stat
+from benchmarks.reproduce.summary import Stat, stat
 
 CONFIG = "examples/smollm2_arith.yaml"
 FULL = Budget(batch=16, steps=25, eval_every=13, eval_size=128, warmup=5)  # evals after 13 and 25 steps
@@ -72,6 +73,7 @@ ROWS: dict[str, Row] = {
 DEFAULT_SEEDS = [1, 2]
 GROUP = int(next(o.split("=")[1] for o in METHODS["grpo"] if o.startswith("algorithm.group_size=")))
 FIGURE = "main_smollm2.png"
+PAIRED_REFERENCE = "grpo_dis"  # the per-seed paired differences of the report are against this row
 
 
 @dataclass
@@ -342,16 +344,19 @@ def report(s: Settings, b: Budget, start: SftStart, sft: dict, runs: list[Run], 
                f"oracle ceiling on the same held-out rollouts {_f(ceiling)}; "
                f"critic weights sha256 {start.critic_digest[:16]}.")
     summary_rows = []
+    paired_all = paired_to_reference(runs, done, end)
     for label, ds in per_method.items():
+        paired = paired_all[label]
         summary_rows.append([label, f"{len(ds)} of {sum(r.label == label for r in runs)}",
                              stat([_at(d, end) for d in ds]).fmt(),
+                             "-" if label == PAIRED_REFERENCE or not paired.values else paired.fmt(),
                              stat([_at(d, end) - sft["accuracy"] for d in ds]).fmt(),
                              stat([d["trajectories_per_s"] or math.nan for d in ds]).fmt(2),
                              stat([d["wall_s"] / 60 for d in ds]).fmt(1)])
     if summary_rows:
         md += "\n\nPer method (mean ± std over the seeds that finished, per-seed values in brackets):\n\n"
-        md += md_table(["method", "seeds", f"held-out at {end}", "gain over the SFT start", "trajectories/s",
-                        "run wall (min)"], summary_rows)
+        md += md_table(["method", "seeds", f"held-out at {end}", f"minus {PAIRED_REFERENCE}'s of the same seed",
+                        "gain over the SFT start", "trajectories/s", "run wall (min)"], summary_rows)
     md += (f"\n\nTrajectories/s: trajectories consumed over the run's wall time less its held-out evaluations. "
            f"Machine load: the mean 1-min load average while the run trained (above the core count of the "
            f"machine line above, the run shared its cores and took longer than it would alone; '-': not recorded). "
@@ -369,6 +374,18 @@ def report(s: Settings, b: Budget, start: SftStart, sft: dict, runs: list[Run], 
                              "stale": stale, "budget": vars(b), "sft": {**sft, "digest": start.digest},
                              "results": {f"{r.label}/s{r.seed}": done[r] for r in runs if done[r] is not None}})
     s.log(f"report: {n_done} of {len(runs)} runs; {s.out / 'results.md'}")
+
+
+def paired_to_reference(runs: list[Run], done: dict, trajectories: int) -> dict[str, Stat]:
+    """{row: per-seed held-out accuracy after `trajectories` minus PAIRED_REFERENCE's of the same seed}. Runs
+    of one seed share the SFT start, the prompt order, the sampler's seed and the held-out tasks: their
+    difference is the fairer comparison than two independent means (summary.paired_delta)."""
+    ref = {r.seed: _at(done[r], trajectories) for r in runs if r.label == PAIRED_REFERENCE and done[r] is not None}
+    out: dict[str, list[float]] = {}
+    for r in runs:
+        if done[r] is not None and r.seed in ref:
+            out.setdefault(r.label, []).append(_at(done[r], trajectories) - ref[r.seed])
+    return {label: stat(out.get(label, [])) for label in dict.fromkeys(r.label for r in runs)}
 
 
 def budget_of(run: Run) -> tuple[int, int]:

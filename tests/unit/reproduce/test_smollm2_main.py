@@ -114,3 +114,16 @@ def test_table_cells_read_the_names_strict_json_gives_non_finite_numbers():
     assert smollm2_main._f(None) == "-"
     assert smollm2_main._f(0.1234) == "0.123"
     assert smollm2_main._f("inf") == "inf"
+
+
+def test_paired_differences_are_per_seed_against_grpo_dis_and_skip_seeds_it_lacks():
+    def data(acc):
+        return {"eval_points": [[400, 10.0, acc]]}
+
+    runs = [Run(label, seed, "c.yaml", ()) for label in ("sao", "grpo_dis") for seed in (1, 2, 3)]
+    accs = {("sao", 1): 0.80, ("sao", 2): 0.70, ("sao", 3): 0.90, ("grpo_dis", 1): 0.85, ("grpo_dis", 2): 0.60}
+    done = {r: data(accs[(r.label, r.seed)]) if (r.label, r.seed) in accs else None for r in runs}
+    paired = smollm2_main.paired_to_reference(runs, done, 400)
+    assert paired["sao"].values == pytest.approx([-0.05, 0.10])  # seed 3 has no grpo_dis run to pair with
+    assert paired["sao"].mean == pytest.approx(0.025)
+    assert paired["grpo_dis"].values == pytest.approx([0.0, 0.0])

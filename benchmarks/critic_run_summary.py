@@ -51,7 +51,6 @@ def summarize(run_dir: Path) -> dict:
     actor = [s for s in steps if s["actor_step"] is not None][:10]
     ev = [s.get("critic/explained_variance") for s in actor]
     return {
-        "sft_heldout_accuracy": None,
         "eval": {f"after_{(r['step'] + 1) * batch}_trajectories": r["eval/accuracy"] for r in rows
                  if "eval/accuracy" in r} | {"n": cfg["env"]["eval_size"]},
         "warmup_ev": [s.get("critic/explained_variance") for s in steps if s["actor_step"] is None],
@@ -73,9 +72,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
-    out = {"what": args.what, "command": args.command, "commit": commit, **summarize(args.run_dir),
-           "load_avg": args.load}
-    out["sft_heldout_accuracy"] = args.sft_accuracy
+    out = {"what": args.what, "command": args.command, "commit": commit, "sft_heldout_accuracy": args.sft_accuracy,
+           **summarize(args.run_dir), "load_avg": args.load}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out, json.dumps(jsonable(out), indent=1, allow_nan=False) + "\n")
     a = out["actor_steps_0_9"]

@@ -48,7 +48,7 @@ class ChainProgress:
     def record_call(self, n_calls: int, correct: bool) -> bool:
         """Count a turn's calls; a correct one advances the chain, anything else breaks it for good."""
         self.calls += n_calls
-        if correct and self.next_step() is not None:
+        if correct:
             self.done += 1
             return True
         self.broken = True

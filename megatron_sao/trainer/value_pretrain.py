@@ -241,7 +241,7 @@ def _collect_and_fit(cfg: SAOConfig, ctx, gate, run, policy_dir: Path, sinks, ke
     if ctx.rank != 0:
         return out
     summary = _summary(cfg, trajs, usable, train, held, rows, best, rollout_s, fit_s, load_start)
-    summary["ceiling"] = _ceiling(cfg, policy_dir, train, held)
+    summary["ceiling"] = task_ceiling(cfg, policy_dir, train, held)
     if summary["ceiling"] is not None and summary["ceiling"]["explained_variance"] > 0:
         summary["ev_fraction_of_ceiling"] = summary["ev_heldout_best"] / summary["ceiling"]["explained_variance"]
     summary = jsonable(summary)
@@ -269,7 +269,7 @@ def _summary(cfg, trajs, usable, train, held, rows, best: BestState, rollout_s, 
             "load1_start": load_start, "load1_end": os.getloadavg()[0]}
 
 
-def _ceiling(cfg: SAOConfig, policy_dir: Path, train, held) -> dict | None:
+def task_ceiling(cfg: SAOConfig, policy_dir: Path, train, held) -> dict | None:
     """The oracle's held-out EV (trainer/oracle_value.py) where the environment has reference solutions."""
     from megatron_sao.envs.registry import reference_actions_of
     from megatron_sao.trainer.oracle_value import oracle_ceiling

@@ -1,7 +1,8 @@
 """Run `sao` stages as subprocesses, cached by what they compute, a few at a time.
 
 A `Run` is one `sao train` (or sft / value-pretrain) invocation: a config file plus dotted overrides.
-Its directory name carries a hash of the config file's text, the overrides, the stage and the trainer's
+Its directory name carries a hash of the config file's content (its parsed YAML: a comment edited in a
+recipe does not orphan the runs it has), the overrides, the stage and the trainer's
 `ALGORITHM_VERSION` (megatron_sao/trainer/step.py: a code change that alters what the same config
 computes bumps it, so such a change never reuses old runs), so two
 experiments that need the same run (the SAO reference of the main comparison and of the ablations)
@@ -27,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[2]
 LOAD_SAMPLE_S = 10.0  # how often a run samples the machine's load average
 
@@ -44,10 +47,10 @@ class Run:
     run_dir: str | None = None  # a fixed directory (a starting point: sft then value-pretrain in one dir)
 
     def key(self) -> str:
-        text = ((ROOT / self.config).read_text() if not Path(self.config).is_absolute()
-                else Path(self.config).read_text())
-        h = hashlib.sha256(json.dumps([self.stage, text, sorted(self.overrides), self.seed,
-                                         algorithm_version()]).encode())
+        path = Path(self.config) if Path(self.config).is_absolute() else ROOT / self.config
+        content = yaml.safe_load(path.read_text())
+        h = hashlib.sha256(json.dumps([self.stage, content, sorted(self.overrides), self.seed,
+                                       algorithm_version()], sort_keys=True, default=str).encode())
         return h.hexdigest()[:10]
 
     def directory(self, work: Path) -> Path:

@@ -5,7 +5,7 @@ The dataclass defaults are the paper's (SAO, arXiv:2607.07508); the field names 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional
 
 from megatron_sao.rollout.engines.kinds import Backend, InflightPolicy
@@ -305,6 +305,10 @@ class ValuePretrainConfig:
     steps: int = 50  # critic optimizer steps
     batch_size: int = 64
     lr: Optional[float] = None  # default: critic.optim.lr
+    # The fresh value head's LR while it is fitted here; None: critic.value_head_lr. A head drawn at zero
+    # wants a high one to reach the returns in a few steps; the same head, pretrained, moves at a lower
+    # critic.value_head_lr in RL (at the high one it chases each batch's mean return: docs/results.md 7).
+    value_head_lr: Optional[float] = None
     # Apply `critic.freeze` (attention, embeddings, router, norms by default) during pretraining too.
     # Off: pretraining fits the whole critic; the paper freezes attention during RL only.
     apply_critic_freeze: bool = False
@@ -355,3 +359,11 @@ class SAOConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     value_pretrain: ValuePretrainConfig = field(default_factory=ValuePretrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def value_pretrain_critic(self) -> CriticConfig:
+        """The critic settings value pretraining fits with: `critic`, with value_pretrain.lr and
+        value_pretrain.value_head_lr in place of the RL run's learning rates where they are set."""
+        v, c = self.value_pretrain, self.critic
+        optim = replace(c.optim, lr=v.lr) if v.lr is not None else c.optim
+        return replace(c, optim=optim, value_head_lr=v.value_head_lr if v.value_head_lr is not None
+                       else c.value_head_lr)

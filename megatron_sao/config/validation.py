@@ -197,10 +197,11 @@ def _check_optimizers(cfg: SAOConfig) -> None:
 
 
 def _check_critic(cfg: SAOConfig) -> None:
-    lr = cfg.critic.value_head_lr
-    if lr is not None:
-        _check(lr > 0, "critic.value_head_lr", f"must be > 0 (or null: critic.optim.lr), got {lr}")
     v = cfg.value_pretrain
+    for key, lr, default in (("critic.value_head_lr", cfg.critic.value_head_lr, "critic.optim.lr"),
+                             ("value_pretrain.value_head_lr", v.value_head_lr, "critic.value_head_lr")):
+        if lr is not None:
+            _check(lr > 0, key, f"must be > 0 (or null: {default}), got {lr}")
     _check(v.rollouts >= 2, "value_pretrain.rollouts",
            f"must be >= 2 (a training and a held-out split), got {v.rollouts}")
     _check(0 < v.heldout_fraction < 1, "value_pretrain.heldout_fraction",

@@ -39,7 +39,10 @@ def cache_settings(cfg: SAOConfig) -> dict[str, Any]:
         from megatron_sao.checkpoint.digest import file_digest
 
         vp["rollouts_file"] = file_digest(cfg.value_pretrain.rollouts_file)
-    critic = {k: c["critic"][k] for k in ("optim", "value_head_init", "value_head_bias", "value_head_lr")}
+    # The learning rates the fit runs at, whichever key set them (value_pretrain.lr or critic.optim.lr ...)
+    fit = to_dict(cfg.value_pretrain_critic())
+    vp = {k: v for k, v in vp.items() if k not in ("lr", "value_head_lr")}
+    critic = {k: fit[k] for k in ("optim", "value_head_init", "value_head_bias", "value_head_lr")}
     if cfg.value_pretrain.apply_critic_freeze:
         critic["freeze"] = c["critic"]["freeze"]
     rollout = {k: c["rollout"][k] for k in ("backend", "max_turns", "max_total_tokens", "max_new_tokens_per_turn",

@@ -195,9 +195,8 @@ def _collect_and_fit(cfg: SAOConfig, ctx, gate, run, policy_dir: Path, sinks, ke
         raise RuntimeError(f"value-pretrain: {len(usable)} of {len(trajs)} rollouts are usable, of fewer than 2 "
                            f"prompts (a training and a held-out split need both); first error: {trajs[0].error}")
     train, held = split_heldout(usable, v.heldout_fraction, cfg.run.seed)
-    optim = replace(cfg.critic.optim, lr=v.lr) if v.lr is not None else cfg.critic.optim
-    critic = C.build_critic(cfg, policy_dir, ctx=ctx, init=str(policy_dir), freeze=v.apply_critic_freeze,
-                            total_steps=v.steps, optim=optim)
+    critic = C.build_critic(replace(cfg, critic=cfg.value_pretrain_critic()), policy_dir, ctx=ctx,
+                            init=str(policy_dir), freeze=v.apply_critic_freeze, total_steps=v.steps)
     if critic.fresh_value_head and cfg.critic.value_head_bias == "mean_return":
         critic.set_value_head_bias(mean_return(collate_padded(train), algo))
     batches = EpochBatches(train, v.batch_size, cfg.run.seed)

@@ -16,6 +16,7 @@ def test_the_key_changes_with_the_policy_and_with_what_the_fit_computes():
     assert base == _key()  # deterministic
     assert _key(digest="b" * 64) != base
     for o in ("value_pretrain.rollouts=256", "value_pretrain.steps=7", "critic.value_head_lr=1e-3",
+              "value_pretrain.value_head_lr=1e-3", "value_pretrain.lr=1e-4",
               "critic.value_head_init=normal", "critic.optim.lr=1e-4", "env.task_kwargs={max_ops: 2}",
               "algorithm.critic_lambda=0.95", "run.seed=9", "rollout.max_turns=4", "model.max_seq_len=64"):
         assert _key([o]) != base, o
@@ -26,6 +27,14 @@ def test_the_key_ignores_what_only_the_rl_run_or_the_cache_location_changes():
     for o in ("run.total_steps=3", "actor.optim.lr=1e-3", "buffer.batch_size=8", "value_pretrain.cache_dir=/x",
               "run.dir=/elsewhere", "algorithm.critic_warmup_steps=1"):
         assert _key([o]) == base, o
+
+
+def test_the_key_holds_the_learning_rates_the_fit_runs_at_whichever_key_set_them():
+    vp_head = ["value_pretrain.value_head_lr=1e-3"]
+    assert _key(vp_head) == _key(["critic.value_head_lr=1e-3"])
+    assert _key(vp_head) == _key([*vp_head, "critic.value_head_lr=1e-4"])  # the RL run's head LR
+    assert _key(["value_pretrain.lr=1e-4"]) == _key(["critic.optim.lr=1e-4"])
+    assert _key(["value_pretrain.lr=1e-4"]) == _key(["value_pretrain.lr=1e-4", "critic.optim.lr=3e-5"])
 
 
 def test_the_key_does_not_depend_on_the_settings_order():

@@ -19,8 +19,9 @@ COMMON = ["parallel.recompute=full", "model.dtype=bfloat16", "run.console=none"]
 STAGES = {  # stage -> (overrides, the roles it builds)
     "sft": (["sft.steps=1", "sft.batch_size=8", "sft.demonstrations=64", "sft.eval=false"], ["actor"]),
     "value-pretrain": (["value_pretrain.rollouts=4", "value_pretrain.steps=1", "value_pretrain.batch_size=4",
-                        "critic.value_head_lr=0.003"], ["critic"]),
-    "train": (["run.total_steps=1", "algorithm.critic_warmup_steps=0", "trainer.mode=sync"], ["actor", "critic"]),
+                        "value_pretrain.value_head_lr=0.003", "critic.value_head_lr=0.0005"], ["critic"]),
+    "train": (["run.total_steps=1", "algorithm.critic_warmup_steps=0", "trainer.mode=sync",
+               "critic.value_head_lr=0.0005"], ["actor", "critic"]),
 }
 
 
@@ -56,9 +57,10 @@ def test_recompute_and_dtype_reach_every_engine_of_every_stage(records, stage):
 
 @pytest.mark.slow
 def test_the_critic_head_starts_at_zero_with_its_own_lr_and_the_mean_return_bias(records):
-    """Value pretraining builds a fresh zero head from the SFT policy, gives it critic.value_head_lr
+    """Value pretraining builds a fresh zero head from the SFT policy, gives it value_pretrain.value_head_lr
     (the rest keeps critic.optim.lr), and sets its bias to the training split's mean return in the bf16
-    model and in the fp32 main copy the optimizer updates; `sao train` then loads the pretrained head."""
+    model and in the fp32 main copy the optimizer updates; `sao train` then loads the pretrained head and
+    trains it at critic.value_head_lr."""
     head = next(r for r in records["value-pretrain"] if r["role"] == "critic_head")
     assert head["fresh_value_head"] and head["head_weight_absmax"] == 0.0
     assert head["head_lr"] == head["bias_lr"] == pytest.approx(0.003)
@@ -67,5 +69,6 @@ def test_the_critic_head_starts_at_zero_with_its_own_lr_and_the_mean_return_bias
     assert len(bias) == 1 and bias[0]["main"] == [bias[0]["value"]]
     assert bias[0]["model"] == pytest.approx(bias[0]["value"], abs=1e-2)  # bf16
     trained = next(r for r in records["train"] if r["role"] == "critic_head")
-    assert not trained["fresh_value_head"] and trained["head_lr"] == trained["mlp_lr"]
+    assert not trained["fresh_value_head"] and trained["head_lr"] == trained["bias_lr"] == pytest.approx(5e-4)
+    assert trained["mlp_lr"] == pytest.approx(1.0e-3)
     assert not [r for r in records["train"] if r["role"] == "bias_set"]

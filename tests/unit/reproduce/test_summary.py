@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.reproduce.runner import Run
+from benchmarks.reproduce.runner import ROOT, Run
 from benchmarks.reproduce.summary import binomial_se, first_step_started_after, mean_curve, recovery_steps, smooth, stat
 
 
@@ -46,6 +46,20 @@ def test_run_key_changes_with_what_the_run_computes():
     assert a.key() != Run("sao", 2, "examples/tiny_cpu.yaml", ("algorithm.critic_steps=1",)).key()
     assert a.key() != Run("sao", 1, "examples/tiny_cpu.yaml", ("algorithm.critic_steps=2",)).key()
     assert a.key() != Run("sao", 1, "examples/tiny_cpu.yaml", ("algorithm.critic_steps=1",), stage="sft").key()
+
+
+def test_run_key_is_the_configs_content_not_its_comments(tmp_path):
+    # A comment edited in a recipe must not orphan the hours of runs keyed by it; a value must.
+    text = (ROOT / "examples/tiny_cpu.yaml").read_text()
+    assert "total_steps: 50" in text  # the value changed below
+    bodies = {"same.yaml": text,
+              "commented.yaml": "# a new comment\n" + text.replace("total_steps: 50", "total_steps: 50  # why"),
+              "changed.yaml": text.replace("total_steps: 50", "total_steps: 51")}
+    for name, body in bodies.items():
+        (tmp_path / name).write_text(body)
+    key = {n: Run("sao", 1, str(tmp_path / n)).key() for n in ("same.yaml", "commented.yaml", "changed.yaml")}
+    assert key["same.yaml"] == key["commented.yaml"] == Run("sao", 1, "examples/tiny_cpu.yaml").key()
+    assert key["changed.yaml"] != key["same.yaml"]
 
 
 def test_run_key_changes_with_the_algorithm_version(monkeypatch):

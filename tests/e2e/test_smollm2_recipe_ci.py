@@ -30,7 +30,10 @@ from tests.paths import REPO
 
 EXAMPLE = str(REPO / "examples" / "smollm2_arith.yaml")
 FIXTURE = REPO / "tests" / "fixtures" / "smollm2_tokenizer"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# Without VLLM_CPU_KVCACHE_SPACE: vLLM runs on the KV budget the trainer sizes for the recipe's sequences
+# (components.engine_config), as it does for a user who never heard of that variable.
+ENV = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}, "OMP_NUM_THREADS": "1",
+       "TOKENIZERS_PARALLELISM": "false"}
 # CI size: few demonstrations of one-operation problems, a high LR so a random model picks up the tool
 # format in 50 small steps (~1 min on 2 cores; it still writes random digits). The LR decays (cosine,
 # 5e-3 -> 5e-4) so the model the test samples from has settled: at a constant 1e-2 the SFT oscillated,

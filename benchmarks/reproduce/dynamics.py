@@ -31,7 +31,7 @@ from benchmarks.reproduce import run_results
 from benchmarks.reproduce.experiment import METHODS, Budget, Settings
 from benchmarks.reproduce.report import git_commit, header, md_table, runs_section, save_fig, write_report
 from benchmarks.reproduce.runner import Run, RunResult, algorithm_version, execute_all
-from benchmarks.reproduce.starts import Start, toy_start
+from benchmarks.reproduce.starts import Start, pin_start, toy_start
 from benchmarks.reproduce.summary import stat
 
 FULL = Budget(batch=16, steps=500, eval_every=25, eval_size=200, warmup=10)
@@ -63,8 +63,9 @@ def plan(start: Start, b: Budget, seeds: list[int]) -> list[Run]:
 
 def run(s: Settings) -> int:
     b = QUICK if s.quick else FULL
-    start = toy_start(s.quick, s.work, s.log)
+    start = toy_start(s.quick, s.work, s.log, pin=s.out / "start")
     sft = start.evaluate_sft(b.eval_size, s.log)
+    pin_start(start, s.out / "start")  # later sessions' runs start from these very weights
     digest = run_results.weights_digest(start.sft_model) + run_results.weights_digest(start.critic)
     runs = plan(start, b, s.seeds)
     folder = s.out / "runs"

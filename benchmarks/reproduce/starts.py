@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -71,9 +72,11 @@ class Start:
 
 
 def _build(name: str, config: str, overrides: tuple[str, ...], work: Path, log=print,
-           threads: int | None = None) -> Start:
+           threads: int | None = None, pin: Path | None = None) -> Start:
     key = Run(name, 1, config, overrides, stage="sft").key()
     d = work / "starts" / f"{name}-{key}"
+    if pin is not None and is_pinned(pin):
+        restore_pin(pin, d, log)
     threads = threads or os.cpu_count() or 1
     wall = 0.0
     for stage in ("sft", "value-pretrain"):
@@ -84,9 +87,54 @@ def _build(name: str, config: str, overrides: tuple[str, ...], work: Path, log=p
     return Start(name, config, d, overrides, wall)
 
 
-def toy_start(quick: bool, work: Path, log=print, threads: int | None = None) -> Start:
-    """The toy multi-turn calculator task (examples/tiny_cpu.yaml: the `make demo` recipe)."""
-    return _build("toy", TOY_QUICK_CONFIG if quick else TOY_CONFIG, (), work, log, threads)
+def toy_start(quick: bool, work: Path, log=print, threads: int | None = None, pin: Path | None = None) -> Start:
+    """The toy multi-turn calculator task (examples/tiny_cpu.yaml: the `make demo` recipe). With `pin`,
+    the starting point pinned there (pin_start) is used instead of training one."""
+    return _build("toy", TOY_QUICK_CONFIG if quick else TOY_CONFIG, (), work, log, threads, pin)
+
+
+# A starting point pinned in a results folder: the SFT policy, the pretrained critic, the SFT model's
+# evaluations and the stages' records (runner.py counts a stage done by its artefact and its record).
+# An experiment spread over sessions needs every run to start from the same weights, and
+# `sao sft` is not bit-reproducible across CPUs (the kernels' rounding differs: the toy SFT model scored
+# 0.605 on one machine and 0.615 on another from the same config), so the weights themselves are kept
+# beside the results (8 MB for the toy) and a later session trains from them instead of rebuilding.
+PINNED_DIRS = ("sft_model", "critic_pretrained")
+
+
+def is_pinned(pin: Path) -> bool:
+    return all((pin / d / "config.json").is_file() for d in PINNED_DIRS)
+
+
+def pin_start(start: Start, pin: Path) -> None:
+    """Keep `start`'s weights and SFT evaluations in `pin` (once: an existing pin is never replaced)."""
+    if is_pinned(pin):
+        return
+    tmp = pin.with_name(pin.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for d in PINNED_DIRS:
+        shutil.copytree(start.dir / d, tmp / d)
+    for f in (*start.dir.glob("sft_eval_*.json"), *start.dir.glob("reproduce_*.json")):  # evals; stages' records
+        shutil.copy2(f, tmp / f.name)
+    shutil.rmtree(pin, ignore_errors=True)
+    tmp.rename(pin)
+
+
+def restore_pin(pin: Path, d: Path, log=print) -> None:
+    """The pinned weights into the start directory `d`, where its stages find them done."""
+    d.mkdir(parents=True, exist_ok=True)
+    missing = [item for item in sorted(pin.iterdir()) if not (d / item.name).exists()]
+    if missing:
+        log(f"  start {d.name}: {', '.join(i.name for i in missing)} from the pinned start in {pin}")
+    for item in missing:
+        if item.is_dir():
+            tmp = d / f".{item.name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(item, tmp)
+            tmp.rename(d / item.name)
+        else:
+            shutil.copy2(item, d / item.name)
 
 
 def style_start(quick: bool, work: Path, log=print, threads: int | None = None) -> Start:

@@ -76,8 +76,15 @@ def _check_dynamics(cmd: list[str], work: Path, out: Path, env: dict) -> None:
     assert "trainer.policy_lag=4" in result["overrides"] and "<start>" in " ".join(result["overrides"])
     md = (out / "dynamics" / "results.md").read_text()
     assert "PARTIAL: 1 of 4 runs finished" in md and "grpo seed 1" in md and "| sao | 1 |" in md
-    p = subprocess.run([*dyn, "--max-runs", "0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0 and "start train" not in p.stdout, p.stderr[-3000:]
+    assert (out / "dynamics" / "start" / "sft_model" / "config.json").is_file()  # the start, pinned
+    # Another session (a new work directory, the results folder from git): the pinned start, not a rebuilt
+    # one, so the committed run is found (its key holds the start's digest) and nothing trains.
+    again = [*cmd[:4], "dynamics", "--quick", "--work", str(work.parent / "work_next_session"), "--out", str(out),
+             "--max-runs", "0"]
+    p = subprocess.run(again, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "from the pinned start" in p.stdout and "start sft" not in p.stdout and "start train" not in p.stdout
+    assert "PARTIAL: 1 of 4 runs finished" in (out / "dynamics" / "results.md").read_text()
 
 
 def _lines(run_dir: str, name: str) -> list[dict]:

@@ -14,7 +14,9 @@ per step; SAO's critic warm-up steps come on top (they train the critic only).
 
 Each finished run writes a result file to OUT/runs/ at once (run_results.py) and is skipped by the
 next invocation; `--max-runs N` trains N of the missing ones, so the twelve runs (three seeds of four
-methods) can be spread over sessions and committed one by one. The report is rebuilt from the result
+methods) can be spread over sessions and committed one by one. The starting point is pinned in
+OUT/start/ (starts.pin_start) with the first run, so a later session's runs start from the same weights
+rather than from an SFT retrained on another CPU. The report is rebuilt from the result
 files: held-out accuracy against actor steps and wall time, training reward, the DIS kept fraction
 (PPO: the unclipped fraction) and the lag histogram, per method and seed.
 """

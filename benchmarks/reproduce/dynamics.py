@@ -8,9 +8,10 @@ after about 400 steps. The other toy experiments stop at 20 steps. Here every me
 starting point (SFT policy, value-pretrained critic), asynchronously with the lag the paper's setting
 implies: the engine holds the weights of `POLICY_LAG` steps ago (`trainer.policy_lag`) and rollouts
 may run `STALENESS` steps ahead of the trainer (`buffer.max_staleness`), so a trajectory is 4-8
-versions old when it is trained on; tool calls wait a heavy-tailed latency, so long episodes arrive
-late and staler. Budget A, the paper's convention: every method the same actor steps x trajectories
-per step; SAO's critic warm-up steps come on top (they train the critic only).
+versions old when it is trained on, older when its episode spans weight updates; tool calls wait a
+heavy-tailed latency, so long episodes arrive late and staler. Budget A, the paper's convention:
+every method the same actor steps x trajectories per step; SAO's critic warm-up steps come on top
+(they train the critic only).
 
 Each finished run writes a result file to OUT/runs/ at once (run_results.py) and is skipped by the
 next invocation; `--max-runs N` trains N of the missing ones, so the twelve runs (three seeds of four
@@ -174,7 +175,8 @@ def report(s: Settings, b: Budget, start: Start, sft: dict, runs: list[Run], don
                 f"- budget A: {b.steps} actor steps x {b.batch} trajectories for every method (GRPO: "
                 f"{b.batch // 4} prompts x 4); SAO adds {b.warmup} critic-only warm-up steps\n"
                 f"- asynchrony: trainer.policy_lag={POLICY_LAG}, buffer.max_staleness={STALENESS}, heavy-tailed "
-                f"tool latency (`{LATENCY}`): trajectories are {POLICY_LAG}-{POLICY_LAG + STALENESS} versions old\n"
+                f"tool latency (`{LATENCY}`): trajectories are {POLICY_LAG}-{POLICY_LAG + STALENESS} versions old "
+                f"by the admission rule, older when an episode spans weight updates (the lag histogram)\n"
                 f"- held-out accuracy on {b.eval_size} tasks at T=1 every {b.eval_every} steps; starting point "
                 f"`{start.dir.name}` (SFT + value-pretrained critic)")
     md += f"**{status}.**"

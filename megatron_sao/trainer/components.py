@@ -141,18 +141,16 @@ def critic_lr_overrides(critic: CriticConfig, optim: OptimSection) -> tuple[tupl
 
 
 def build_critic(cfg: SAOConfig, model_dir: Path, ctx=None, init: str | None = None, freeze: bool = True,
-                 total_steps: int | None = None, optim: OptimSection | None = None):
-    """The critic engine; `total_steps` (optimizer steps, for the LR schedule) defaults to a
-    `sao train` run's, `optim` to critic.optim. Logs the whole model's trainable / frozen parameters
-    per group."""
+                 total_steps: int | None = None):
+    """The critic engine of `cfg.critic`; `total_steps` (optimizer steps, for the LR schedule) defaults
+    to a `sao train` run's. Logs the whole model's trainable / frozen parameters per group."""
     from megatron_sao.checkpoint.param_counts import format_param_counts, param_counts_by_group
     from megatron_sao.megatron.engine import MegatronEngine
 
     spec = model_spec(model_dir)
     steps = total_steps if total_steps is not None else critic_optimizer_steps(cfg)
-    optim = optim or cfg.critic.optim
-    engine = MegatronEngine(spec, parallel_sizes(cfg),
-                            engine_optim(optim, steps, critic_lr_overrides(cfg.critic, optim)),
+    optim = engine_optim(cfg.critic.optim, steps, critic_lr_overrides(cfg.critic, cfg.critic.optim))
+    engine = MegatronEngine(spec, parallel_sizes(cfg), optim,
                             role="critic", init=_init_source(init or cfg.critic.init or str(model_dir)),
                             value_head_init=cfg.critic.value_head_init,
                             micro_batch_size=cfg.parallel.micro_batch_size,
@@ -188,7 +186,7 @@ def engine_config(cfg: SAOConfig, model_dir: Path):
     r = cfg.rollout
     seqs = r.max_num_seqs or r.concurrency
     kv = cpu_kv_cache_bytes(cfg, model_dir, seqs) if r.backend == "vllm" and not torch.cuda.is_available() else None
-    return EngineConfig(kv_cache_memory_bytes=kv,
+    return EngineConfig(
         backend=r.backend, model_path=str(model_dir), dtype=cfg.model.dtype,
         max_model_len=min(cfg.model.max_seq_len, r.max_total_tokens), inflight_policy=r.inflight_policy,
         seed=cfg.run.seed, max_batch_size=seqs, device=rollout_device(),
@@ -196,7 +194,8 @@ def engine_config(cfg: SAOConfig, model_dir: Path):
         tensor_parallel_size=cfg.cluster.rollout_tp if r.backend == "vllm_server" else 1,
         weight_transport=r.weight_transport, server_urls=tuple(r.server_urls), request_timeout_s=r.timeout_s,
         weight_transfer_master_address=r.weight_transfer_master_address,
-        weight_transfer_ports=tuple(r.weight_transfer_ports), return_routes=r.returns_routes)
+        weight_transfer_ports=tuple(r.weight_transfer_ports), return_routes=r.returns_routes,
+        kv_cache_memory_bytes=kv)
 
 
 def rollout_device() -> str:

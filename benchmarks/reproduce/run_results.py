@@ -3,7 +3,7 @@ an experiment spread over sessions (and checkouts, whose runs/ folders are not s
 runs already done.
 
 A run's file is `<label>-s<seed>-<key>.json`. The key hashes what the run computes: the runner's
-`Run.key` (config text, overrides, seed, stage, `ALGORITHM_VERSION`) with its starting point's
+`Run.key` (config content, overrides, seed, stage, `ALGORITHM_VERSION`) with its starting point's
 weights by content instead of by path, since another checkout builds the same starting point
 somewhere else, and a rebuilt one that came out different must not count as the same start. A file
 whose key the current configuration does not produce is never read as a result; `stale` lists them

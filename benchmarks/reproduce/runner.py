@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
+from megatron_sao.config.strict_yaml import load_strict
 
 ROOT = Path(__file__).resolve().parents[2]
 LOAD_SAMPLE_S = 10.0  # how often a run samples the machine's load average
@@ -48,7 +48,7 @@ class Run:
 
     def key(self) -> str:
         path = Path(self.config) if Path(self.config).is_absolute() else ROOT / self.config
-        content = yaml.safe_load(path.read_text())
+        content = load_strict(path.read_text())
         h = hashlib.sha256(json.dumps([self.stage, content, sorted(self.overrides), self.seed,
                                        algorithm_version()], sort_keys=True, default=str).encode())
         return h.hexdigest()[:10]

@@ -25,7 +25,8 @@ Start-up: with a pool whose servers are still starting (``ServerPool(starting=Tr
 wait for its `vllm serve`s before it builds its models), each server's /health is polled every
 ``START_POLL_S`` until it answers and the server comes up (``ServerPool.up``); no episode starts
 before ``start_min_servers`` are (0: all of them; the hold ends early only when no server is left
-starting). A server that has not answered ``start_timeout_s`` after the start stops the run with an
+starting or rejoining: on a resume, one that comes up after the resumed push gets those weights first).
+A server that has not answered ``start_timeout_s`` after the start stops the run with an
 error naming every such URL.
 Episodes that fail on a healthy server are ordinary failed trajectories, and the circuit breaker stops
 the run when they keep coming (``max(8, concurrency)`` in a row with no healthy server, or four times
@@ -171,8 +172,10 @@ class EpisodeDriver:
     # ------------------------------------------------------------------ the loop
     @property
     def needs_rejoin(self) -> bool:
-        """No server in service, and a dead one answers again: it needs the current weights now."""
-        return self.error is None and not self.pool.alive() and bool(self.pool.rejoinable())
+        """A dead server answers again and nothing else would bring it in soon: no server is in service, or
+        the start is held for it (a resume's server that came up after the resumed push, ``ServerPool.up``;
+        without this the first episodes would run on the others and it would wait for a step's update)."""
+        return self.error is None and bool(self.pool.rejoinable()) and (not self.pool.alive() or self._holding_start())
 
     @property
     def awaiting_server(self) -> bool:
@@ -185,8 +188,10 @@ class EpisodeDriver:
             self._all_dead_since is not None or bool(self.pool.starting())))
 
     def _holding_start(self) -> bool:
-        """At the start: fewer than ``start_min_servers`` in service while others are still starting."""
-        if self._start_held and (len(self.pool.alive()) >= self.start_min_servers or not self.pool.starting()):
+        """At the start: fewer than ``start_min_servers`` in service while others are still starting or
+        rejoining (up after a resume's push, they serve once they have the resumed weights)."""
+        if self._start_held and (len(self.pool.alive()) >= self.start_min_servers
+                                 or not (self.pool.starting() or self.pool.rejoinable())):
             self._start_held = False
             if self.start_min_servers > 1:
                 logger.info("%d rollout servers in service (rollout.start_min_servers=%d): episodes start",

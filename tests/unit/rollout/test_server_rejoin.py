@@ -335,6 +335,32 @@ def test_after_a_resumed_push_a_server_that_comes_up_gets_the_weights_before_it_
     assert side.metrics()["rollout/server_revivals"] == 0  # its first entry, not a comeback
 
 
+def test_on_a_resume_the_start_holds_for_a_server_that_comes_up_after_the_others_took_the_weights():
+    """rollout.start_min_servers=0 on a resume: srv0 comes up and takes the resumed weights; srv1 comes up
+    only then (it holds the base model). The hold goes on and asks for its rejoin at once, so both serve
+    the first batch at the resumed version (before, the hold ended with srv1 up but rejoining, and srv1
+    waited for the first step's update: a short resumed attempt could end without it serving)."""
+    side, servers, done = starting_side(start_min_servers=0)
+    side.start()
+    try:
+        side.push_weights(iter(buckets()), 3)  # the resumed push: no server is up yet
+        servers[0].down = False
+        assert wait_for(lambda: side.needs_rejoin)
+        assert not push(side, 3, check=False).failed and side.pool.slots[0].alive
+        time.sleep(0.3)
+        assert not side.needs_rejoin and not done and side.awaiting_server  # held for srv1, still starting
+        servers[1].down = False
+        assert wait_for(lambda: side.needs_rejoin)
+        assert not servers[0].calls and not servers[1].calls  # no episode before srv1 has the weights
+        assert not push(side, 3, check=False).failed and side.pool.slots[1].alive
+        assert wait_for(lambda: len(done) == 4, timeout=30)
+    finally:
+        side.close()
+    assert side.error is None and servers[1].updates == [3]
+    assert {t.info["server"] for t in done} == {"http://srv0", "http://srv1"}
+    assert all(set(t.versions[t.action_mask].tolist()) == {3} for t in done)
+
+
 def test_a_server_that_never_answers_stops_the_run_naming_it():
     """srv0 comes up and serves; srv1 never answers /health: past rollout.server_start_timeout_s the
     run stops with an error naming srv1's URL (and not srv0's), even though the other one serves."""

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 from typing import Callable, Sequence
 
 # name -> (module, function, one-line help). The function takes the parsed argparse namespace,
@@ -112,6 +114,18 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return ConfigError, UserError
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (`kill`, `timeout`, a scheduler's cancel) ends a command as Ctrl-C does, through the
+    `finally` blocks: an in-process vLLM engine then shuts its EngineCore process down. Python's default
+    for SIGTERM is to die at once, which left that process running, orphaned, with the model and its KV
+    cache in memory. `sao train` replaces this with its own handler once its models are built (finish
+    the step, write a checkpoint); `sao serve-rollout`'s HTTP server with its own shutdown."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    if threading.current_thread() is threading.main_thread():  # signal.signal's rule (main() run in a thread)
+        signal.signal(signal.SIGTERM, stop)
+
+
 def _run(command: str, fn: Callable, arg) -> int:
     """Run a command; a user error (bad config, missing or damaged input file, run directory clash)
     is printed as one line and exits 2. Anything else is a bug and keeps its traceback."""
@@ -126,6 +140,7 @@ def _run(command: str, fn: Callable, arg) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
+    exit_on_sigterm()
     if argv and argv[0] in PASSTHROUGH:  # the command parses its own arguments, --help included
         return _run(argv[0], _load(argv[0]), argv[1:])
     parser = build_parser()

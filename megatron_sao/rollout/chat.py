@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from megatron_sao.errors import UserError
+
 # Content of the probe assistant message. It must survive the template unchanged and never occur in
 # the probe user message, so its position marks where the assistant's content ends.
 _MARK = "SAO_PROBE_ASSISTANT_CONTENT_7f3a"
@@ -34,7 +36,7 @@ _PROBE_USER = {"role": "user", "content": "probe"}
 _PROBE_OBSERVATION_TEXT = "0"
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(UserError, ValueError):
     """The tokenizer's chat template cannot be used for token-append multi-turn rollouts."""
 
 
@@ -73,8 +75,10 @@ class ChatFormatter:
         self.tokenizer = tokenizer
         self.chat_template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
         if not self.chat_template:
-            raise ChatTemplateError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
-                                    "pass chat_template=... to ChatFormatter")
+            raise ChatTemplateError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template, "
+                                    "which multi-turn rollouts need: use an Instruct model's tokenizer "
+                                    "(model.tokenizer names another tokenizer directory) or pass chat_template=... "
+                                    "to ChatFormatter")
         self.template_kwargs = dict(template_kwargs or {})
         reserved = {"add_generation_prompt", "tokenize", "chat_template", "conversation"} & set(self.template_kwargs)
         if reserved:

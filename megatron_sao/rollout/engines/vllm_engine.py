@@ -145,6 +145,9 @@ class VLLMEngine(StreamedUpdate):
             raise RuntimeError(f"{self.name}: vLLM cannot start with enable_return_routed_experts here ({e}); "
                                "rollout.routing_replay / record_routes need a vLLM build that captures routes "
                                "(a GPU build), or rollout.backend=hf") from e
+        kv = "vLLM's default" if cfg.kv_cache_memory_bytes is None else f"{cfg.kv_cache_memory_bytes / 2**20:.0f} MiB"
+        logger.info("%s: up (EngineCore pid %s; max_model_len %d, KV cache %s)", self.name,
+                    ",".join(str(p.pid) for p in engine_core_processes(self.llm)) or "-", cfg.max_model_len, kv)
         self._started = False
         self._paused = False
         self._update_lock = asyncio.Lock()

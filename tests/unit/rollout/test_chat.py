@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -152,3 +154,16 @@ def test_strict_mode_detects_merges_across_the_turn_boundary():
         ChatFormatter(_word_tokenizer(), chat_template=glued)
     f = ChatFormatter(_word_tokenizer(), chat_template=glued, strict=False)
     assert f.observation_ids("tool", "0", [1]) == [2]
+
+
+def test_sao_eval_on_a_model_without_a_chat_template_is_one_line_naming_it(tmp_path, capsys):
+    """A base model's tokenizer (no chat template) given to a command is the user's to fix: exit 2, one
+    line naming the tokenizer and what to do, no traceback."""
+    from megatron_sao.cli import main
+    from tests.engine_fixtures import make_tiny_model
+
+    model = make_tiny_model(tmp_path, "dense")
+    config = Path(__file__).resolve().parents[2] / "e2e" / "tiny_ci.yaml"
+    assert main(["eval", str(config), "--checkpoint", str(model), f"run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"'{model}' has no chat template" in err and "model.tokenizer" in err and "Traceback" not in err

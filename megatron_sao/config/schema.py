@@ -33,7 +33,10 @@ class RunConfig:
     # for the previous one. false: every rank writes before the next step (the blocked seconds of each save
     # are in metrics.jsonl either way, checkpoint/blocked_s).
     async_save: bool = True
-    eval_every: int = 25
+    eval_every: int = 25  # trainer steps (critic warm-up included) between held-out evaluations; 0: none
+    # Trainer steps after which the held-out evaluation runs as well (a comparison that evaluates every
+    # method at the same trajectory counts: benchmarks/reproduce/smollm2_main.py).
+    eval_at: list[int] = field(default_factory=list)
     # A whole evaluation, on rank 0 while the other ranks wait at the Rank0Gate (whose heartbeat keeps
     # them waiting as long as rank 0 lives): past it the evaluation is abandoned and logged, training
     # goes on, and a rollout tier that is really stuck stops the run at the next batch wait.

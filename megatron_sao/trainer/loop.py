@@ -309,7 +309,8 @@ class SAOTrainer:
 
     def _eval_due(self, step: int) -> bool:
         every = self.cfg.run.eval_every
-        return bool(every) and not self.cfg.trainer.replay and (step % every == 0 or step == self.total)
+        return not self.cfg.trainer.replay and (
+            (bool(every) and (step % every == 0 or step == self.total)) or step in self.cfg.run.eval_at)
 
     def _evaluate(self) -> dict:
         """Held-out accuracy on the live engines (rank 0's figure; colocated: every rank serves). An

@@ -1,7 +1,8 @@
 """Small-scale reproduction of the SAO paper's claims (issue: ablations, staleness, online learning).
 
     sao bench main          # SFT vs GRPO vs GRPO+DIS vs SAO at equal trajectory budget
-    sao bench main --model smollm2 [--max-runs N]   # the same on SmolLM2-135M-Instruct, + SAO sync
+    sao bench main --model smollm2 [--task arith|chain] [--max-runs N]
+                            # on SmolLM2-135M-Instruct: + SAO sync, running mean; budgets A and B
     sao bench ablations     # K=1, attention trained, running mean, no value pretraining, step-level GAE
     sao bench staleness     # imposed policy lag 1/4/16: vanilla GRPO vs GRPO+DIS vs SAO
     sao bench online        # style shift: critic vs running-mean baseline, recovery after switches
@@ -11,6 +12,6 @@
 
 Results (results.md, summary.json, PNG plots) go to results/reproduce/<experiment>/ (--out); run
 directories and the shared starting points to runs/reproduce/ (--work), reused when re-run.
-`--model smollm2` also keeps one result file per finished run (results/reproduce/main_smollm2/runs/)
-and skips the runs already there, so its eight runs (up to about 40 min each) can be spread over sessions.
+`--model smollm2` also keeps one result file per finished run (results/reproduce/main_smollm2[_chain]/runs/)
+and skips the runs already there, so its 15-18 runs (30-60 min each) can be spread over sessions.
 """

@@ -24,11 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("experiment", choices=[*EXPERIMENTS, "all"])
     ap.add_argument("--quick", action="store_true", help="tiny budgets, one seed: a pipeline check")
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
-                    help="RL seeds (default 1 2 3; --model smollm2: 1 2; --quick: 1)")
+                    help="RL seeds (default 1 2 3; --quick: 1)")
     ap.add_argument("--jobs", type=int, default=None,
                     help="runs at once, the cores split between them (default 2; --model smollm2: 1)")
     ap.add_argument("--model", choices=["toy", "smollm2"], default="toy",
                     help="main only: smollm2 = the comparison on SmolLM2-135M-Instruct (smollm2_main.py)")
+    ap.add_argument("--task", choices=list(smollm2_main.TASKS), default=None,
+                    help="--model smollm2: the word problems (arith, default) or the arithmetic chains (chain)")
     ap.add_argument("--max-runs", type=int, default=None,
                     help="--model smollm2 and dynamics: train at most N of the missing runs, then write the report")
     ap.add_argument("--rows", nargs="+", default=None,
@@ -45,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--max-runs: only with --model smollm2 or {', '.join(LONG)} (their runs have per-run result files)")
     if args.rows is not None and not smollm2:
         ap.error("--rows: only with --model smollm2")
+    if args.task is not None and not smollm2:
+        ap.error("--task: only with --model smollm2")
+    task = args.task or "arith"
     seeds = args.seeds or ([1] if args.quick else smollm2_main.DEFAULT_SEEDS if smollm2 else [1, 2, 3])
     jobs = args.jobs or (1 if smollm2 and not args.quick else 2)
     work = Path(args.work or ROOT / ("runs/reproduce_quick" if args.quick else "runs/reproduce")).resolve()
@@ -57,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     rc = 0
     for name in names:
         if smollm2:
-            name = "main_smollm2"
+            name = smollm2_main.TASKS[task].folder
         s = Settings(name, args.quick, seeds, jobs, out_root / name, work, args.fresh, command, max_runs=args.max_runs,
-                     rows=args.rows)
+                     rows=args.rows, task=task)
         s.log(f"start: seeds {seeds}, {jobs} job(s), results in {s.out}")
         code = (smollm2_main if smollm2 else EXPERIMENTS[name]).run(s)
         s.log(f"{'done' if code == 0 else 'FAILED runs'}: {s.out / 'results.md'}")

@@ -100,7 +100,8 @@ def summarize(result: RunResult, batch: int) -> dict:
     n_eval = sum(1 for line in evals[-1].read_text().splitlines() if line.strip()) if evals else 0
     trajectories = c.trajectories[-1] if c.trajectories else 0
     train_s = result.wall_s - eval_s
-    return {"wall_s": result.wall_s, "load_avg": result.load_avg, "eval_s": eval_s, "trajectories": trajectories,
+    return {"wall_s": result.wall_s, "cpu_s": result.cpu_s, "load_avg": result.load_avg, "eval_s": eval_s,
+            "trajectories": trajectories,
             "trajectories_per_s": trajectories / train_s if train_s > 0 else None,
             "n_eval": n_eval, "eval_points": [[n, t, _finite(acc)] for n, t, acc in c.eval_points],
             "steps": c.steps, "trajectories_per_step": c.trajectories, "wall_s_per_step": c.wall_s,

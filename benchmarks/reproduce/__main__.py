@@ -31,9 +31,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="main only: smollm2 = the comparison on SmolLM2-135M-Instruct (smollm2_main.py)")
     ap.add_argument("--task", choices=list(smollm2_main.TASKS), default=None,
                     help="--model smollm2: the word problems (arith, default) or the arithmetic chains (chain)")
-    ap.add_argument("--actor-lr", type=float, default=None,
-                    help="staleness only: every run's actor LR (a regime where the ratios leave the DIS band); "
-                         "results in results/reproduce/staleness_lr<LR>/")
     ap.add_argument("--max-runs", type=int, default=None,
                     help="--model smollm2 and dynamics: train at most N of the missing runs, then write the report")
     ap.add_argument("--rows", nargs="+", default=None,
@@ -53,8 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.task is not None and not smollm2:
         ap.error("--task: only with --model smollm2")
     task = args.task or "arith"
-    if args.actor_lr is not None and (args.experiment != "staleness" or args.actor_lr <= 0):
-        ap.error("--actor-lr: only with the staleness experiment, and > 0")
     seeds = args.seeds or ([1] if args.quick else smollm2_main.DEFAULT_SEEDS if smollm2 else [1, 2, 3])
     jobs = args.jobs or (1 if smollm2 and not args.quick else 2)
     work = Path(args.work or ROOT / ("runs/reproduce_quick" if args.quick else "runs/reproduce")).resolve()
@@ -68,10 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if smollm2:
             name = smollm2_main.TASKS[task].folder
-        elif args.actor_lr is not None:
-            name = f"staleness_lr{args.actor_lr:g}"
         s = Settings(name, args.quick, seeds, jobs, out_root / name, work, args.fresh, command, max_runs=args.max_runs,
-                     rows=args.rows, task=task, actor_lr=args.actor_lr)
+                     rows=args.rows, task=task)
         s.log(f"start: seeds {seeds}, {jobs} job(s), results in {s.out}")
         code = (smollm2_main if smollm2 else EXPERIMENTS[name]).run(s)
         s.log(f"{'done' if code == 0 else 'FAILED runs'}: {s.out / 'results.md'}")

@@ -47,7 +47,6 @@ class Settings:
     max_runs: int | None = None  # experiments with per-run result files: train at most this many missing runs
     rows: list[str] | None = None  # ... and only the missing runs of these rows (None: every row)
     task: str = "arith"  # --model smollm2: the recipe's task (smollm2_main.TASKS)
-    actor_lr: float | None = None  # staleness: the actor LR of every run (None: the config's)
     t0: float = field(default_factory=time.time)
 
     @property

@@ -5,9 +5,7 @@ makes the rollout engine hold the weights of L actor steps ago, so (after the fi
 trajectory was sampled by the policy of exactly L updates before the one it trains. Compared:
 vanilla GRPO (the PPO clip with the ratio against the learner's own log-probs before the update, so
 no staleness correction at all: the paper's baseline), GRPO advantages with the DIS mask, and SAO.
-`--actor-lr` sets every run's actor LR: at the config's the ratios stay in the DIS band and the losses
-compute nearly the same gradient (docs/results.md, section 3); a larger one is the regime where the
-masks decide. Logged over time: the DIS kept fraction (PPO: the unclipped fraction, always 1 for vanilla GRPO,
+Logged over time: the DIS kept fraction (PPO: the unclipped fraction, always 1 for vanilla GRPO,
 whose ratio is 1) and the effective sample size of the importance ratios.
 """
 
@@ -45,8 +43,7 @@ def run(s: Settings) -> int:
     lags = QUICK_LAGS if s.quick else FULL_LAGS
     start = toy_start(s.quick, s.work, s.log)
     sft = start.evaluate_sft(b.eval_size, s.log)
-    lr = () if s.actor_lr is None else (f"actor.optim.lr={s.actor_lr:g}",)
-    runs = [rl_run(s, start, f"{label}@lag{lag}", seed, method, (*lag_overrides(lag), *lr))
+    runs = [rl_run(s, start, f"{label}@lag{lag}", seed, method, lag_overrides(lag))
             for lag in lags for label, method in METHODS.items() for seed in s.seeds]
     results, groups = run_and_load(s, runs, b.batch, sft["accuracy"])
 
@@ -92,9 +89,7 @@ def run(s: Settings) -> int:
                 s.command, s.seeds, s.elapsed_s,
                 f"- budget: {b.trajectories} trajectories per run ({b.steps} steps x {b.batch}), synchronous "
                 f"batches with `trainer.policy_lag=L` (every trajectory exactly L versions old once L steps "
-                f"have passed); lags {list(lags)}; SFT start accuracy {sft['accuracy']:.3f} on {b.eval_size} tasks"
-                + ("" if s.actor_lr is None else f"\n- actor LR {s.actor_lr:g} for every run (`--actor-lr`), "
-                   f"the config's {start_lr(start):g} otherwise"))
+                f"have passed); lags {list(lags)}; SFT start accuracy {sft['accuracy']:.3f} on {b.eval_size} tasks")
     md += md_table(["method", "lag", "seeds", "final eval: mean ± std (per seed)", f"Δ vs lag {lags[0]}",
                     "Δ vs SFT", "kept / unclipped fraction (after lag)", "ESS (after lag)"], rows)
     md += (f"\n\nKept fraction and ESS are averaged over the steps after the lag took full effect (step >= L). "
@@ -104,13 +99,6 @@ def run(s: Settings) -> int:
     code = finish(s, md, results, start.rl_overrides(b.eval_size),
                   {"sft": sft, "budget": dataclasses.asdict(b), "lags": list(lags), "runs_data": data})
     return code
-
-
-def start_lr(start) -> float:
-    from benchmarks.reproduce.runner import ROOT
-    from megatron_sao.config import load_config
-
-    return load_config(ROOT / start.config, []).actor.optim.lr
 
 
 def _mean_after(xs: list[float], lag: int) -> float:

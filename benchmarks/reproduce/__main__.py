@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="main only: smollm2 = the comparison on SmolLM2-135M-Instruct (smollm2_main.py)")
     ap.add_argument("--task", choices=list(smollm2_main.TASKS), default=None,
                     help="--model smollm2: the word problems (arith, default) or the arithmetic chains (chain)")
+    ap.add_argument("--stress", action="store_true",
+                    help="dynamics only: twice the lag and 4x the actor LR, where the ratios leave the DIS band "
+                         "(results in results/reproduce/dynamics_stress/)")
     ap.add_argument("--max-runs", type=int, default=None,
                     help="--model smollm2 and dynamics: train at most N of the missing runs, then write the report")
     ap.add_argument("--rows", nargs="+", default=None,
@@ -50,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.task is not None and not smollm2:
         ap.error("--task: only with --model smollm2")
     task = args.task or "arith"
+    if args.stress and args.experiment != "dynamics":
+        ap.error("--stress: only with the dynamics experiment")
     seeds = args.seeds or ([1] if args.quick else smollm2_main.DEFAULT_SEEDS if smollm2 else [1, 2, 3])
     jobs = args.jobs or (1 if smollm2 and not args.quick else 2)
     work = Path(args.work or ROOT / ("runs/reproduce_quick" if args.quick else "runs/reproduce")).resolve()
@@ -60,13 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         s = Settings("starts", args.quick, seeds, args.jobs, out_root, work, args.fresh, command)
         build_all(args.quick, work, s.budget.eval_size, s.log)
     rc = 0
-    for name in names:
-        if smollm2:
-            name = smollm2_main.TASKS[task].folder
+    for experiment in names:
+        name = smollm2_main.TASKS[task].folder if smollm2 else "dynamics_stress" if args.stress else experiment
         s = Settings(name, args.quick, seeds, jobs, out_root / name, work, args.fresh, command, max_runs=args.max_runs,
-                     rows=args.rows, task=task)
+                     rows=args.rows, task=task, stress=args.stress)
         s.log(f"start: seeds {seeds}, {jobs} job(s), results in {s.out}")
-        code = (smollm2_main if smollm2 else EXPERIMENTS[name]).run(s)
+        code = (smollm2_main if smollm2 else EXPERIMENTS[experiment]).run(s)
         s.log(f"{'done' if code == 0 else 'FAILED runs'}: {s.out / 'results.md'}")
         rc = rc or code
     return rc

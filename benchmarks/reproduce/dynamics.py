@@ -4,10 +4,10 @@ lag, does DIS hold it, does SAO separate late?
 The paper's dynamics claims are about hundreds of steps of asynchronous training: vanilla GRPO
 collapses near step 160, GRPO+DIS stays stable, SAO and GRPO+DIS track each other early and separate
 after about 400 steps. The other toy experiments stop at 20 steps. Here every method trains
-`FULL.steps` actor steps of `FULL.batch` trajectories on the toy multi-turn calculator from the shared
+`PAPER.full.steps` actor steps of `PAPER.full.batch` trajectories on the toy multi-turn calculator from the shared
 starting point (SFT policy, value-pretrained critic), asynchronously with the lag the paper's setting
-implies: the engine holds the weights of `POLICY_LAG` steps ago (`trainer.policy_lag`) and rollouts
-may run `STALENESS` steps ahead of the trainer (`buffer.max_staleness`), so a trajectory is 4-8
+implies: the engine holds the weights of `policy_lag` steps ago (`trainer.policy_lag`) and rollouts
+may run `staleness` steps ahead of the trainer (`buffer.max_staleness`), so a trajectory is 4-8
 versions old when it is trained on, older when its episode spans weight updates; tool calls wait a
 heavy-tailed latency, so long episodes arrive late and staler. Budget A, the paper's convention:
 every method the same actor steps x trajectories per step; SAO's critic warm-up steps come on top
@@ -20,11 +20,16 @@ OUT/start/ (starts.pin_start) with the first run, so a later session's runs star
 rather than from an SFT retrained on another CPU. The report is rebuilt from the result
 files: held-out accuracy against actor steps and wall time, training reward, the DIS kept fraction
 (PPO: the unclipped fraction) and the lag histogram, per method and seed.
+
+`--stress` (results in OUT/../dynamics_stress/): the same from the same start with twice the lag and 4x
+the actor LR, 100 actor steps: the regime where the importance ratios leave the DIS band, which the
+paper's claims about vanilla GRPO's collapse and DIS's stability are about (STRESS below).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,27 +42,50 @@ from benchmarks.reproduce.runner import Run, RunResult, algorithm_version, execu
 from benchmarks.reproduce.starts import Start, pin_start, toy_start
 from benchmarks.reproduce.summary import stat
 
-FULL = Budget(batch=16, steps=500, eval_every=25, eval_size=200, warmup=10)
-QUICK = Budget(batch=8, steps=3, eval_every=3, eval_size=8, warmup=1)
-POLICY_LAG, STALENESS = 4, 4
 LATENCY = "env.kwargs={tool_latency_s: 0.02, latency_tail: 1.5}"
 ROWS = ("sao", "grpo", "grpo_dis", "running_mean")
 FIGURE = "dynamics.png"
 
 
-def async_overrides(b: Budget) -> tuple[str, ...]:
-    return ("trainer.mode=async", f"trainer.policy_lag={POLICY_LAG}", f"buffer.max_staleness={STALENESS}",
-            "buffer.staleness_policy=keep", f"rollout.concurrency={2 * b.batch}", LATENCY)
+@dataclass(frozen=True)
+class Regime:
+    """How stale the rollouts are and how fast the policy moves between versions."""
+
+    policy_lag: int  # trainer.policy_lag: the engine holds the weights of this many steps ago
+    staleness: int  # buffer.max_staleness: how far rollouts may run ahead of the trainer
+    actor_lr: float | None  # None: the config's (5e-5)
+    full: Budget
+    quick: Budget
 
 
-def plan(start: Start, b: Budget, seeds: list[int]) -> list[Run]:
+# The paper's setting at toy scale: at the config's LR the ratios stay in the DIS band (0.1% masked).
+PAPER = Regime(4, 4, None, Budget(batch=16, steps=500, eval_every=25, eval_size=200, warmup=10),
+               Budget(batch=8, steps=3, eval_every=3, eval_size=8, warmup=1))
+# `--stress`: twice the lag and 4x the LR, where the ratios leave the band (DIS masks 2-7% of tokens) and
+# a one-seed probe of vanilla GRPO fell from the SFT start's 0.6 to 0.02 within 60 steps while GRPO+DIS
+# held; at 10x the LR (5e-4) GRPO+DIS fell to 0.02 as well.
+STRESS = Regime(8, 8, 2e-4, Budget(batch=16, steps=100, eval_every=10, eval_size=200, warmup=10),
+                Budget(batch=8, steps=3, eval_every=3, eval_size=8, warmup=1))
+
+
+def regime(s: Settings) -> Regime:
+    return STRESS if s.stress else PAPER
+
+
+def async_overrides(b: Budget, r: Regime) -> tuple[str, ...]:
+    return ("trainer.mode=async", f"trainer.policy_lag={r.policy_lag}", f"buffer.max_staleness={r.staleness}",
+            "buffer.staleness_policy=keep", f"rollout.concurrency={2 * b.batch}", LATENCY,
+            *(() if r.actor_lr is None else (f"actor.optim.lr={r.actor_lr:g}",)))
+
+
+def plan(start: Start, b: Budget, seeds: list[int], r: Regime = PAPER) -> list[Run]:
     """Every run, seed-major, so that `--max-runs 4` gives every method one seed first."""
     runs = []
     for seed in seeds:
         for method in ROWS:
             warmup = b.warmup if method == "sao" else 0
             runs.append(Run(method, seed, start.config, (
-                *start.rl_overrides(b.eval_size), *METHODS[method], *async_overrides(b),
+                *start.rl_overrides(b.eval_size), *METHODS[method], *async_overrides(b, r),
                 f"algorithm.critic_warmup_steps={warmup}", f"run.total_steps={b.steps}",
                 f"buffer.batch_size={b.batch}", f"parallel.micro_batch_size={b.batch}",
                 f"run.eval_every={b.eval_every}")))
@@ -65,12 +93,15 @@ def plan(start: Start, b: Budget, seeds: list[int]) -> list[Run]:
 
 
 def run(s: Settings) -> int:
-    b = QUICK if s.quick else FULL
-    start = toy_start(s.quick, s.work, s.log, pin=s.out / "start")
+    r = regime(s)
+    b = r.quick if s.quick else r.full
+    # Both regimes start from the one pinned start, the paper regime's (results/reproduce/dynamics/start).
+    pin = s.out.parent / "dynamics" / "start"
+    start = toy_start(s.quick, s.work, s.log, pin=pin)
     sft = start.evaluate_sft(b.eval_size, s.log)
-    pin_start(start, s.out / "start")  # later sessions' runs start from these very weights
+    pin_start(start, pin)  # later sessions' runs start from these very weights
     digest = run_results.weights_digest(start.sft_model) + run_results.weights_digest(start.critic)
-    runs = plan(start, b, s.seeds)
+    runs = plan(start, b, s.seeds, r)
     folder = s.out / "runs"
     keys = {r: run_results.result_key(r, start.dir, digest) for r in runs}
     paths = {r: run_results.result_path(folder, r, keys[r]) for r in runs}
@@ -96,7 +127,7 @@ def run(s: Settings) -> int:
 
     # One run at a time: the runs' wall times and lags are only comparable when they do not share cores.
     execute_all(todo, s.work, jobs=1 if not s.quick else s.jobs, fresh=s.fresh, log=s.log, on_done=record)
-    report(s, b, start, sft, runs, done, failed, run_results.stale(folder, paths))
+    report(s, b, r, start, sft, runs, done, failed, run_results.stale(folder, paths))
     return 1 if failed else 0
 
 
@@ -161,28 +192,31 @@ def _smooth(xs: list[float | None], k: int = 10) -> list[float]:
     return out
 
 
-def report(s: Settings, b: Budget, start: Start, sft: dict, runs: list[Run], done: dict,
+def report(s: Settings, b: Budget, rg: Regime, start: Start, sft: dict, runs: list[Run], done: dict,
            failed: list[RunResult], stale: list[str]) -> None:
     missing = [r for r in runs if done[r] is None]
     status = f"all {len(runs)} runs finished" if not missing else \
         f"PARTIAL: {len(runs) - len(missing)} of {len(runs)} runs finished"
-    title = ("Training dynamics over long asynchronous runs (toy calculator)" if not s.quick
-             else "Dynamics harness (--quick: the numbers mean nothing)")
+    title = ("Training dynamics over long asynchronous runs (toy calculator)"
+             + (f", stress: lag {rg.policy_lag}, actor LR {rg.actor_lr:g}" if rg is STRESS else "")
+             if not s.quick else "Dynamics harness (--quick: the numbers mean nothing)")
     png = plot(runs, done, b, sft["accuracy"], s.out, f"{title}\n({status})")
     third = max(1, b.steps // 3)
+    lr = "the config's" if rg.actor_lr is None else f"{rg.actor_lr:g}"
     windows = [(0, third), (third, 2 * third), (2 * third, b.steps)]
     md = header(title, s.command, s.seeds, s.elapsed_s,
                 f"- budget A: {b.steps} actor steps x {b.batch} trajectories for every method (GRPO: "
                 f"{b.batch // 4} prompts x 4); SAO adds {b.warmup} critic-only warm-up steps\n"
-                f"- asynchrony: trainer.policy_lag={POLICY_LAG}, buffer.max_staleness={STALENESS}, heavy-tailed "
-                f"tool latency (`{LATENCY}`): trajectories are {POLICY_LAG}-{POLICY_LAG + STALENESS} versions old "
-                f"by the admission rule, older when an episode spans weight updates (the lag histogram)\n"
+                f"- asynchrony: trainer.policy_lag={rg.policy_lag}, buffer.max_staleness={rg.staleness}, heavy-tailed "
+                f"tool latency (`{LATENCY}`): trajectories are {rg.policy_lag}-{rg.policy_lag + rg.staleness} versions "
+                f"old by the admission rule, older when an episode spans weight updates (the lag histogram)\n"
+                f"- actor LR: {lr}\n"
                 f"- held-out accuracy on {b.eval_size} tasks at T=1 every {b.eval_every} steps; starting point "
                 f"`{start.dir.name}` (SFT + value-pretrained critic)")
     md += f"**{status}.**"
     if missing:
         md += " Missing: " + ", ".join(f"{r.label} seed {r.seed}" for r in missing) + \
-            ". `sao bench dynamics --max-runs N` trains N of them."
+            f". `sao bench dynamics{' --stress' if rg is STRESS else ''} --max-runs N` trains N of them."
     md += "\n\n"
     rows = []
     per: dict[str, list[dict]] = {}
@@ -219,6 +253,7 @@ def report(s: Settings, b: Budget, start: Start, sft: dict, runs: list[Run], don
                        run_results.portable_overrides(start.rl_overrides(b.eval_size), start.dir))
     write_report(s.out, md, {"complete": not missing, "missing": [f"{r.label}/s{r.seed}" for r in missing],
                              "failed": [f"{f.run.label}/s{f.run.seed}: log {f.dir}" for f in failed],
-                             "stale": stale, "budget": vars(b), "sft": sft,
+                             "stale": stale, "budget": vars(b), "regime": {"policy_lag": rg.policy_lag,
+                             "staleness": rg.staleness, "actor_lr": rg.actor_lr}, "sft": sft,
                              "results": {f"{r.label}/s{r.seed}": done[r] for r in runs if done[r] is not None}})
     s.log(f"report: {len(runs) - len(missing)} of {len(runs)} runs; {s.out / 'results.md'}")

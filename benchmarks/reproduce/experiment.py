@@ -47,6 +47,7 @@ class Settings:
     max_runs: int | None = None  # experiments with per-run result files: train at most this many missing runs
     rows: list[str] | None = None  # ... and only the missing runs of these rows (None: every row)
     task: str = "arith"  # --model smollm2: the recipe's task (smollm2_main.TASKS)
+    stress: bool = False  # dynamics: the stress regime (dynamics.STRESS)
     t0: float = field(default_factory=time.time)
 
     @property

@@ -85,6 +85,12 @@ def _check_dynamics(cmd: list[str], work: Path, out: Path, env: dict) -> None:
     assert p.returncode == 0, p.stderr[-3000:]
     assert "from the pinned start" in p.stdout and "start sft" not in p.stdout and "start train" not in p.stdout
     assert "PARTIAL: 1 of 4 runs finished" in (out / "dynamics" / "results.md").read_text()
+    # The stress regime: its own folder and runs, from the same pinned start.
+    p = subprocess.run([*again, "--stress"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "start sft" not in p.stdout and "start train" not in p.stdout  # the start restored above
+    stress = json.loads((out / "dynamics_stress" / "summary.json").read_text())
+    assert stress["regime"] == {"policy_lag": 8, "staleness": 8, "actor_lr": 2e-4} and len(stress["missing"]) == 4
 
 
 def _lines(run_dir: str, name: str) -> list[dict]:

@@ -1,0 +1,36 @@
+"""`sao bench` refuses an option on an experiment it does not apply to, naming it, before any run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.reproduce.__main__ import main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["main", "--stress"], "--stress: only with the dynamics experiment"),
+    (["main", "--task", "chain"], "--task: only with --model smollm2"),
+    (["staleness", "--model", "smollm2"], "--model smollm2: only the main comparison"),
+])
+def test_an_option_outside_its_experiment_is_refused(argv, message, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main([*argv, "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
+
+
+def test_the_stress_regime_changes_only_the_lag_the_lr_and_the_budget():
+    from benchmarks.reproduce import dynamics
+    from benchmarks.reproduce.starts import TOY_QUICK_CONFIG, Start
+
+    start = Start("toy", TOY_QUICK_CONFIG, Path("/start"), (), 0.0)
+    paper = dynamics.plan(start, dynamics.PAPER.full, [1], dynamics.PAPER)
+    stress = dynamics.plan(start, dynamics.STRESS.full, [1], dynamics.STRESS)
+    assert [r.label for r in paper] == [r.label for r in stress] == list(dynamics.ROWS)
+    for p, q in zip(paper, stress):
+        changed = set(q.overrides) - set(p.overrides)
+        assert changed == {"trainer.policy_lag=8", "buffer.max_staleness=8", "actor.optim.lr=0.0002",
+                           "run.total_steps=100", "run.eval_every=10"}, changed
+    assert not any(o.startswith("actor.optim.lr=") for o in paper[0].overrides)  # the committed runs' keys hold

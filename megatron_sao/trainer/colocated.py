@@ -103,10 +103,8 @@ def build_colocated(cfg: SAOConfig, model_dir: Path, ctx):
 
     layout = EngineLayout(world=ctx.world_size, rollout_tp=cfg.cluster.rollout_tp, rank=ctx.rank)
     seqs = max_num_seqs(cfg, layout.engines)
-    ecfg = dataclasses.replace(C.engine_config(cfg, model_dir), tensor_parallel_size=layout.rollout_tp,
-                               enable_sleep_mode=torch.cuda.is_available(),
-                               kv_cache_memory_bytes=None if torch.cuda.is_available()
-                               else C.cpu_kv_cache_bytes(cfg, model_dir, seqs))
+    ecfg = dataclasses.replace(C.engine_config(cfg, model_dir, seqs), tensor_parallel_size=layout.rollout_tp,
+                               enable_sleep_mode=torch.cuda.is_available())
 
     def make_shard():
         from megatron_sao.rollout.colocate.vllm_shard import VLLMShard

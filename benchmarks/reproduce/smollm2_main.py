@@ -173,11 +173,15 @@ def pretrain_critic(start: SftStart, work: Path, log=print) -> SftStart:
     return replace(start, pretrain_rollouts=int(vp["rollouts"]))
 
 
+def from_pretrained_critic(run: Run) -> bool:
+    return any(o.startswith("critic.init=") for o in run.overrides)
+
+
 def start_digest(start: SftStart, run: Run) -> str:
     """What a run's result is keyed on besides its settings: the SFT weights, and the pretrained critic's
     weights for the runs that start from it (a refitted critic is another starting point)."""
-    pretrained = any(o.startswith("critic.init=") for o in run.overrides)
-    return start.digest + (":" + start.critic_digest if pretrained else "")
+    return start.digest + (":" + start.critic_digest if from_pretrained_critic(run) else "")
+
 
 def plan(start: SftStart, b: Budgets, seeds: list[int], rows: tuple[str, ...]) -> list[Run]:
     """Every run of the comparison, seed-major, so that `--max-runs 5` gives every row one seed."""
@@ -210,7 +214,7 @@ def trajectories_at(run: Run, b: Budgets, b_steps: int, budget: str) -> int:
 def counted(run: Run, start: SftStart, trajectories: int) -> int:
     """Trajectories as budget B counts them: value pretraining's rollouts too, for a run that starts from
     that critic."""
-    return trajectories + (start.pretrain_rollouts if any(o.startswith("critic.init=") for o in run.overrides) else 0)
+    return trajectories + (start.pretrain_rollouts if from_pretrained_critic(run) else 0)
 
 
 def run(s: Settings) -> int:
@@ -473,5 +477,4 @@ def budget_of(run: Run) -> tuple[int, int]:
     from megatron_sao.config import load_config
 
     cfg = load_config(ROOT / run.config, list(run.overrides))
-    warmup = cfg.algorithm.critic_warmup_steps if cfg.algorithm.uses_critic else 0
-    return cfg.buffer.batch_size, (cfg.run.total_steps + warmup) * cfg.buffer.batch_size
+    return cfg.buffer.batch_size, (cfg.run.total_steps + cfg.algorithm.warmup_steps) * cfg.buffer.batch_size

@@ -160,6 +160,11 @@ class AlgorithmConfig:
         return self.name == "sao"
 
     @property
+    def warmup_steps(self) -> int:
+        """The critic-only trainer steps this algorithm runs before the actor moves (none without a critic)."""
+        return self.critic_warmup_steps if self.uses_critic else 0
+
+    @property
     def uses_groups(self) -> bool:
         """n rollouts per prompt, trained as whole groups."""
         return self.name in GROUPED_ALGORITHMS

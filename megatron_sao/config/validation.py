@@ -162,7 +162,7 @@ def _check_run(run: RunConfig) -> None:
     for k in ("save_every", "eval_every", "export_every"):
         _check(getattr(run, k) >= 0, f"run.{k}", "must be >= 0")
     _check(run.eval_timeout_s > 0, "run.eval_timeout_s", "must be > 0")
-    _check(all(isinstance(s, int) and s >= 1 for s in run.eval_at), "run.eval_at",
+    _check(all(s >= 1 for s in run.eval_at), "run.eval_at",
            f"must list trainer steps >= 1, got {run.eval_at}")
     if run.wandb.project is not None:
         _check(bool(run.wandb.project.strip()), "run.wandb.project", "must be a non-empty name (or null: W&B off)")
@@ -226,7 +226,7 @@ def validate(cfg: SAOConfig) -> SAOConfig:
     _check_buffer(cfg.buffer)
     _check_policy_lag(cfg)
     _check_run(cfg.run)
-    steps = cfg.run.total_steps + (cfg.algorithm.critic_warmup_steps if cfg.algorithm.uses_critic else 0)
+    steps = cfg.run.total_steps + cfg.algorithm.warmup_steps
     _check(all(s <= steps for s in cfg.run.eval_at), "run.eval_at",
            f"names steps past the run's last trainer step {steps} (run.total_steps plus the critic warm-up): "
            f"{[s for s in cfg.run.eval_at if s > steps]}")

@@ -117,7 +117,7 @@ class SAOTrainer:
         self.models = [m for m in (self.actor, self.critic) if m is not None]
         self.baseline = RunningMeanBaseline(a.running_mean_window) if a.name == "running_mean" else None
         self.group = a.group_size if a.uses_groups else 1
-        self.warmup = a.critic_warmup_steps if a.uses_critic else 0
+        self.warmup = a.warmup_steps
         self.step, self.version = 0, 0
         self.checkpointer = ckpts.Checkpointer(
             self.run_dir.ckpt_root, is_writer=self.rank0, asynchronous=cfg.run.async_save,

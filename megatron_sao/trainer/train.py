@@ -58,8 +58,7 @@ def preflight(cfg: SAOConfig, resume: bool, overwrite: bool) -> None:
             trajs = load_trajectories(cfg.trainer.replay)
         except TrajectoryFileError as e:
             raise UserError(f"trainer.replay: {e}") from None
-        a = cfg.algorithm
-        needed = (cfg.run.total_steps + (a.critic_warmup_steps if a.uses_critic else 0)) * cfg.buffer.batch_size
+        needed = (cfg.run.total_steps + cfg.algorithm.warmup_steps) * cfg.buffer.batch_size
         trainable = sum(t.trainable for t in trajs)
         if trainable < needed:
             raise UserError(f"trainer.replay: {cfg.trainer.replay} holds {trainable} trainable trajectories; "

@@ -6,6 +6,7 @@
     sao bench ablations     # K=1, attention trained, running mean, no value pretraining, step-level GAE
     sao bench staleness     # imposed policy lag 1/4/16: vanilla GRPO vs GRPO+DIS vs SAO
     sao bench online        # style shift: critic vs running-mean baseline, recovery after switches
+    sao bench online --model smollm2 [--max-runs N]   # the same on SmolLM2-135M-Instruct
     sao bench throughput    # async vs sync on heavy-tailed tool latency
     sao bench dynamics [--stress] [--max-runs N]   # 500 async steps (--stress: lag 8, 4x the LR, 100 steps)
     sao bench all           # all five, in that order (the two starting points first, side by side)
@@ -13,6 +14,7 @@
 
 Results (results.md, summary.json, PNG plots) go to results/reproduce/<experiment>/ (--out); run
 directories and the shared starting points to runs/reproduce/ (--work), reused when re-run.
-`--model smollm2` also keeps one result file per finished run (results/reproduce/main_smollm2[_chain]/runs/)
-and skips the runs already there, so its 15-18 runs (30-60 min each) can be spread over sessions.
+`--model smollm2` and `dynamics` also keep one result file per finished run (results/reproduce/<folder>/runs/,
+run_results.py) and skip the runs already there, so their runs (30-60 min each on SmolLM2) can be spread
+over sessions with `--max-runs N`.
 """

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=None,
                     help="runs at once, the cores split between them (default 2; --model smollm2: 1)")
     ap.add_argument("--model", choices=["toy", "smollm2"], default="toy",
-                    help="main only: smollm2 = the comparison on SmolLM2-135M-Instruct (smollm2_main.py)")
+                    help="main and online: smollm2 = on SmolLM2-135M-Instruct (smollm2_main.py; online.py)")
     ap.add_argument("--task", choices=list(smollm2_main.TASKS), default=None,
                     help="--model smollm2: the word problems (arith, default) or the arithmetic chains (chain)")
     ap.add_argument("--stress", action="store_true",
@@ -44,14 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fresh", action="store_true", help="run again even when a finished run is cached")
     args = ap.parse_args(argv)
     smollm2 = args.model == "smollm2"
-    if smollm2 and args.experiment != "main":
-        ap.error("--model smollm2: only the main comparison runs on SmolLM2")
+    if smollm2 and args.experiment not in ("main", "online"):
+        ap.error("--model smollm2: only the main comparison and the online experiment run on SmolLM2")
     if args.max_runs is not None and not (smollm2 or args.experiment in LONG):
         ap.error(f"--max-runs: only with --model smollm2 or {', '.join(LONG)} (their runs have per-run result files)")
-    if args.rows is not None and not smollm2:
-        ap.error("--rows: only with --model smollm2")
-    if args.task is not None and not smollm2:
-        ap.error("--task: only with --model smollm2")
+    main_smollm2 = smollm2 and args.experiment == "main"
+    if args.rows is not None and not main_smollm2:
+        ap.error("--rows: only with main --model smollm2")
+    if args.task is not None and not main_smollm2:
+        ap.error("--task: only with main --model smollm2")
     task = args.task or "arith"
     if args.stress and args.experiment != "dynamics":
         ap.error("--stress: only with the dynamics experiment")
@@ -66,11 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         build_all(args.quick, work, s.budget.eval_size, s.log)
     rc = 0
     for experiment in names:
-        name = smollm2_main.TASKS[task].folder if smollm2 else "dynamics_stress" if args.stress else experiment
+        name = (smollm2_main.TASKS[task].folder if main_smollm2 else "online_smollm2" if smollm2
+                else "dynamics_stress" if args.stress else experiment)
         s = Settings(name, args.quick, seeds, jobs, out_root / name, work, args.fresh, command, max_runs=args.max_runs,
-                     rows=args.rows, task=task, stress=args.stress)
+                     rows=args.rows, model=args.model, task=task, stress=args.stress)
         s.log(f"start: seeds {seeds}, {jobs} job(s), results in {s.out}")
-        code = (smollm2_main if smollm2 else EXPERIMENTS[experiment]).run(s)
+        code = (smollm2_main if main_smollm2 else EXPERIMENTS[experiment]).run(s)
         s.log(f"{'done' if code == 0 else 'FAILED runs'}: {s.out / 'results.md'}")
         rc = rc or code
     return rc

@@ -37,8 +37,8 @@ import matplotlib.pyplot as plt
 
 from benchmarks.reproduce import run_results
 from benchmarks.reproduce.experiment import METHODS, Budget, Settings
-from benchmarks.reproduce.report import git_commit, header, md_table, runs_section, save_fig, write_report
-from benchmarks.reproduce.runner import Run, RunResult, algorithm_version, execute_all
+from benchmarks.reproduce.report import header, md_table, runs_section, save_fig, write_report
+from benchmarks.reproduce.runner import Run, RunResult
 from benchmarks.reproduce.starts import Start, pin_start, toy_start
 from benchmarks.reproduce.summary import stat
 
@@ -102,33 +102,12 @@ def run(s: Settings) -> int:
     pin_start(start, pin)  # later sessions' runs start from these very weights
     digest = run_results.weights_digest(start.sft_model) + run_results.weights_digest(start.critic)
     runs = plan(start, b, s.seeds, r)
-    folder = s.out / "runs"
-    keys = {r: run_results.result_key(r, start.dir, digest) for r in runs}
-    paths = {r: run_results.result_path(folder, r, keys[r]) for r in runs}
-    done = {r: run_results.load(paths[r], keys[r]) for r in runs}
-    missing = [r for r in runs if s.fresh or done[r] is None]
-    todo = missing if s.max_runs is None else missing[: s.max_runs]
-    s.log(f"{len(runs) - len(missing)} of {len(runs)} runs have a result in {folder}; training {len(todo)} now")
-    failed: list[RunResult] = []
-
-    def record(res: RunResult) -> None:
-        if not res.ok:
-            failed.append(res)
-            return
-        data = {"experiment": s.name, "label": res.run.label, "seed": res.run.seed, "key": keys[res.run],
-                "algorithm_version": algorithm_version(), "config": res.run.config,
-                "overrides": list(run_results.portable(res.run, start.dir).overrides),
-                "start": {"digest": digest, "accuracy": sft["accuracy"], "n": sft["n"]},
-                "batch": b.batch, "commit": git_commit(), "run_dir": str(res.dir),
-                **run_results.summarize(res, b.batch)}
-        run_results.write(paths[res.run], data)
-        done[res.run] = data
-        s.log(f"  result {paths[res.run]}")
-
     # One run at a time: the runs' wall times and lags are only comparable when they do not share cores.
-    execute_all(todo, s.work, jobs=1 if not s.quick else s.jobs, fresh=s.fresh, log=s.log, on_done=record)
-    report(s, b, r, start, sft, runs, done, failed, run_results.stale(folder, paths))
-    return 1 if failed else 0
+    rec = run_results.train_missing(s, runs, start.dir, lambda run: digest,
+                                    lambda run: {"digest": digest, "accuracy": sft["accuracy"], "n": sft["n"]},
+                                    b.batch, jobs=1 if not s.quick else s.jobs)
+    report(s, b, r, start, sft, runs, rec.done, rec.failed, rec.stale)
+    return 1 if rec.failed else 0
 
 
 def actor_steps(data: dict, warmup: int) -> list[int]:

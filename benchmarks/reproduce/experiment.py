@@ -46,6 +46,7 @@ class Settings:
     command: str = ""
     max_runs: int | None = None  # experiments with per-run result files: train at most this many missing runs
     rows: list[str] | None = None  # ... and only the missing runs of these rows (None: every row)
+    model: str = "toy"  # --model: toy | smollm2 (the main comparison and the online experiment)
     task: str = "arith"  # --model smollm2: the recipe's task (smollm2_main.TASKS)
     stress: bool = False  # dynamics: the stress regime (dynamics.STRESS)
     t0: float = field(default_factory=time.time)

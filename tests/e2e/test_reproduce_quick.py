@@ -61,6 +61,7 @@ def test_all_experiments_quick(tmp_path):
     assert p2.returncode == 0, p2.stderr[-3000:]
     assert "start train" not in p2.stdout and "start sft" not in p2.stdout
     _check_dynamics(cmd, work, out, env)
+    _check_online_recorded(cmd, work, out, env)
 
 
 def _check_dynamics(cmd: list[str], work: Path, out: Path, env: dict) -> None:
@@ -91,6 +92,20 @@ def _check_dynamics(cmd: list[str], work: Path, out: Path, env: dict) -> None:
     assert "start sft" not in p.stdout and "start train" not in p.stdout  # the start restored above
     stress = json.loads((out / "dynamics_stress" / "summary.json").read_text())
     assert stress["regime"] == {"policy_lag": 8, "staleness": 8, "actor_lr": 2e-4} and len(stress["missing"]) == 4
+
+
+def _check_online_recorded(cmd: list[str], work: Path, out: Path, env: dict) -> None:
+    """`online --model smollm2` keeps a result file per run, as the SmolLM2 runs need (--quick: the toy's style
+    start, which `all` built above): one run trained and recorded, the report partial and naming the other."""
+    online = [*cmd[:4], "online", "--model", "smollm2", "--quick", "--work", str(work), "--out", str(out),
+              "--max-runs", "1"]
+    p = subprocess.run(online, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "start sft" not in p.stdout  # the style start of `all`
+    result = json.loads(next((out / "online_smollm2" / "runs").glob("sao-s1-*.json")).read_text())
+    assert result["steps"] == [0, 1, 2] and "env.kwargs.switch_every=1" in result["overrides"]
+    md = (out / "online_smollm2" / "results.md").read_text()
+    assert "PARTIAL: 1 of 2 runs finished; missing running_mean seed 1" in md and "| sao | 1 |" in md
 
 
 def _lines(run_dir: str, name: str) -> list[dict]:

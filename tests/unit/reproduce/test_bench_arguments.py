@@ -11,8 +11,11 @@ from benchmarks.reproduce.__main__ import main
 
 @pytest.mark.parametrize("argv, message", [
     (["main", "--stress"], "--stress: only with the dynamics experiment"),
-    (["main", "--task", "chain"], "--task: only with --model smollm2"),
-    (["staleness", "--model", "smollm2"], "--model smollm2: only the main comparison"),
+    (["main", "--task", "chain"], "--task: only with main --model smollm2"),
+    (["online", "--model", "smollm2", "--task", "chain"], "--task: only with main --model smollm2"),
+    (["online", "--model", "smollm2", "--rows", "sao"], "--rows: only with main --model smollm2"),
+    (["online", "--max-runs", "1"], "--max-runs: only with --model smollm2"),
+    (["staleness", "--model", "smollm2"], "--model smollm2: only the main comparison and the online experiment"),
 ])
 def test_an_option_outside_its_experiment_is_refused(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit):

@@ -1,0 +1,44 @@
+"""The online experiment's recovery analysis reads committed result files as it reads live runs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from benchmarks.reproduce import online
+from benchmarks.reproduce.experiment import Settings
+from benchmarks.reproduce.starts import SMOLLM2_STYLE_CONFIG, Start
+
+
+def _result(reward: list[float | None], lag: int = 1) -> dict:
+    """A result file's fields (run_results.summarize) for a run whose batches start `lag` steps early;
+    missing values are stored as null."""
+    steps = list(range(len(reward)))
+    return {"steps": steps, "reward": reward,
+            "series": {"rollout/policy_step_min": [None if s < lag else float(s - lag) for s in steps]}}
+
+
+def test_recovery_is_counted_from_the_first_batch_started_after_the_switch():
+    # Phase 1 climbs to 0.6; the switch at 10 drops it; the batch of step 10 started at step 9 (old style, still
+    # high), so the search starts at 11; steps 13-15 average 0.57 >= 0.9 x 0.6: recovered 3 steps after the switch.
+    up = [0.2, 0.3, 0.4, 0.5, 0.5, 0.55, 0.6, 0.6, 0.6, 0.6]
+    curve = online.curve_of_result(_result([*up, 0.6, 0.1, 0.2, 0.5, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6]))
+    assert math.isnan(curve.policy_step_min[0]) and curve.policy_step_min[10] == 9.0
+    never = online.curve_of_result(_result([*up, 0.6, *[0.1] * 9]))
+    rows, data = online.recovery_table({"sao": [curve, never]}, every=10, phases=2)
+    assert data["sao"]["switches"][0]["recovery_steps"] == [3, None]
+    assert data["sao"]["switches"][0]["pre_reward"] == [0.6, 0.6]
+    assert rows == [["sao", "10", "0.60 ± 0.00 (0.60, 0.60)", "3, never", "3.0", "1/2"]]
+
+
+def test_on_smollm2_both_methods_take_the_same_steps_from_the_pretrained_critic():
+    s = Settings("online_smollm2", False, [1, 2], 1, Path("/out"), Path("/work"), model="smollm2")
+    every, phases, b = online.schedule(s)
+    assert (every, phases, b.batch, b.steps, b.warmup) == (10, 3, 32, 30, 0)
+    runs = online.plan(s, Start("smollm2_style", SMOLLM2_STYLE_CONFIG, Path("/start"), (), 0.0), every, b)
+    assert [(r.label, r.seed) for r in runs] == [("sao", 1), ("running_mean", 1), ("sao", 2), ("running_mean", 2)]
+    for r in runs:
+        assert {"run.total_steps=30", "algorithm.critic_warmup_steps=0", "env.kwargs.switch_every=10",
+                "critic.init=/start/critic_pretrained"} <= set(r.overrides)
+    toy = Settings("online", False, [1], 1, Path("/out"), Path("/work"))
+    assert online.schedule(toy)[2].warmup == 2  # the toy's critic warms up inside the budget, as before

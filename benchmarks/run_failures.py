@@ -1,0 +1,65 @@
+"""How a run's episodes ended, by phase: the environment's verdict (`env_info.reason`: correct,
+broken_chain, incomplete, wrong, ...; `cut: <end_reason>` for an episode the rollout cut) of every
+trajectory the trainer consumed, counted over the critic warm-up and over each block of `--block` actor
+steps. Reads the run directory only (`batches.jsonl`, the trajectory buffer `buffer/`, `config.yaml`);
+no model runs.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/run_failures.py runs/critic35/chain_sao_s1 runs/critic35/chain_sao_s3
+
+A shift in how the policy fails is what a critic pretrained on the SFT policy's rollouts cannot know
+(docs/results.md, section 7: one seed learned to answer one step early, and its batch EV fell).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def phase_of(step: int, warmup: int, block: int) -> str:
+    if step < warmup:
+        return f"warm-up 0-{warmup - 1}"
+    lo = (step - warmup) // block * block
+    return f"actor {lo}-{lo + block - 1}"
+
+
+def endings(run_dir: Path, block: int = 5) -> dict[str, dict[str, int]]:
+    """{phase: {reason: trajectories}} of the trajectories the run trained on."""
+    import yaml
+
+    from megatron_sao.trajectory import load_trajectories
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    warmup = int(cfg["algorithm"]["critic_warmup_steps"]) if cfg["algorithm"]["name"] == "sao" else 0
+    files = {f.stem.split("-", 1)[1]: f for f in (run_dir / "buffer").glob("*.safetensors")}
+    out: dict[str, collections.Counter] = {}
+    for line in (run_dir / "batches.jsonl").read_text().splitlines():
+        batch = json.loads(line)
+        counts = out.setdefault(phase_of(batch["step"], warmup, block), collections.Counter())
+        for tid in batch["traj_ids"]:
+            if tid not in files:
+                raise SystemExit(f"{run_dir}: trajectory {tid} of step {batch['step']} is not in buffer/")
+            for t in load_trajectories(files[tid]):
+                # An episode the rollout cut (turn or token limit) has no environment verdict: its end reason.
+                reason = t.info.get("env_info", {}).get("reason") or f"cut: {t.info.get('end_reason', 'unknown')}"
+                counts[reason] += 1
+    return {phase: dict(c.most_common()) for phase, c in out.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dirs", nargs="+", type=Path)
+    ap.add_argument("--block", type=int, default=5, help="actor steps per row (default 5)")
+    args = ap.parse_args(argv)
+    print(json.dumps({str(d): endings(d, args.block) for d in args.run_dirs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -100,7 +100,7 @@ def run(s: Settings) -> int:
     start = toy_start(s.quick, s.work, s.log, pin=pin)
     sft = start.evaluate_sft(b.eval_size, s.log)
     pin_start(start, pin)  # later sessions' runs start from these very weights
-    digest = run_results.weights_digest(start.sft_model) + run_results.weights_digest(start.critic)
+    digest = run_results.sft_and_critic_digest(start)
     runs = plan(start, b, s.seeds, r)
     # One run at a time: the runs' wall times and lags are only comparable when they do not share cores.
     rec = run_results.train_missing(s, runs, start.dir, lambda run: digest,
@@ -230,9 +230,7 @@ def report(s: Settings, b: Budget, rg: Regime, start: Start, sft: dict, runs: li
         md += "\nResult files set aside (another config or starting point): " + ", ".join(stale) + "\n"
     md += runs_section([SimpleNamespace(run=run_results.portable(r, start.dir)) for r in runs],
                        run_results.portable_overrides(start.rl_overrides(b.eval_size), start.dir))
-    write_report(s.out, md, {"complete": not missing, "missing": [f"{r.label}/s{r.seed}" for r in missing],
-                             "failed": [f"{f.run.label}/s{f.run.seed}: log {f.dir}" for f in failed],
-                             "stale": stale, "budget": vars(b), "regime": {"policy_lag": rg.policy_lag,
-                             "staleness": rg.staleness, "actor_lr": rg.actor_lr}, "sft": sft,
-                             "results": {f"{r.label}/s{r.seed}": done[r] for r in runs if done[r] is not None}})
+    write_report(s.out, md, {**run_results.bookkeeping(runs, done, failed, stale), "budget": vars(b),
+                             "regime": {"policy_lag": rg.policy_lag, "staleness": rg.staleness,
+                                        "actor_lr": rg.actor_lr}, "sft": sft})
     s.log(f"report: {len(runs) - len(missing)} of {len(runs)} runs; {s.out / 'results.md'}")

@@ -137,7 +137,7 @@ def _recorded(s: Settings, start: Start, runs, b: Budget):
     """The SmolLM2 runs through per-run result files: train the missing ones (`--max-runs`), then read
     every finished one from its file. Returns the curves by method, the runs as the report lists them
     (the start's directory as a placeholder), the summary's bookkeeping and the report's status line."""
-    digest = run_results.weights_digest(start.sft_model) + run_results.weights_digest(start.critic)
+    digest = run_results.sft_and_critic_digest(start)
     rec = run_results.train_missing(s, runs, start.dir, lambda r: digest, lambda r: {"digest": digest},
                                     b.batch, jobs=1 if not s.quick else s.jobs)
     groups = {m: [curve_of_result(rec.done[r]) for r in runs if r.label == m and rec.done[r] is not None]
@@ -150,8 +150,5 @@ def _recorded(s: Settings, start: Start, runs, b: Budget):
     note = f"**{status}.**\n\n"
     if rec.stale:
         note += "Result files set aside (another config, ALGORITHM_VERSION or start): " + ", ".join(rec.stale) + "\n\n"
-    bookkeeping = {"complete": not missing, "missing": [f"{r.label}/s{r.seed}" for r in missing],
-                   "failed": [f"{f.run.label}/s{f.run.seed}: log {f.dir}" for f in rec.failed], "stale": rec.stale,
-                   "results": {f"{r.label}/s{r.seed}": rec.done[r] for r in runs if rec.done[r] is not None}}
     listed = [SimpleNamespace(run=run_results.portable(r, start.dir)) for r in runs]
-    return groups, listed, bookkeeping, note
+    return groups, listed, rec.summary(), note

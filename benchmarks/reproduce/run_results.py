@@ -33,6 +33,11 @@ def weights_digest(model_dir: Path) -> str:
     return dir_digest(model_dir)
 
 
+def sft_and_critic_digest(start) -> str:
+    """What a run from a `starts.Start` (SFT model and value-pretrained critic) starts from, by content."""
+    return weights_digest(start.sft_model) + weights_digest(start.critic)
+
+
 def portable_overrides(overrides: tuple[str, ...], start_dir: Path) -> tuple[str, ...]:
     """The overrides with the starting point's directory written as a placeholder."""
     return tuple(o.replace(str(start_dir), START_PLACEHOLDER) for o in overrides)
@@ -124,6 +129,18 @@ class Recorded:
     @property
     def missing(self) -> list[Run]:
         return [r for r, d in self.done.items() if d is None]
+
+    def summary(self) -> dict:
+        return bookkeeping(list(self.done), self.done, self.failed, self.stale)
+
+
+def bookkeeping(runs: list[Run], done: dict, failed: list[RunResult], stale_files: list[str]) -> dict:
+    """The summary.json fields every experiment with per-run result files writes: whether every run is
+    done, which are missing, failed in this invocation or set aside, and every finished run's result."""
+    missing = [r for r in runs if done[r] is None]
+    return {"complete": not missing, "missing": [f"{r.label}/s{r.seed}" for r in missing],
+            "failed": [f"{f.run.label}/s{f.run.seed}: log {f.dir}" for f in failed], "stale": stale_files,
+            "results": {f"{r.label}/s{r.seed}": done[r] for r in runs if done[r] is not None}}
 
 
 def train_missing(s, runs: list[Run], start_dir: Path, digest: Callable[[Run], str], start_info: Callable[[Run], dict],

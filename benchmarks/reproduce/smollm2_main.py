@@ -418,12 +418,9 @@ def report(s: Settings, b: Budgets, start: SftStart, sft: dict, runs: list[Run],
     # the work folder), not this machine's, which another checkout does not share.
     md += runs_section([SimpleNamespace(run=run_results.portable(r, start.dir)) for r in runs],
                        run_results.portable_overrides(start.rl_overrides(b.eval_size), start.dir))
-    write_report(s.out, md, {"complete": not missing, "missing": [f"{r.label}/s{r.seed}" for r in missing],
-                             "failed": [f"{f.run.label}/s{f.run.seed}: log {f.dir}" for f in failed],
-                             "stale": stale, "task": s.task,
+    write_report(s.out, md, {**run_results.bookkeeping(runs, done, failed, stale), "task": s.task,
                              "budget": {**vars(b), "b_steps": b_steps, "pretrain_rollouts": start.pretrain_rollouts},
-                             "sft": {**sft, "digest": start.digest},
-                             "results": {f"{r.label}/s{r.seed}": done[r] for r in runs if done[r] is not None}})
+                             "sft": {**sft, "digest": start.digest}})
     s.log(f"report: {n_done} of {len(runs)} runs; {s.out / 'results.md'}")
 
 

@@ -31,12 +31,10 @@ def phase_of(step: int, warmup: int, block: int) -> str:
 
 def endings(run_dir: Path, block: int = 5) -> dict[str, dict[str, int]]:
     """{phase: {reason: trajectories}} of the trajectories the run trained on."""
-    import yaml
-
+    from megatron_sao.config import load_config
     from megatron_sao.trajectory import load_trajectories
 
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    warmup = int(cfg["algorithm"]["critic_warmup_steps"]) if cfg["algorithm"]["name"] == "sao" else 0
+    warmup = load_config(run_dir / "config.yaml", []).algorithm.warmup_steps
     files = {f.stem.split("-", 1)[1]: f for f in (run_dir / "buffer").glob("*.safetensors")}
     out: dict[str, collections.Counter] = {}
     for line in (run_dir / "batches.jsonl").read_text().splitlines():

@@ -405,6 +405,12 @@ def report(s: Settings, b: Budgets, start: SftStart, sft: dict, runs: list[Run],
                    f"that finished, per-seed values in brackets; the SFT model {_f(sft['accuracy'])}):\n\n")
             md += md_table(["method", "seeds", "held-out accuracy", f"minus {PAIRED_REFERENCE}'s of the same seed",
                             "gain over the SFT start", "run wall (min)", "run CPU (min)"], summary_rows)
+    sync_gap = paired_to_reference(runs, done, lambda r: acc(r, "A"), reference="sao_sync").get("sao")
+    if sync_gap is not None and sync_gap.values:
+        md += (f"\n\nAsynchronous minus synchronous SAO of the same seed, held-out at budget A: {sync_gap.fmt()}. "
+               f"A seed's two runs draw the same prompts; on this machine they also train the same prompt-stream "
+               f"block at every step (`benchmarks/admission.py` on their run directories), so what differs is the "
+               f"policy lag (the lag histograms above) and the sampling noise.")
     md += (f"\n\nRun wall and CPU time: the whole run, its held-out evaluations included (CPU: the run's process "
            f"tree, the vLLM engine's included). Trajectories/s: trajectories consumed over the run's wall time less "
            f"its evaluations. Machine load: the mean 1-min load average while the run trained (above the core count "
@@ -424,11 +430,11 @@ def report(s: Settings, b: Budgets, start: SftStart, sft: dict, runs: list[Run],
     s.log(f"report: {n_done} of {len(runs)} runs; {s.out / 'results.md'}")
 
 
-def paired_to_reference(runs: list[Run], done: dict, accuracy) -> dict[str, Stat]:
-    """{row: per-seed held-out `accuracy(run)` minus PAIRED_REFERENCE's of the same seed}. Runs of one seed
+def paired_to_reference(runs: list[Run], done: dict, accuracy, reference: str = PAIRED_REFERENCE) -> dict[str, Stat]:
+    """{row: per-seed held-out `accuracy(run)` minus row `reference`'s of the same seed}. Runs of one seed
     share the SFT start, the prompt order, the sampler's seed and the held-out tasks: their difference is
     the fairer comparison than two independent means (summary.paired_delta)."""
-    ref = {r.seed: accuracy(r) for r in runs if r.label == PAIRED_REFERENCE and done[r] is not None}
+    ref = {r.seed: accuracy(r) for r in runs if r.label == reference and done[r] is not None}
     out: dict[str, list[float]] = {}
     for r in runs:
         if done[r] is not None and r.seed in ref:

@@ -148,3 +148,5 @@ def test_paired_differences_are_per_seed_against_grpo_dis_and_skip_seeds_it_lack
     assert paired["sao"].values == pytest.approx([-0.05, 0.10])  # seed 3 has no grpo_dis run to pair with
     assert paired["sao"].mean == pytest.approx(0.025)
     assert paired["grpo_dis"].values == pytest.approx([0.0, 0.0])
+    against_sao = smollm2_main.paired_to_reference(runs, done, lambda r: accs[(r.label, r.seed)], reference="sao")
+    assert against_sao["grpo_dis"].values == pytest.approx([0.05, -0.10])

@@ -44,6 +44,13 @@ from benchmarks.reproduce.summary import stat
 
 LATENCY = "env.kwargs={tool_latency_s: 0.02, latency_tail: 1.5}"
 ROWS = ("sao", "grpo", "grpo_dis", "running_mean")
+# Rows beyond the methods: label -> (method, its overrides on top of the method's).
+VARIANTS = {
+    # The stress regime raises the actor's LR 4x (5e-5 -> 2e-4) and leaves the critic's at the config's
+    # 3e-4: this row raises the critic's 4x too (1.2e-3), so a critic that lags a fast-moving policy and
+    # the single-sample advantage's variance can be told apart (docs/results.md, section 8).
+    "sao_critic_lr4x": ("sao", ("critic.optim.lr=0.0012",)),
+}
 FIGURE = "dynamics.png"
 
 
@@ -56,6 +63,7 @@ class Regime:
     actor_lr: float | None  # None: the config's (5e-5)
     full: Budget
     quick: Budget
+    rows: tuple[str, ...] = ROWS  # ROWS and VARIANTS labels
 
 
 # The paper's setting at toy scale: at the config's LR the ratios stay in the DIS band (0.1% masked).
@@ -65,7 +73,16 @@ PAPER = Regime(4, 4, None, Budget(batch=16, steps=500, eval_every=25, eval_size=
 # a one-seed probe of vanilla GRPO fell from the SFT start's 0.6 to 0.02 within 60 steps while GRPO+DIS
 # held; at 10x the LR (5e-4) GRPO+DIS fell to 0.02 as well.
 STRESS = Regime(8, 8, 2e-4, Budget(batch=16, steps=100, eval_every=10, eval_size=200, warmup=10),
-                Budget(batch=8, steps=3, eval_every=3, eval_size=8, warmup=1))
+                Budget(batch=8, steps=3, eval_every=3, eval_size=8, warmup=1), rows=(*ROWS, "sao_critic_lr4x"))
+
+
+def method_of(label: str) -> str:
+    return VARIANTS[label][0] if label in VARIANTS else label
+
+
+def warmup_of(label: str, b: Budget) -> int:
+    """The critic-only warm-up steps of a row: SAO's, and none for the critic-free baselines."""
+    return b.warmup if method_of(label) == "sao" else 0
 
 
 def regime(s: Settings) -> Regime:
@@ -82,11 +99,11 @@ def plan(start: Start, b: Budget, seeds: list[int], r: Regime = PAPER) -> list[R
     """Every run, seed-major, so that `--max-runs 4` gives every method one seed first."""
     runs = []
     for seed in seeds:
-        for method in ROWS:
-            warmup = b.warmup if method == "sao" else 0
-            runs.append(Run(method, seed, start.config, (
-                *start.rl_overrides(b.eval_size), *METHODS[method], *async_overrides(b, r),
-                f"algorithm.critic_warmup_steps={warmup}", f"run.total_steps={b.steps}",
+        for label in r.rows:
+            extra = VARIANTS[label][1] if label in VARIANTS else ()
+            runs.append(Run(label, seed, start.config, (
+                *start.rl_overrides(b.eval_size), *METHODS[method_of(label)], *extra, *async_overrides(b, r),
+                f"algorithm.critic_warmup_steps={warmup_of(label, b)}", f"run.total_steps={b.steps}",
                 f"buffer.batch_size={b.batch}", f"parallel.micro_batch_size={b.batch}",
                 f"run.eval_every={b.eval_every}")))
     return runs
@@ -134,13 +151,13 @@ def _f(x: float | None, digits: int = 3) -> str:
 
 def plot(runs: list[Run], done: dict, b: Budget, sft_acc: float, out: Path, title: str) -> str:
     fig, axes = plt.subplots(2, 2, figsize=(13, 8))
-    colors = dict(zip(ROWS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    colors = dict(zip((*ROWS, *VARIANTS), plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     styles = ["-", "--", ":", "-."]
     for r in runs:
         data = done[r]
         if data is None:
             continue
-        warm = b.warmup if r.label == "sao" else 0
+        warm = warmup_of(r.label, b)
         kw = dict(color=colors[r.label], linestyle=styles[(r.seed - 1) % len(styles)], linewidth=1,
                   label=f"{r.label} s{r.seed}")
         pts = [(0, 0.0, sft_acc), *[(n // b.batch - warm, t, acc) for n, t, acc in data["eval_points"]]]
@@ -190,6 +207,8 @@ def report(s: Settings, b: Budget, rg: Regime, start: Start, sft: dict, runs: li
                 f"tool latency (`{LATENCY}`): trajectories are {rg.policy_lag}-{rg.policy_lag + rg.staleness} versions "
                 f"old by the admission rule, older when an episode spans weight updates (the lag histogram)\n"
                 f"- actor LR: {lr}\n"
+                + "".join(f"- {label}: {method_of(label)} with `{' '.join(VARIANTS[label][1])}`\n"
+                          for label in rg.rows if label in VARIANTS) +
                 f"- held-out accuracy on {b.eval_size} tasks at T=1 every {b.eval_every} steps; starting point "
                 f"`{start.dir.name}` (SFT + value-pretrained critic)")
     md += f"**{status}.**"
@@ -204,7 +223,7 @@ def report(s: Settings, b: Budget, rg: Regime, start: Start, sft: dict, runs: li
         if data is None:
             continue
         per.setdefault(r.label, []).append(data)
-        warm = b.warmup if r.label == "sao" else 0
+        warm = warmup_of(r.label, b)
         steps = actor_steps(data, warm)
         accs = [acc for _, _, acc in data["eval_points"]]
         rows.append([r.label, str(r.seed), _f(accs[-1] if accs else None), _f(max(accs) if accs else None),
@@ -219,7 +238,7 @@ def report(s: Settings, b: Budget, rg: Regime, start: Start, sft: dict, runs: li
                     "load"], rows)
     summary = [[label, str(len(ds)), stat([d["eval_points"][-1][2] for d in ds]).fmt(),
                 stat([window_mean(d["reward"], 2 * third, b.steps,
-                                  actor_steps(d, b.warmup if label == "sao" else 0)) for d in ds]).fmt()]
+                                  actor_steps(d, warmup_of(label, b))) for d in ds]).fmt()]
                for label, ds in per.items()]
     if summary:
         md += "\n\nPer method (mean ± std over seeds, per-seed values in brackets):\n\n"

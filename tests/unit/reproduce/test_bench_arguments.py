@@ -32,14 +32,15 @@ def test_the_stress_regime_changes_only_the_lag_the_lr_and_the_budget():
     paper = dynamics.plan(start, dynamics.PAPER.full, [1], dynamics.PAPER)
     stress = dynamics.plan(start, dynamics.STRESS.full, [1], dynamics.STRESS)
     assert [r.label for r in paper] == list(dynamics.ROWS)
-    assert [r.label for r in stress] == [*dynamics.ROWS, "sao_critic_lr4x"]
+    assert [r.label for r in stress] == [*dynamics.ROWS, "sao_critic_lr4x", "sao_critic_k4"]
     for p, q in zip(paper, stress):
         changed = set(q.overrides) - set(p.overrides)
         assert changed == {"trainer.policy_lag=8", "buffer.max_staleness=8", "actor.optim.lr=0.0002",
                            "run.total_steps=100", "run.eval_every=10"}, changed
     assert not any(o.startswith("actor.optim.lr=") for o in paper[0].overrides)  # the committed runs' keys hold
     # The variant is the stress regime's SAO run with the critic's LR raised by the actor's factor.
-    sao, variant = stress[0], stress[-1]
+    sao, variant = stress[0], stress[-2]
+    assert set(stress[-1].overrides) - set(sao.overrides) == {"algorithm.critic_steps=4"}
     assert set(variant.overrides) - set(sao.overrides) == {"critic.optim.lr=0.0012"}
     assert set(sao.overrides) - set(variant.overrides) == set()
     from benchmarks.reproduce.starts import TOY_CONFIG

@@ -71,8 +71,8 @@ class Stat:
         if not self.values or all(math.isnan(v) for v in self.values):
             return "n/a"
         vals = ", ".join(f"{v:.{digits}f}" for v in self.values)
-        if sum(not math.isnan(v) for v in self.values) == 1:  # one seed has no spread to show
-            return f"{self.mean:.{digits}f} (one seed: {vals})"
+        if len(self.values) == 1:  # one seed has no spread to show
+            return f"{self.mean:.{digits}f} (one seed)"
         return f"{self.mean:.{digits}f} ± {self.std:.{digits}f} ({vals})"
 
 

@@ -31,7 +31,7 @@ def test_stat_ignores_nan_and_formats_per_seed_values():
     assert s.mean == pytest.approx(0.6) and s.std == pytest.approx(0.1414, abs=1e-4)
     assert "(0.500, nan, 0.700)" in s.fmt()
     assert stat([math.nan]).fmt() == "n/a"
-    assert stat([0.25]).fmt() == "0.250 (one seed: 0.250)"  # no "± 0.000": one seed has no spread
+    assert stat([0.25]).fmt() == "0.250 (one seed)"  # no "± 0.000": one seed has no spread
 
 
 def test_mean_curve_and_smooth():

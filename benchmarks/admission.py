@@ -26,7 +26,6 @@ Rows are the critic warm-up and blocks of `--block` actor steps (the same phases
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.run_failures import phase_of  # noqa: E402
+from benchmarks.run_failures import per_run_dir, phase_of  # noqa: E402
 
 
 @dataclass
@@ -114,12 +113,7 @@ def composition(run_dir: Path, block: int = 10) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run_dirs", nargs="+", type=Path)
-    ap.add_argument("--block", type=int, default=10, help="actor steps per row (default 10)")
-    args = ap.parse_args(argv)
-    print(json.dumps({str(d): composition(d, args.block) for d in args.run_dirs}, indent=1))
-    return 0
+    return per_run_dir(composition, __doc__.splitlines()[0], 10, argv)
 
 
 if __name__ == "__main__":

@@ -50,13 +50,19 @@ def endings(run_dir: Path, block: int = 5) -> dict[str, dict[str, int]]:
     return {phase: dict(c.most_common()) for phase, c in out.items()}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def per_run_dir(report, description: str, block: int, argv=None) -> int:
+    """The command line of a script that prints `report(run_dir, block)` as JSON for each run directory
+    given, with rows of `--block` actor steps."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("run_dirs", nargs="+", type=Path)
-    ap.add_argument("--block", type=int, default=5, help="actor steps per row (default 5)")
+    ap.add_argument("--block", type=int, default=block, help=f"actor steps per row (default {block})")
     args = ap.parse_args(argv)
-    print(json.dumps({str(d): endings(d, args.block) for d in args.run_dirs}, indent=1))
+    print(json.dumps({str(d): report(d, args.block) for d in args.run_dirs}, indent=1))
     return 0
+
+
+def main(argv=None) -> int:
+    return per_run_dir(endings, __doc__.splitlines()[0], 5, argv)
 
 
 if __name__ == "__main__":

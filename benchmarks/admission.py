@@ -94,12 +94,12 @@ def composition(run_dir: Path, block: int = 10) -> dict:
     for phase, rows in phases.items():
         # The actor's version at a step: its updates so far (critic warm-up steps do not move it).
         lags = [max(0, step - info["warmup"]) - e.first_version for step, e in rows]
-        displaced = [e for step, e in rows if not step * B <= e.pos < (step + 1) * B]
-        in_block = [e for step, e in rows if step * B <= e.pos < (step + 1) * B]
+        displaced = [e for step, e in rows if e.pos // B != step]  # outside the step's block [sB, (s+1)B)
+        in_block = [e for step, e in rows if e.pos // B == step]
         out[phase] = {
             "trajectories": len(rows),
             "lag": _mean(lags), "lag_share": _mean([float(x > 0) for x in lags]),
-            "displaced": _mean([float(not s * B <= e.pos < (s + 1) * B) for s, e in rows]),
+            "displaced": round(len(displaced) / len(rows), 4),
             "displaced_action_tokens": _mean([e.action_tokens for e in displaced]),
             "in_block_action_tokens": _mean([e.action_tokens for e in in_block]),
             "reward": _mean([e.reward for _, e in rows]),

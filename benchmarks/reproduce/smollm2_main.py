@@ -408,9 +408,9 @@ def report(s: Settings, b: Budgets, start: SftStart, sft: dict, runs: list[Run],
     sync_gap = paired_to_reference(runs, done, lambda r: acc(r, "A"), reference="sao_sync").get("sao")
     if sync_gap is not None and sync_gap.values:
         md += (f"\n\nAsynchronous minus synchronous SAO of the same seed, held-out at budget A: {sync_gap.fmt()}. "
-               f"A seed's two runs draw the same prompts; on this machine they also train the same prompt-stream "
-               f"block at every step (`benchmarks/admission.py` on their run directories), so what differs is the "
-               f"policy lag (the lag histograms above) and the sampling noise.")
+               f"A seed's two runs draw the same prompts in the same order; whether they also trained the same "
+               f"prompts at every step, so that only the policy lag (the lag histograms above) and the sampling "
+               f"noise differ, `benchmarks/admission.py` reads from their run directories.")
     md += (f"\n\nRun wall and CPU time: the whole run, its held-out evaluations included (CPU: the run's process "
            f"tree, the vLLM engine's included). Trajectories/s: trajectories consumed over the run's wall time less "
            f"its evaluations. Machine load: the mean 1-min load average while the run trained (above the core count "

@@ -70,9 +70,9 @@ class Stat:
     def fmt(self, digits: int = 3) -> str:
         if not self.values or all(math.isnan(v) for v in self.values):
             return "n/a"
-        vals = ", ".join(f"{v:.{digits}f}" for v in self.values)
         if len(self.values) == 1:  # one seed has no spread to show
             return f"{self.mean:.{digits}f} (one seed)"
+        vals = ", ".join(f"{v:.{digits}f}" for v in self.values)
         return f"{self.mean:.{digits}f} ± {self.std:.{digits}f} ({vals})"
 
 

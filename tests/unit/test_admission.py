@@ -27,7 +27,7 @@ def _run(tmp_path, mode, batches, untrained=()):
             b.add_prompt([1, 2])
             b.add_action(list(range(3, 3 + n)), [-0.5] * n, version)
             t = b.finish("terminated", reward=float(pos % 2))
-            t.info.update(data_pos=pos, sample=0, policy_step=step)
+            t.info.update(data_pos=pos, sample=0)
             save_trajectories(tmp_path / "buffer" / f"{seq:09d}-{t.traj_id}.safetensors", [t])
             ids.append(t.traj_id)
             seq += 1

@@ -373,7 +373,10 @@ def test_disk_and_memory_are_bounded_for_the_call_as_a_whole(mode_run):
         assert int(inodes["stdout"].split()[-3]) <= 500, inodes["stdout"][-200:]
     else:  # the parent's watch: killed past the bound, within one watch period's writes of it
         assert disk["killed_reason"] == "disk limit of 32 MiB exceeded", disk
-        assert "unhooked" in disk["stdout"] and 32 - 8 <= max(written) <= 32 + 64, disk["stdout"][-300:]
+        # A period is 25 ms on an idle machine; under load the watch thread and the event loop run
+        # late and the call writes on meanwhile (104 MiB with a training run beside the suite, load 6).
+        # Still far below the 2 GiB asked for: a watch that misses the writes never kills the call.
+        assert "unhooked" in disk["stdout"] and 32 - 8 <= max(written) <= 32 + 128, disk["stdout"][-300:]
         assert inodes["killed_reason"] == "file count limit of 500 exceeded", inodes
         assert max(made) <= 500 + 2000, inodes["stdout"][-300:]
     deep = r["deep_disk"]

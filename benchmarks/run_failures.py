@@ -1,8 +1,9 @@
 """How a run's episodes ended, by phase: the environment's verdict (`env_info.reason`: correct,
 broken_chain, incomplete, wrong, ...; `cut: <end_reason>` for an episode the rollout cut) of every
 trajectory the trainer consumed, counted over the critic warm-up and over each block of `--block` actor
-steps. Reads the run directory only (`batches.jsonl`, the trajectory buffer `buffer/`, `config.yaml`);
-no model runs.
+steps; then the held-out failures of each evaluation the run wrote, by episode length in turns. Reads the
+run directory only (`batches.jsonl`, the trajectory buffer `buffer/`, `config.yaml`, `eval/`); no model
+runs.
 
     PYTHONPATH=. .venv/bin/python benchmarks/run_failures.py runs/critic35/chain_sao_s1 runs/critic35/chain_sao_s3
 
@@ -50,6 +51,22 @@ def endings(run_dir: Path, block: int = 5) -> dict[str, dict[str, int]]:
     return {phase: dict(c.most_common()) for phase, c in out.items()}
 
 
+def held_out_failures(run_dir: Path) -> dict[str, dict[str, int]]:
+    """{"held-out at step N": {"T turns[, truncated]": failed episodes}} of each evaluation the run wrote
+    (`eval/step_*.jsonl`): where in the episode length a policy's held-out failures lie."""
+    out = {}
+    for f in sorted((run_dir / "eval").glob("step_*.jsonl")):
+        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        c = collections.Counter(f"{r['turns']} turns" + (", truncated" if r["status"] == "truncated" else "")
+                                for r in rows if not r["correct"])
+        out[f"held-out at step {int(f.stem.split('_')[1])}"] = {"episodes": len(rows), **dict(sorted(c.items()))}
+    return out
+
+
+def report(run_dir: Path, block: int = 5) -> dict[str, dict[str, int]]:
+    return {**endings(run_dir, block), **held_out_failures(run_dir)}
+
+
 def per_run_dir(report, description: str, block: int, argv=None) -> int:
     """The command line of a script that prints `report(run_dir, block)` as JSON for each run directory
     given, with rows of `--block` actor steps."""
@@ -62,7 +79,7 @@ def per_run_dir(report, description: str, block: int, argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    return per_run_dir(endings, __doc__.splitlines()[0], 5, argv)
+    return per_run_dir(report, __doc__.splitlines()[0], 5, argv)
 
 
 if __name__ == "__main__":

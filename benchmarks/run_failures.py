@@ -1,9 +1,11 @@
 """How a run's episodes ended, by phase: the environment's verdict (`env_info.reason`: correct,
 broken_chain, incomplete, wrong, ...; `cut: <end_reason>` for an episode the rollout cut) of every
 trajectory the trainer consumed, counted over the critic warm-up and over each block of `--block` actor
-steps; then the held-out failures of each evaluation the run wrote, by episode length in turns. Reads the
-run directory only (`batches.jsonl`, the trajectory buffer `buffer/`, `config.yaml`, `eval/`); no model
-runs.
+steps; then the held-out failures of each evaluation the run wrote, by episode length in turns; and on a
+chain task (envs/chain_python.py) the episodes solved by chain length, per phase and per evaluation, where
+a policy that drifts on the long chains shows (docs/results.md, section 9). Reads the run directory only
+(`batches.jsonl`, the trajectory buffer `buffer/`, `config.yaml`, `eval/`) and regenerates the config's
+tasks; no model runs.
 
     PYTHONPATH=. .venv/bin/python benchmarks/run_failures.py runs/critic35/chain_sao_s1 runs/critic35/chain_sao_s3
 
@@ -30,41 +32,84 @@ def phase_of(step: int, warmup: int, block: int) -> str:
     return f"actor {lo}-{lo + block - 1}"
 
 
-def endings(run_dir: Path, block: int = 5) -> dict[str, dict[str, int]]:
-    """{phase: {reason: trajectories}} of the trajectories the run trained on."""
+def trained(run_dir: Path, block: int = 5):
+    """(phase, trajectory) for every trajectory the run trained on, in step order (`batches.jsonl`, `buffer/`)."""
     from megatron_sao.config import load_config
     from megatron_sao.trajectory import load_trajectories
 
     warmup = load_config(run_dir / "config.yaml", []).algorithm.warmup_steps
     files = {f.stem.split("-", 1)[1]: f for f in (run_dir / "buffer").glob("*.safetensors")}
-    out: dict[str, collections.Counter] = {}
     for line in (run_dir / "batches.jsonl").read_text().splitlines():
         batch = json.loads(line)
-        counts = out.setdefault(phase_of(batch["step"], warmup, block), collections.Counter())
+        phase = phase_of(batch["step"], warmup, block)
         for tid in batch["traj_ids"]:
             if tid not in files:
                 raise SystemExit(f"{run_dir}: trajectory {tid} of step {batch['step']} is not in buffer/")
             for t in load_trajectories(files[tid]):
-                # An episode the rollout cut (turn or token limit) has no environment verdict: its end reason.
-                reason = t.info.get("env_info", {}).get("reason") or f"cut: {t.info.get('end_reason', 'unknown')}"
-                counts[reason] += 1
+                yield phase, t
+
+
+def endings(run_dir: Path, block: int = 5) -> dict[str, dict[str, int]]:
+    """{phase: {reason: trajectories}} of the trajectories the run trained on."""
+    out: dict[str, collections.Counter] = {}
+    for phase, t in trained(run_dir, block):
+        # An episode the rollout cut (turn or token limit) has no environment verdict: its end reason.
+        reason = t.info.get("env_info", {}).get("reason") or f"cut: {t.info.get('end_reason', 'unknown')}"
+        out.setdefault(phase, collections.Counter())[reason] += 1
     return {phase: dict(c.most_common()) for phase, c in out.items()}
+
+
+def eval_files(run_dir: Path) -> list[tuple[int, list[dict]]]:
+    """(step, episode rows) of each held-out evaluation the run wrote (`eval/step_*.jsonl`), in step order."""
+    return [(int(f.stem.split("_")[1]), [json.loads(line) for line in f.read_text().splitlines() if line.strip()])
+            for f in sorted((run_dir / "eval").glob("step_*.jsonl"))]
 
 
 def held_out_failures(run_dir: Path) -> dict[str, dict[str, int]]:
     """{"held-out at step N": {"T turns[, truncated]": failed episodes}} of each evaluation the run wrote
     (`eval/step_*.jsonl`): where in the episode length a policy's held-out failures lie."""
     out = {}
-    for f in sorted((run_dir / "eval").glob("step_*.jsonl")):
-        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    for step, rows in eval_files(run_dir):
         c = collections.Counter(f"{r['turns']} turns" + (", truncated" if r["status"] == "truncated" else "")
                                 for r in rows if not r["correct"])
-        out[f"held-out at step {int(f.stem.split('_')[1])}"] = {"episodes": len(rows), **dict(sorted(c.items()))}
+        out[f"held-out at step {step}"] = {"episodes": len(rows), **dict(sorted(c.items()))}
     return out
 
 
-def report(run_dir: Path, block: int = 5) -> dict[str, dict[str, int]]:
-    return {**endings(run_dir, block), **held_out_failures(run_dir)}
+def chain_lengths(run_dir: Path, block: int = 5) -> dict[str, dict[str, str]]:
+    """{phase or "held-out at step N": {"K steps": "solved/episodes"}} on a task whose tasks list their
+    steps (`meta["steps"]`: envs/chain_python.py); {} on any other task. The tasks come back from the
+    run's config as training and evaluation drew them (trainer/components.py), matched by prompt id."""
+    from megatron_sao.config import load_config
+    from megatron_sao.trainer.components import eval_tasks, train_tasks
+
+    cfg = load_config(run_dir / "config.yaml", [])
+    train = train_tasks(cfg)
+    tasks = {t.prompt_id: t for t in (*(train[i] for i in range(len(train))), *eval_tasks(cfg))}
+    if not all("steps" in t.meta for t in tasks.values()):
+        return {}
+
+    def tally(out: dict, phase: str, prompt_id: str, solved: bool) -> None:
+        prompt_id = prompt_id.rsplit("@", 1)[0]  # the rollout's "@<position in the prompt stream>"
+        if prompt_id not in tasks:
+            raise SystemExit(f"{run_dir}: episode of prompt {prompt_id!r} is not among the config's tasks")
+        cell = out.setdefault(phase, {}).setdefault(len(tasks[prompt_id].meta["steps"]), [0, 0])
+        cell[0] += solved
+        cell[1] += 1
+
+    out: dict[str, dict[int, list[int]]] = {}
+    for phase, t in trained(run_dir, block):
+        tally(out, phase, t.prompt_id, t.reward == 1.0)
+    for step, rows in eval_files(run_dir):
+        for r in rows:
+            tally(out, f"held-out at step {step}", r["prompt_id"], bool(r["correct"]))
+    return {phase: {f"{k} steps": f"{s}/{n}" for k, (s, n) in sorted(c.items())} for phase, c in out.items()}
+
+
+def report(run_dir: Path, block: int = 5) -> dict[str, dict]:
+    by_length = chain_lengths(run_dir, block)
+    return {**endings(run_dir, block), **held_out_failures(run_dir),
+            **({"by chain length": by_length} if by_length else {})}
 
 
 def per_run_dir(report, description: str, block: int, argv=None) -> int:

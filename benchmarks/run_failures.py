@@ -49,10 +49,11 @@ def trained(run_dir: Path, block: int = 5):
                 yield phase, t
 
 
-def endings(run_dir: Path, block: int = 5) -> dict[str, dict[str, int]]:
-    """{phase: {reason: trajectories}} of the trajectories the run trained on."""
+def endings(run_dir: Path, block: int = 5, episodes=None) -> dict[str, dict[str, int]]:
+    """{phase: {reason: trajectories}} of the trajectories the run trained on (`episodes`: `trained()`'s
+    pairs when the caller has read them already)."""
     out: dict[str, collections.Counter] = {}
-    for phase, t in trained(run_dir, block):
+    for phase, t in trained(run_dir, block) if episodes is None else episodes:
         # An episode the rollout cut (turn or token limit) has no environment verdict: its end reason.
         reason = t.info.get("env_info", {}).get("reason") or f"cut: {t.info.get('end_reason', 'unknown')}"
         out.setdefault(phase, collections.Counter())[reason] += 1
@@ -76,7 +77,7 @@ def held_out_failures(run_dir: Path) -> dict[str, dict[str, int]]:
     return out
 
 
-def chain_lengths(run_dir: Path, block: int = 5) -> dict[str, dict[str, str]]:
+def chain_lengths(run_dir: Path, block: int = 5, episodes=None) -> dict[str, dict[str, str]]:
     """{phase or "held-out at step N": {"K steps": "solved/episodes"}} on a task whose tasks list their
     steps (`meta["steps"]`: envs/chain_python.py); {} on any other task. The tasks come back from the
     run's config as training and evaluation drew them (trainer/components.py), matched by prompt id."""
@@ -98,7 +99,7 @@ def chain_lengths(run_dir: Path, block: int = 5) -> dict[str, dict[str, str]]:
         cell[1] += 1
 
     out: dict[str, dict[int, list[int]]] = {}
-    for phase, t in trained(run_dir, block):
+    for phase, t in trained(run_dir, block) if episodes is None else episodes:
         tally(out, phase, t.prompt_id, t.reward == 1.0)
     for step, rows in eval_files(run_dir):
         for r in rows:
@@ -107,8 +108,9 @@ def chain_lengths(run_dir: Path, block: int = 5) -> dict[str, dict[str, str]]:
 
 
 def report(run_dir: Path, block: int = 5) -> dict[str, dict]:
-    by_length = chain_lengths(run_dir, block)
-    return {**endings(run_dir, block), **held_out_failures(run_dir),
+    episodes = list(trained(run_dir, block))  # the buffer is read once for both tallies
+    by_length = chain_lengths(run_dir, block, episodes)
+    return {**endings(run_dir, block, episodes), **held_out_failures(run_dir),
             **({"by chain length": by_length} if by_length else {})}
 
 

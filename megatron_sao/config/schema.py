@@ -229,6 +229,9 @@ class RolloutConfig:
     # With every server out of service: how long the run waits for one to come back (a restarted
     # server rejoins with the current weights) before it stops with a checkpoint.
     server_deadline_s: float = 300.0
+    # A server that answers /health again but fails its rejoining update (a timeout, a failed weight check)
+    # is tried again after its next health answer, this many rejoins in all; then it stays out for the run.
+    rejoin_attempts: int = 3
     # The trainer starts while its vllm_server servers still load (the two cold starts overlap); a
     # server with no /health answer this long after the trainer built its models stops the run
     # (SAO_HEALTH_TIMEOUT_S).

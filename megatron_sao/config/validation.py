@@ -109,6 +109,7 @@ def _check_rollout_servers(r: RolloutConfig, placement: str) -> None:
     _check(r.health_check_interval_s >= 0, "rollout.health_check_interval_s", "must be >= 0 (0 = off)")
     _check(r.server_deadline_s >= 0, "rollout.server_deadline_s", "must be >= 0 (0 = stop when the last server dies)")
     _check(r.server_start_timeout_s > 0, "rollout.server_start_timeout_s", "must be > 0")
+    _check(r.rejoin_attempts >= 1, "rollout.rejoin_attempts", "must be >= 1 (1: one failed rejoin leaves it out)")
     _check(r.start_min_servers >= 0, "rollout.start_min_servers", "must be >= 0 (0 = every server)")
     if r.backend == "vllm_server" and r.server_urls:
         _check(r.start_min_servers <= len(r.server_urls), "rollout.start_min_servers",

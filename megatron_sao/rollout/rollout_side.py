@@ -54,6 +54,7 @@ class RolloutSideConfig:
     # every engine is in service from the start (in-process and colocated engines).
     start_timeout_s: float | None = None
     start_min_servers: int = 1  # servers in service before the first episode starts (0: all)
+    rejoin_attempts: int = 3  # failed rejoins before a revived server is left out for good (server_pool)
 
 
 class RolloutSide:
@@ -62,7 +63,8 @@ class RolloutSide:
                  labels: list[str] | None = None, next_pos: int = 0, requeue: list[Unit] | None = None,
                  skip: set[Unit] | None = None, step_offset: int = 0, endpoint=None):
         self.cfg, self.formatter = cfg, formatter
-        self.pool = ServerPool(engines, labels, cfg.max_num_seqs, starting=cfg.start_timeout_s is not None)
+        self.pool = ServerPool(engines, labels, cfg.max_num_seqs, starting=cfg.start_timeout_s is not None,
+                               rejoin_attempts=cfg.rejoin_attempts)
         self.sync = WeightSync(self.pool.engines, cfg.sync_timeout_s, check=cfg.check_weights, atol=cfg.check_atol,
                                strict=False, labels=[s.label for s in self.pool.slots], check_every=cfg.check_every)
         self.driver = EpisodeDriver(self.pool, env_factory, stream, formatter, loop_cfg, on_done,
@@ -164,7 +166,8 @@ class RolloutSide:
         return self.pool.update_members()
 
     def _settle_rejoins(self, rejoin: list[int], metrics: SyncMetrics, version: int) -> None:
-        """Revive each rejoining server that took the whole update; refuse the others for good."""
+        """Revive each rejoining server that took the whole update; the others are tried again later, a
+        bounded number of times (``ServerPool.rejoin_failed``)."""
         async def go():
             for i in rejoin:
                 slot = self.pool.slots[i]
@@ -172,7 +175,7 @@ class RolloutSide:
                 if why is None:
                     self.pool.revive(slot, version)
                 else:
-                    self.pool.refuse_rejoin(slot, why)
+                    self.pool.rejoin_failed(slot, why)
         self.driver.call(go())
 
     # ------------------------------------------------------------------ evaluation

@@ -28,9 +28,12 @@ includes it (``update_members``), and ``WeightSync`` re-forms the transfer group
 process is a new peer), and only a server that takes the whole update (and passes the weight check, when on) is
 revived (``revive``), at the same version as every other live server. With no server in service the
 update goes to the rejoining ones alone (the trainer pushes its current version while it waits for a
-batch). A server whose rejoin fails stays out
-for the rest of the run: a server that hangs in the update would otherwise cost a sync timeout every
-step.
+batch). A rejoin that fails (an update step or the weight check ran out its timeout, the check disagreed)
+leaves the server out until it answers its health check again, and it is tried at the next update after
+that, at most ``rejoin_attempts`` times in all (``rollout.rejoin_attempts``): a restarted `vllm serve`
+may be slow on its first requests, so one timeout is no proof it is broken, but a server that hangs in
+every update must not cost a sync timeout every step, so after the last attempt it stays out for the
+rest of the run.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ class ServerSlot:
     alive: bool = True
     dead_reason: str | None = None
     healthy_again: bool = False  # dead, but its health check passes: a candidate for the next update
-    rejoin_refused: str | None = None  # why its rejoin failed (it is not tried again)
+    rejoin_failures: int = 0  # failed rejoins so far (each one waits for a health answer before the next)
+    rejoin_refused: str | None = None  # why its last allowed rejoin failed (it is not tried again)
     starting: bool = False  # not up yet: no /health answer since the start (module docstring)
     ever_served: bool = True  # False for a server that came up after a resume's push, until its first update
     outstanding: int = 0  # generate requests sent or waiting for a slot
@@ -112,9 +116,12 @@ class ServerPool:
     """The rollout servers of one run (see the module docstring)."""
 
     def __init__(self, engines: list[RolloutEngine], labels: list[str] | None = None,
-                 max_num_seqs: int | None = None, starting: bool = False) -> None:
+                 max_num_seqs: int | None = None, starting: bool = False, rejoin_attempts: int = 3) -> None:
         if not engines:
             raise ValueError("ServerPool needs at least one rollout engine")
+        if rejoin_attempts < 1:
+            raise ValueError(f"rejoin_attempts must be >= 1 (rollout.rejoin_attempts), got {rejoin_attempts}")
+        self.rejoin_attempts = rejoin_attempts
         if max_num_seqs is not None and max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 (rollout.max_num_seqs), got {max_num_seqs}")
         labels = labels or [getattr(e, "url", None) or getattr(e, "name", f"engine{i}") for i, e in enumerate(engines)]
@@ -201,10 +208,19 @@ class ServerPool:
             logger.info("rollout server %s is in service at weight version %d", slot.label, version)
         slot.alive, slot.dead_reason, slot.healthy_again, slot.ever_served = True, None, False, True
 
-    def refuse_rejoin(self, slot: ServerSlot, reason: str) -> None:
-        slot.rejoin_refused, slot.healthy_again = reason, False
-        logger.error("rollout server %s answered its health check again but failed to rejoin (%s); it stays "
-                     "out of service for the rest of the run", slot.label, reason)
+    def rejoin_failed(self, slot: ServerSlot, reason: str) -> None:
+        """A rejoin that did not take: tried again once the server answers its health check again, until
+        the ``rejoin_attempts``-th failure refuses it for good (see the module docstring)."""
+        slot.rejoin_failures += 1
+        slot.healthy_again = False  # the next health answer makes it a candidate again
+        n, most = slot.rejoin_failures, self.rejoin_attempts
+        if n >= most:
+            slot.rejoin_refused = reason
+            logger.error("rollout server %s answered its health check again but failed to rejoin %d of %d times "
+                         "(last: %s); it stays out of service for the rest of the run", slot.label, n, most, reason)
+        else:
+            logger.warning("rollout server %s failed to rejoin (%s; attempt %d of %d); it is tried again at the "
+                           "next weight update after it answers its health check", slot.label, reason, n, most)
 
     async def check(self, slot: ServerSlot, timeout_s: float) -> bool:
         """One health check; an engine that does not answer in time is unhealthy."""

@@ -238,7 +238,7 @@ def build_rollout_side(cfg: SAOConfig, model_dir: Path, on_done, *, group_size: 
         check_every=r.weight_sync_check_every,
         health_interval_s=r.health_check_interval_s, server_deadline_s=r.server_deadline_s,
         start_timeout_s=r.server_start_timeout_s if servers else None,  # servers: up once they answer /health
-        start_min_servers=r.start_min_servers)
+        start_min_servers=r.start_min_servers, rejoin_attempts=r.rejoin_attempts)
     formatter = ChatFormatter(load_tokenizer(cfg, model_dir))
     return RolloutSide(engines, env_factory(cfg), PromptStream(train_tasks(cfg), cfg.run.seed),
                        formatter, agent_loop_config(cfg), on_done, side_cfg,

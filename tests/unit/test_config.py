@@ -55,6 +55,7 @@ def test_presets_and_precedence(tmp_path):
     (["rollout.weight_sync_check_every=0"], "rollout.weight_sync_check_every: must be an int >= 1"),
     (["model.dtype=float16"], "model.dtype: float16 training needs loss scaling"),
     (["rollout.start_min_servers=-1"], "rollout.start_min_servers: must be >= 0"),
+    (["rollout.rejoin_attempts=0"], "rollout.rejoin_attempts: must be >= 1"),
     (["rollout.backend=vllm_server", "rollout.server_urls=[http://a:8000,http://b:8000]",
       "rollout.start_min_servers=3"], "rollout.start_min_servers: is 3 but rollout.server_urls names 2 servers"),
     (["cluster.placement=colocated", "cluster.rollout_tp=4", "rollout.backend=vllm", "rollout.routing_replay=true"],

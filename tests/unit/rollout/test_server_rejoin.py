@@ -34,14 +34,14 @@ def scripted_server(formatter, name: str, **kw):
 
 
 def make_side(n=2, check=False, server_deadline_s=300.0, health_timeout_s=1.0, start_timeout_s=None,
-              start_min_servers=1):
+              start_min_servers=1, rejoin_attempts=3):
     fmt = ChatFormatter(build_char_tokenizer())
     servers = [scripted_server(fmt, f"http://srv{i}") for i in range(n)]
     done = []
     cfg = RolloutSideConfig(batch_size=4, ahead=0, concurrency=4, sync_timeout_s=5.0, check_weights=check,
                             health_interval_s=0.05, health_timeout_s=health_timeout_s,
                             server_deadline_s=server_deadline_s, start_timeout_s=start_timeout_s,
-                            start_min_servers=start_min_servers)
+                            start_min_servers=start_min_servers, rejoin_attempts=rejoin_attempts)
     side = RolloutSide(servers, lambda task: ThreeTurns(), PromptStream(ToyToolTasks(80, seed=0), seed=0), fmt,
                        AgentLoopConfig(max_turns=5, max_total_tokens=512, max_new_tokens_per_turn=32,
                                        sampling=SamplingParams(max_new_tokens=32)),
@@ -145,7 +145,10 @@ def test_a_hung_server_does_not_delay_the_readmission_of_a_restarted_one():
         side.close()
 
 
-def test_a_rejoin_that_fails_its_update_leaves_the_server_out_and_the_run_going():
+def test_a_rejoin_that_fails_is_tried_again_after_the_next_health_answer():
+    """A restarted `vllm serve` can be slow on its first requests: one failed rejoin (here its transfer
+    group broke) leaves it out and the run going, and it rejoins at a later update once it answers its
+    health check again."""
     side, servers, done = make_side()
     side.start()
     try:
@@ -153,21 +156,53 @@ def test_a_rejoin_that_fails_its_update_leaves_the_server_out_and_the_run_going(
         servers[1].push_error = OSError("http://srv1: transfer group gone (the server process restarted)")
         m = push(side, 1, check=False)
         assert "http://srv1" in m.failed and "transfer group gone" in m.failed["http://srv1"]
+        slot = side.pool.slots[1]
+        assert not slot.alive and slot.rejoin_failures == 1 and slot.rejoin_refused is None
         side.step_finished()
         assert wait_for(lambda: len(done) == 8, timeout=30)
-        assert wait_for(lambda: side.pool.slots[1].rejoin_refused is not None)
-        m2 = push(side, 2, check=False)  # a refused server is not tried again
+        assert {t.info["server"] for t in done[4:]} == {"http://srv0"}  # out while it failed
+        servers[1].push_error = None
+        assert wait_for(lambda: slot.healthy_again)  # a candidate again after its next health answer
+        m2 = push(side, 2, check=False)
+        side.step_finished()
+        assert wait_for(lambda: len(done) == 12, timeout=30)
+        metrics = side.metrics()
     finally:
         side.close()
-    assert side.error is None and not m2.failed
-    assert servers[0].version == 2 and servers[1].version == 0 and not side.pool.slots[1].alive
-    assert not side.pool.slots[1].healthy_again  # not a candidate any more, though it answers
+    assert side.error is None and not m2.failed and slot.alive
+    assert servers[0].version == servers[1].version == 2
+    assert metrics["rollout/server_revivals"] == 1
+
+
+def test_a_server_that_fails_every_rejoin_is_left_out_for_good():
+    """After `rejoin_attempts` failed rejoins a server stays out though it answers: a server that hangs
+    in every update would otherwise cost a sync timeout every step."""
+    side, servers, done = make_side(rejoin_attempts=2)
+    side.start()
+    try:
+        kill_and_recover(side, servers, done)
+        servers[1].push_error = OSError("http://srv1: transfer group gone (the server process restarted)")
+        slot = side.pool.slots[1]
+        for version in (1, 2):
+            assert wait_for(lambda: slot.healthy_again)
+            m = push(side, version, check=False)
+            assert "http://srv1" in m.failed
+        assert slot.rejoin_failures == 2 and "transfer group gone" in slot.rejoin_refused
+        side.step_finished()
+        assert wait_for(lambda: len(done) == 8, timeout=30)
+        time.sleep(0.2)  # health rounds: a refused server is not checked, nor made a candidate again
+        m3 = push(side, 3, check=False)  # a refused server is not tried again
+    finally:
+        side.close()
+    assert side.error is None and not m3.failed
+    assert servers[0].version == 3 and servers[1].version == 0 and not slot.alive
+    assert not slot.healthy_again  # not a candidate any more, though it answers
     assert {t.info["server"] for t in done[4:]} == {"http://srv0"}
     assert side.metrics()["rollout/server_revivals"] == 0
 
 
 def test_a_rejoining_server_with_wrong_weights_is_refused_not_the_run():
-    side, servers, done = make_side(check=True)
+    side, servers, done = make_side(check=True, rejoin_attempts=1)
     side.start()
     try:
         kill_and_recover(side, servers, done)

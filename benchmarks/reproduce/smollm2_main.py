@@ -11,7 +11,8 @@ row a real `sao train` through the suite's runner, three seeds each:
   the group size of the suite's toy comparison (experiment.METHODS);
 - `running_mean`: SAO's single-rollout loss with a running-mean baseline instead of a critic;
 - `sao_cold` (word problems only): the critic without value pretraining (a fresh head at 5e-4),
-  what the first comparison ran (docs/results.md, section 6).
+  what the first comparison ran (docs/results.md, section 6);
+- `sao_long` (chains only): `sao` over budget B's actor steps instead of A's, evaluated after A's too.
 Two budgets, both reported (issue 40). A, the paper's convention: every method takes the same actor
 steps of 16 trajectories; SAO's warm-up and value pretraining are not counted. B, every rollout
 counted: SAO spends value pretraining's rollouts and its warm-up's before those actor steps, and the
@@ -19,6 +20,10 @@ other methods take as many trajectories in RL. One run serves both: GRPO, GRPO+D
 mean train B's steps and are evaluated after A's and at the end (`run.eval_at`); an SAO run is
 evaluated once, after its actor steps. Held-out accuracy on 256 tasks at T=1; per method the mean and
 spread over the seeds, the per-seed paired difference to GRPO+DIS of the same seed, wall and CPU time.
+A third reading, L (with a `sao_long` row): the paper's convention at B's length, every method the same
+B-many actor steps (SAO's warm-up and value pretraining not counted); the rows without a critic are read
+where B reads them. It asks whether SAO, too, drops late where the critic-free rows did (section 9 of
+docs/results.md: most of their lowest points came after SAO's 20 actor steps).
 
 Each finished run writes its result file into OUT/runs/ at once (run_results.py); an invocation
 skips the runs whose file is there for the same key (config, overrides, seed, ALGORITHM_VERSION,
@@ -78,6 +83,7 @@ class Row:
     method: str  # of experiment.METHODS
     extra: tuple[str, ...] = ()
     pretrained_critic: bool = True  # SAO rows: the value-pretrained critic (else the SFT weights, a fresh head)
+    long: bool = False  # SAO rows: budget B's actor steps (reading L), evaluated after A's too
 
 
 # A head drawn fresh for the warm-up needs the value-pretraining head LR (5e-4) to reach the returns
@@ -90,6 +96,7 @@ ROWS: dict[str, Row] = {
     "grpo_dis": Row("grpo_dis"),
     "running_mean": Row("running_mean"),
     "sao_cold": Row("sao", FRESH_HEAD, pretrained_critic=False),
+    "sao_long": Row("sao", long=True),
 }
 
 
@@ -101,8 +108,9 @@ class Task:
 
 
 TASKS = {
-    "arith": Task("examples/smollm2_arith.yaml", "main_smollm2", tuple(ROWS)),
+    "arith": Task("examples/smollm2_arith.yaml", "main_smollm2", tuple(r for r in ROWS if r != "sao_long")),
     # The critic-issue's finding (a cold critic explains nothing) was made on the word problems: no cold row.
+    # The long SAO row asks about the chains' late drops (module docstring).
     "chain": Task("examples/smollm2_chain.yaml", "main_smollm2_chain", tuple(r for r in ROWS if r != "sao_cold")),
 }
 DEFAULT_SEEDS = [1, 2, 3]
@@ -178,11 +186,13 @@ def plan(start: SftStart, b: Budgets, seeds: list[int], rows: tuple[str, ...]) -
     for seed in seeds:
         for label in rows:
             row = ROWS[label]
-            if row.method == "sao":  # the paper's critic; evaluated once, after its actor steps
+            if row.method == "sao":  # the paper's critic; evaluated after its actor steps (and A's, when long)
                 critic = (*([f"critic.init={start.pretrained}"] if row.pretrained_critic else []),
                           *critic_presets.paper_critic(start.config))
-                steps = (f"algorithm.critic_warmup_steps={b.warmup}", f"run.total_steps={b.actor_steps}",
-                         "run.eval_every=0", f"run.eval_at=[{b.warmup + b.actor_steps}]")
+                evals = [b.warmup + b.actor_steps, *([b.warmup + b_steps] if row.long else [])]
+                steps = (f"algorithm.critic_warmup_steps={b.warmup}",
+                         f"run.total_steps={b_steps if row.long else b.actor_steps}",
+                         "run.eval_every=0", f"run.eval_at=[{','.join(map(str, evals))}]")
             else:  # budget B's steps, evaluated at budget A's and at the end
                 critic = ()
                 steps = (f"run.total_steps={b_steps}", "run.eval_every=0", f"run.eval_at=[{b.actor_steps},{b_steps}]")
@@ -191,10 +201,15 @@ def plan(start: SftStart, b: Budgets, seeds: list[int], rows: tuple[str, ...]) -
     return runs
 
 
-def trajectories_at(run: Run, b: Budgets, b_steps: int, budget: str) -> int:
-    """The trajectories a run has consumed in RL (critic warm-up included) where budget `budget` ("A" or
-    "B") reads its held-out accuracy: an SAO run's one evaluation; the others' after A's or B's steps."""
-    if ROWS[run.label].method == "sao":
+def trajectories_at(run: Run, b: Budgets, b_steps: int, budget: str) -> int | None:
+    """The trajectories a run has consumed in RL (critic warm-up included) where `budget` ("A", "B" or "L")
+    reads its held-out accuracy: an SAO run's evaluation after A's actor steps (for A and B) or after B's
+    (L, the long row only: None for the others); the rows without a critic after A's steps or after B's
+    (B and L)."""
+    row = ROWS[run.label]
+    if row.method == "sao":
+        if budget == "L":
+            return (b.warmup + b_steps) * b.batch if row.long else None
         return (b.warmup + b.actor_steps) * b.batch
     return (b.actor_steps if budget == "A" else b_steps) * b.batch
 
@@ -273,7 +288,7 @@ def pretraining_summary(start: SftStart) -> dict | None:
     return json.loads(f.read_text()) if f.exists() else None
 
 
-def _at(data: dict, trajectories: int) -> float:
+def _at(data: dict, trajectories: int | None) -> float:
     return next((acc for n, _, acc in data["eval_points"] if n == trajectories and acc is not None), math.nan)
 
 
@@ -330,6 +345,11 @@ def report(s: Settings, b: Budgets, start: SftStart, sft: dict, runs: list[Run],
     png = plot(runs, done, start, sft["accuracy"], s.out, f"{title}\n({status})")
     cold = (f"; sao_cold (no value pretraining) takes {sao_n} in warm-up and actor steps"
             if any(r.label == "sao_cold" for r in runs) else "")
+    long = any(ROWS[r.label].long for r in runs)
+    reading_l = (f"- L (budget A's convention at B's length): {b_steps} actor steps of {b.batch} for every method; "
+                 f"sao_long takes them after its {b.warmup} warm-up steps and is evaluated after {b.actor_steps} (its "
+                 f"A and B readings) and {b_steps}; the rows without a critic are read where B reads them\n"
+                 if long else "")
     md = header(title, s.command, s.seeds, s.elapsed_s,
                 f"- budget A (the paper's convention): {b.actor_steps} actor steps of {b.batch} trajectories for "
                 f"every method (GRPO: {b.batch // GROUP} prompts x {GROUP}), {a_n} trajectories; SAO's "
@@ -339,6 +359,7 @@ def report(s: Settings, b: Budgets, start: SftStart, sft: dict, runs: list[Run],
                 f"value pretraining, {b.warmup * b.batch} in warm-up, {a_n} in its {b.actor_steps} actor steps; GRPO, "
                 f"GRPO+DIS and the running mean take {b_steps} steps (one run serves both budgets: evaluated after "
                 f"{b.actor_steps} steps and at the end){cold}\n"
+                f"{reading_l}"
                 f"- held-out accuracy on {b.eval_size} tasks at T=1: the SFT model (one `sao eval`), then every run "
                 f"where the budgets read it\n"
                 f"- starting point `{start.dir.name}` ({start.config}; `{run_results.START_PLACEHOLDER}` below: its "
@@ -360,16 +381,18 @@ def report(s: Settings, b: Budgets, start: SftStart, sft: dict, runs: list[Run],
             data = done[r]
             if data is None:
                 note = "failed in this invocation" if any(f.run == r for f in failed) else "missing"
-                rows.append([label, str(r.seed), *["-"] * 9, note])
+                rows.append([label, str(r.seed), *["-"] * (10 if long else 9), note])
                 continue
             per_method.setdefault(label, []).append(r)
-            rows.append([label, str(r.seed), _f(acc(r, "A")), _f(acc(r, "B")), f"{data['wall_s'] / 60:.1f}",
+            rows.append([label, str(r.seed), _f(acc(r, "A")), _f(acc(r, "B")), *([_f(acc(r, "L"))] if long else []),
+                         f"{data['wall_s'] / 60:.1f}",
                          _f((data.get("cpu_s") or math.nan) / 60, 1), _f(data.get("load_avg"), 1),
                          _f(data["trajectories_per_s"], 2),
                          _f(_tail_mean(data["series"].get("critic/explained_variance", []))),
                          _f(_tail_mean(data["series"].get("actor/kept_fraction", []))),
                          " ".join(f"{k}:{v}" for k, v in data["lag_histogram"].items()), "done"])
-    md += md_table(["method", "seed", "held-out, budget A", "held-out, budget B", "run wall (min)", "run CPU (min)",
+    md += md_table(["method", "seed", "held-out, budget A", "held-out, budget B",
+                    *([f"held-out, L ({b_steps} actor steps)"] if long else []), "run wall (min)", "run CPU (min)",
                     "machine load", "trajectories/s", "critic explained variance (last quarter)",
                     "DIS kept fraction (last quarter)", "lag histogram (versions: trajectories)", "status"], rows)
     early = [[r.label, str(r.seed), *early_critic(done[r]).cells()] for r in runs
@@ -387,10 +410,12 @@ def report(s: Settings, b: Budgets, start: SftStart, sft: dict, runs: list[Run],
                f"{_f(vp['ev_step0'])} at step 0, {_f(vp['ev_heldout_best'])} kept (step {vp['best_step']}); the task's "
                f"oracle ceiling on the same held-out rollouts {_f(ceiling)}; "
                f"critic weights sha256 {start.critic_digest[:16]}.")
-    for budget in ("A", "B"):
+    for budget in ("A", "B", "L") if long else ("A", "B"):
         paired_all = paired_to_reference(runs, done, lambda r, budget=budget: acc(r, budget))
         summary_rows = []
         for label, rs in per_method.items():
+            if all(math.isnan(acc(r, budget)) for r in rs):
+                continue  # no reading of this row here (L: the SAO rows of A's length)
             paired = paired_all[label]
             ds = [done[r] for r in rs]
             summary_rows.append([label, f"{len(rs)} of {sum(r.label == label for r in runs)}",
@@ -399,9 +424,10 @@ def report(s: Settings, b: Budgets, start: SftStart, sft: dict, runs: list[Run],
                                  stat([acc(r, budget) - sft["accuracy"] for r in rs]).fmt(),
                                  stat([d["wall_s"] / 60 for d in ds]).fmt(1),
                                  stat([(d.get("cpu_s") or math.nan) / 60 for d in ds]).fmt(1)])
+        what = {"A": f"Budget A ({a_n} trajectories)", "B": f"Budget B ({b_n} trajectories, value pretraining counted)",
+                "L": f"L ({b_steps} actor steps, {b_n} trajectories; SAO's warm-up and value pretraining not counted)"}
         if summary_rows:
-            md += (f"\n\nBudget {budget} ({a_n if budget == 'A' else b_n} trajectories"
-                   f"{', value pretraining counted' if budget == 'B' else ''}), per method (mean ± std over the seeds "
+            md += (f"\n\n{what[budget]}, per method (mean ± std over the seeds "
                    f"that finished, per-seed values in brackets; the SFT model {_f(sft['accuracy'])}):\n\n")
             md += md_table(["method", "seeds", "held-out accuracy", f"minus {PAIRED_REFERENCE}'s of the same seed",
                             "gain over the SFT start", "run wall (min)", "run CPU (min)"], summary_rows)

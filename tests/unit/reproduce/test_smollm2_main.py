@@ -59,7 +59,8 @@ def test_result_key_changes_with_config_algorithm_version_and_sft_weights_not_wi
 def test_budget_a_gives_every_method_the_same_actor_steps_and_budget_b_the_same_trajectories(tmp_path, budget, task):
     """A (the paper's): every method `actor_steps` actor steps of `batch`, SAO's warm-up and value pretraining
     not counted. B: every rollout counted: the methods without a critic train as many trajectories as SAO
-    spends in value pretraining, warm-up and the same actor steps; one run of theirs is read at both."""
+    spends in value pretraining, warm-up and the same actor steps; one run of theirs is read at both. L (chains'
+    `sao_long`): every method B's actor steps, SAO's warm-up and value pretraining not counted."""
     config = TOY_QUICK_CONFIG if budget is smollm2_main.QUICK else smollm2_main.TASKS[task].config
     vp = 512 if budget is smollm2_main.FULL else 8
     start = smollm2_main.SftStart("s", config, tmp_path, (), 0.0, digest="d", pretrained=tmp_path / "critic",
@@ -75,21 +76,27 @@ def test_budget_a_gives_every_method_the_same_actor_steps_and_budget_b_the_same_
         assert batch == budget.batch
         a_n = smollm2_main.trajectories_at(r, budget, b_steps, "A")
         b_n = smollm2_main.trajectories_at(r, budget, b_steps, "B")
+        l_n = smollm2_main.trajectories_at(r, budget, b_steps, "L")
         if smollm2_main.ROWS[label].method == "sao":
-            assert total == (budget.warmup + budget.actor_steps) * batch  # warm-up, then the same actor steps
-            assert a_n == b_n == total and f"run.eval_at=[{budget.warmup + budget.actor_steps}]" in r.overrides
+            a_end = budget.warmup + budget.actor_steps  # warm-up, then the same actor steps
+            assert a_n == b_n == a_end * batch
+            if smollm2_main.ROWS[label].long:  # L: B's actor steps after the warm-up, read after A's too
+                assert total == l_n == (budget.warmup + b_steps) * batch
+                assert f"run.eval_at=[{a_end},{budget.warmup + b_steps}]" in r.overrides
+            else:
+                assert total == a_n and l_n is None and f"run.eval_at=[{a_end}]" in r.overrides
             assert {f"algorithm.critic_warmup_steps={budget.warmup}", "algorithm.critic_steps=2"} <= set(r.overrides)
             if label != "sao_cold":  # budget B counts value pretraining's rollouts for the rows that use them
-                assert smollm2_main.counted(r, start, b_n) == total + vp <= b_steps * batch < total + vp + batch
+                assert smollm2_main.counted(r, start, b_n) == a_n + vp <= b_steps * batch < a_n + vp + batch
         else:
-            assert total == b_steps * batch and (a_n, b_n) == (budget.actor_steps * batch, total)
+            assert total == b_steps * batch and (a_n, b_n, l_n) == (budget.actor_steps * batch, total, total)
             assert f"run.eval_at=[{budget.actor_steps},{b_steps}]" in r.overrides
             assert smollm2_main.counted(r, start, b_n) == b_n
         assert "run.eval_every=0" in r.overrides
     assert "trainer.mode=sync" in by_label["sao_sync"].overrides
     assert "trainer.mode=sync" not in by_label["sao"].overrides
     assert f"critic.init={tmp_path / 'critic'}" in by_label["sao"].overrides
-    assert ("sao_cold" in by_label) == (task == "arith")
+    assert ("sao_cold" in by_label) == (task == "arith") and ("sao_long" in by_label) == (task == "chain")
     if task == "arith":
         assert not any(o.startswith("critic.init=") for o in by_label["sao_cold"].overrides)
         assert "critic.value_head_lr=5e-4" in by_label["sao_cold"].overrides  # a fresh head
@@ -150,3 +157,36 @@ def test_paired_differences_are_per_seed_against_grpo_dis_and_skip_seeds_it_lack
     assert paired["grpo_dis"].values == pytest.approx([0.0, 0.0])
     against_sao = smollm2_main.paired_to_reference(runs, done, lambda r: accs[(r.label, r.seed)], reference="sao")
     assert against_sao["grpo_dis"].values == pytest.approx([0.05, -0.10])
+
+
+def test_the_report_reads_the_long_sao_row_at_l_and_the_short_ones_only_at_a_and_b(tmp_path):
+    """With a `sao_long` row the report adds reading L (B's actor steps for every method): sao_long's second
+    evaluation and the critic-free rows' end; `sao`, evaluated once after A's steps, has no L reading."""
+    from benchmarks.reproduce.experiment import Settings
+
+    b, vp = smollm2_main.QUICK, 8
+    start = smollm2_main.SftStart("s", TOY_QUICK_CONFIG, tmp_path / "start", (), 0.0, digest="d" * 64,
+                                  pretrained=tmp_path / "critic", critic_digest="c" * 64, pretrain_rollouts=vp)
+    b_steps = b.b_steps(vp)
+    runs = [r for r in smollm2_main.plan(start, b, [1], smollm2_main.TASKS["chain"].rows)
+            if r.label in ("sao", "grpo_dis", "sao_long")]
+    accuracy = {"sao": [0.5], "grpo_dis": [0.4, 0.3], "sao_long": [0.6, 0.7]}
+
+    def result(r: Run) -> dict:
+        reads = [smollm2_main.trajectories_at(r, b, b_steps, x) for x in ("A", "B", "L")]
+        points = sorted({n for n in reads if n is not None})
+        return {"overrides": list(r.overrides), "eval_points": [[n, 1.0, a] for n, a in zip(points, accuracy[r.label])],
+                "wall_s": 60.0, "cpu_s": 120.0, "load_avg": 2.0, "trajectories_per_s": 1.0, "lag_histogram": {"0": 8},
+                "steps": list(range(b_steps + b.warmup)), "reward": [0.5] * (b_steps + b.warmup), "series": {}}
+    done = {r: result(r) for r in runs}
+    s = Settings("main_smollm2_chain", True, [1], 1, tmp_path / "out", tmp_path / "work", task="chain")
+    smollm2_main.report(s, b, start, {"accuracy": 0.25, "n": b.eval_size}, runs, done, [], [])
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert f"- L (budget A's convention at B's length): {b_steps} actor steps" in md
+    assert f"held-out, L ({b_steps} actor steps)" in md
+    assert "| sao_long | 1 | 0.600 | 0.600 | 0.700 |" in md and "| sao | 1 | 0.500 | 0.500 | - |" in md
+    assert "| grpo_dis | 1 | 0.400 | 0.300 | 0.300 |" in md
+    table_l = md.split(f"L ({b_steps} actor steps,")[1].split("\n\n")[1]
+    rows_l = [line.split("|")[1].strip() for line in table_l.splitlines()[2:]]
+    assert rows_l == ["grpo_dis", "sao_long"]  # no L reading of `sao`
+    assert "| sao_long | 1 of 1 | 0.700 (one seed) | 0.400 (one seed) |" in table_l  # paired: 0.700 - 0.300

@@ -144,17 +144,26 @@ def bookkeeping(runs: list[Run], done: dict, failed: list[RunResult], stale_file
 
 
 def train_missing(s, runs: list[Run], start_dir: Path, digest: Callable[[Run], str], start_info: Callable[[Run], dict],
-                  batch: int, jobs: int = 1) -> Recorded:
+                  batch: int, jobs: int = 1, also: Callable[[Run], list[str]] = lambda run: []) -> Recorded:
     """Train the runs of `runs` that have no result file in `s.out`/runs/ (all of them with `s.fresh`), at
     most `s.max_runs` of them and only those of the rows `s.rows` when set, and write each one's result
     file the moment it finishes: an experiment spread over sessions keeps every run it finished.
 
     `digest(run)` identifies the weights the run starts from (part of its key), `start_info(run)` is
-    what its result file says about them. `s` is the experiment's Settings."""
+    what its result file says about them; `also(run)`: other starting points whose result counts for the
+    run too (a stage that is not bit-reproducible, drawn again in another session: the caller says so in
+    its report), tried after `digest(run)`'s. `s` is the experiment's Settings."""
     folder = s.out / "runs"
-    keys = {r: result_key(r, start_dir, digest(r)) for r in runs}
+    keys = {r: result_key(r, start_dir, digest(r)) for r in runs}  # what a run trained now is filed under
+    found = dict(keys)  # where its result is read from
+    for r in runs:
+        for other in also(r):
+            key = result_key(r, start_dir, other)
+            if not result_path(folder, r, found[r]).exists() and result_path(folder, r, key).exists():
+                found[r] = key
     paths = {r: result_path(folder, r, keys[r]) for r in runs}
-    done = {r: load(paths[r], keys[r]) for r in runs}
+    read = {r: result_path(folder, r, found[r]) for r in runs}
+    done = {r: load(read[r], found[r]) for r in runs}
     missing = [r for r in runs if s.fresh or done[r] is None]
     todo = [r for r in missing if s.rows is None or r.label in s.rows]
     todo = todo if s.max_runs is None else todo[: s.max_runs]
@@ -170,8 +179,8 @@ def train_missing(s, runs: list[Run], start_dir: Path, digest: Callable[[Run], s
                 "overrides": list(portable(res.run, start_dir).overrides), "start": start_info(res.run),
                 "batch": batch, "commit": git_commit(), "run_dir": str(res.dir), **summarize(res, batch)}
         write(paths[res.run], data)
-        done[res.run] = data
+        done[res.run], read[res.run] = data, paths[res.run]
         s.log(f"  result {paths[res.run]}")
 
     execute_all(todo, s.work, jobs=jobs, fresh=s.fresh, log=s.log, on_done=record)
-    return Recorded(done, failed, stale(folder, paths))
+    return Recorded(done, failed, stale(folder, read))

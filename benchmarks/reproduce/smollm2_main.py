@@ -169,6 +169,35 @@ def pretrain_critic(start: SftStart, work: Path, log=print) -> SftStart:
     return replace(start, pretrain_rollouts=int(vp["rollouts"]))
 
 
+def recorded_critics(folder: Path, sft_digest: str) -> list[str]:
+    """The critic digests the result files in `folder` record for runs from the SFT weights `sft_digest`."""
+    out: list[str] = []
+    for f in sorted(folder.glob("*.json")):
+        start = json.loads(f.read_text()).get("start", {})
+        if start.get("digest") == sft_digest and start.get("critic_digest") and start["critic_digest"] not in out:
+            out.append(start["critic_digest"])
+    return out
+
+
+def critic_draws(runs: list[Run], done: dict, current: str) -> str:
+    """A paragraph naming the value-pretraining draw each finished run from the critic started from, when
+    they are not all this invocation's; "" when they are."""
+    draws: dict[str, list[str]] = {}
+    for r in runs:
+        if done[r] is not None and from_pretrained_critic(r):
+            draws.setdefault(done[r]["start"]["critic_digest"], []).append(f"{r.label} seed {r.seed}")
+    if set(draws) <= {current}:
+        return ""
+    mine = " (this invocation's)"
+    named = "; ".join(f"`{c[:16]}`{mine if c == current else ''}: {', '.join(rs)}" for c, rs in draws.items())
+    return (f"\n\nThe runs from the pretrained critic come from {len(draws)} value-pretraining "
+            f"draw{'s' if len(draws) > 1 else ''} of the same "
+            f"SFT model and recipe (critic weights sha256): {named}. Value pretraining's vLLM rollouts are not "
+            f"bit-reproducible across sessions, so a checkout that rebuilds the starting point draws another critic; "
+            f"a run keeps the draw it trained from, and the paragraph above describes this invocation's "
+            f"(`{current[:16]}`).")
+
+
 def from_pretrained_critic(run: Run) -> bool:
     return any(o.startswith("critic.init=") for o in run.overrides)
 
@@ -239,7 +268,13 @@ def run(s: Settings) -> int:
                 **({"critic_digest": start.critic_digest, "pretrain_rollouts": start.pretrain_rollouts}
                    if start_digest(start, r) != start.digest else {})}
 
-    rec = run_results.train_missing(s, runs, start.dir, lambda r: start_digest(start, r), start_info, b.batch, s.jobs)
+    # Value pretraining is not bit-reproducible across sessions (its vLLM rollouts differ), so a checkout that
+    # rebuilds the start may draw another critic: the results of the same SFT start's earlier draws count for
+    # the rows that start from the critic, and the report names each run's draw (critic_draws).
+    earlier = [c for c in recorded_critics(s.out / "runs", start.digest) if c != start.critic_digest]
+    rec = run_results.train_missing(s, runs, start.dir, lambda r: start_digest(start, r), start_info, b.batch, s.jobs,
+                                    also=lambda r: [f"{start.digest}:{c}" for c in earlier]
+                                    if from_pretrained_critic(r) else [])
     report(s, b, start, sft, runs, rec.done, rec.failed, rec.stale)
     return 1 if rec.failed else 0
 
@@ -410,6 +445,7 @@ def report(s: Settings, b: Budgets, start: SftStart, sft: dict, runs: list[Run],
                f"{_f(vp['ev_step0'])} at step 0, {_f(vp['ev_heldout_best'])} kept (step {vp['best_step']}); the task's "
                f"oracle ceiling on the same held-out rollouts {_f(ceiling)}; "
                f"critic weights sha256 {start.critic_digest[:16]}.")
+    md += critic_draws(runs, done, start.critic_digest)
     for budget in ("A", "B", "L") if long else ("A", "B"):
         paired_all = paired_to_reference(runs, done, lambda r, budget=budget: acc(r, budget))
         summary_rows = []

@@ -177,7 +177,8 @@ def test_the_report_reads_the_long_sao_row_at_l_and_the_short_ones_only_at_a_and
         points = sorted({n for n in reads if n is not None})
         return {"overrides": list(r.overrides), "eval_points": [[n, 1.0, a] for n, a in zip(points, accuracy[r.label])],
                 "wall_s": 60.0, "cpu_s": 120.0, "load_avg": 2.0, "trajectories_per_s": 1.0, "lag_histogram": {"0": 8},
-                "steps": list(range(b_steps + b.warmup)), "reward": [0.5] * (b_steps + b.warmup), "series": {}}
+                "steps": list(range(b_steps + b.warmup)), "reward": [0.5] * (b_steps + b.warmup), "series": {},
+                "start": {"digest": start.digest, "critic_digest": start.critic_digest}}
     done = {r: result(r) for r in runs}
     s = Settings("main_smollm2_chain", True, [1], 1, tmp_path / "out", tmp_path / "work", task="chain")
     smollm2_main.report(s, b, start, {"accuracy": 0.25, "n": b.eval_size}, runs, done, [], [])
@@ -186,7 +187,44 @@ def test_the_report_reads_the_long_sao_row_at_l_and_the_short_ones_only_at_a_and
     assert f"held-out, L ({b_steps} actor steps)" in md
     assert "| sao_long | 1 | 0.600 | 0.600 | 0.700 |" in md and "| sao | 1 | 0.500 | 0.500 | - |" in md
     assert "| grpo_dis | 1 | 0.400 | 0.300 | 0.300 |" in md
+    assert "value-pretraining draw" not in md  # every run from this invocation's critic
     table_l = md.split(f"L ({b_steps} actor steps,")[1].split("\n\n")[1]
     rows_l = [line.split("|")[1].strip() for line in table_l.splitlines()[2:]]
     assert rows_l == ["grpo_dis", "sao_long"]  # no L reading of `sao`
     assert "| sao_long | 1 of 1 | 0.700 (one seed) | 0.400 (one seed) |" in table_l  # paired: 0.700 - 0.300
+
+
+def test_a_result_from_an_earlier_value_pretraining_draw_counts_and_the_report_names_the_draw(tmp_path):
+    """Value pretraining is not bit-reproducible across sessions: a rebuilt start may hold another critic.
+    An SAO result of the same SFT weights from the earlier critic counts (it is not trained again) and the
+    report says which draw each run came from; a result of other SFT weights still does not count."""
+    from benchmarks.reproduce.experiment import Settings
+    from megatron_sao.trainer.step import ALGORITHM_VERSION
+
+    def start(critic: str, sft: str = "d" * 64) -> smollm2_main.SftStart:
+        return smollm2_main.SftStart("s", TOY_QUICK_CONFIG, tmp_path / "start", (), 0.0, digest=sft,
+                                     pretrained=tmp_path / "critic", critic_digest=critic, pretrain_rollouts=8)
+    folder = tmp_path / "out" / "runs"
+    old, other_sft = start("a" * 64), start("a" * 64, sft="e" * 64)
+    for st, seed in ((old, 1), (other_sft, 2)):
+        run = next(r for r in smollm2_main.plan(st, smollm2_main.QUICK, [seed], ROWS) if r.label == "sao")
+        key = run_results.result_key(run, st.dir, smollm2_main.start_digest(st, run))
+        run_results.write(run_results.result_path(folder, run, key),
+                          {"key": key, "algorithm_version": ALGORITHM_VERSION,
+                           "start": {"digest": st.digest, "critic_digest": st.critic_digest}})
+    assert smollm2_main.recorded_critics(folder, "d" * 64) == ["a" * 64]
+
+    new = start("b" * 64)
+    runs = [r for r in smollm2_main.plan(new, smollm2_main.QUICK, [1, 2], ROWS) if r.label in ("sao", "grpo")]
+    s = Settings("main_smollm2", True, [1, 2], 1, tmp_path / "out", tmp_path / "work", max_runs=0)
+    earlier = [c for c in smollm2_main.recorded_critics(folder, new.digest) if c != new.critic_digest]
+    rec = run_results.train_missing(
+        s, runs, new.dir, lambda r: smollm2_main.start_digest(new, r), lambda r: {}, 8,
+        also=lambda r: [f"{new.digest}:{c}" for c in earlier] if smollm2_main.from_pretrained_critic(r) else [])
+    by = {(r.label, r.seed): d for r, d in rec.done.items()}
+    assert by[("sao", 1)] is not None and by[("sao", 1)]["start"]["critic_digest"] == "a" * 64
+    assert by[("sao", 2)] is None and by[("grpo", 1)] is None  # other SFT weights; no grpo result at all
+    assert len(rec.stale) == 1 and rec.stale[0].startswith("sao-s2-")
+    text = smollm2_main.critic_draws(runs, rec.done, new.critic_digest)
+    assert "from 1 value-pretraining draw of the same SFT model" in text and f"`{'a' * 16}`: sao seed 1" in text
+    assert smollm2_main.critic_draws(runs, {r: None for r in runs}, new.critic_digest) == ""

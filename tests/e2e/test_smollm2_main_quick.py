@@ -69,9 +69,9 @@ def test_harness_writes_a_result_per_run_skips_it_after_and_reports_the_missing(
     assert "PARTIAL: 2 of 6 runs finished" in (folder / "results.md").read_text()
     assert "start value-pretrain" not in second  # the critic came from the start's directory (or the cache)
 
-    # The chain task's report: its own folder and rows (no cold-critic row), from the same toy start.
+    # The chain task's report: its own folder and rows (no cold-critic row, a long SAO row), from the same toy start.
     assert bench_main(["main", "--model", "smollm2", "--quick", "--task", "chain", "--max-runs", "0",
                        "--work", str(work), "--out", str(out)]) == 0
     chain = json.loads((out / "main_smollm2_chain" / "summary.json").read_text())
     assert chain["task"] == "chain" and chain["missing"] == ["sao/s1", "sao_sync/s1", "grpo/s1", "grpo_dis/s1",
-                                                             "running_mean/s1"]
+                                                             "running_mean/s1", "sao_long/s1"]

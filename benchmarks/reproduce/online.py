@@ -15,7 +15,7 @@ spends steps on a warm-up there: both take the same trainer steps under the same
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt
 from benchmarks.reproduce import run_results
 from benchmarks.reproduce.experiment import Budget, Settings, finish, rl_run, run_and_load
 from benchmarks.reproduce.report import band_plot, header, md_table, runs_section, save_fig, write_report
-from benchmarks.reproduce.runner import Run
+from benchmarks.reproduce.runner import CHECKPOINT_EVERY, Run
 from benchmarks.reproduce.starts import Start, smollm2_style_start, style_start
 from benchmarks.reproduce.summary import first_step_started_after, recovery_steps, stat
 
@@ -82,9 +82,11 @@ def schedule(s: Settings) -> tuple[int, int, Budget]:
 
 
 def plan(s: Settings, start: Start, every: int, b: Budget) -> list[Run]:
-    """Every run, seed-major: `--max-runs 2` gives both methods a seed first."""
-    return [rl_run(s, start, m, seed, m, (f"env.kwargs.switch_every={every}",), budget=b)
-            for seed in s.seeds for m in METHODS]
+    """Every run, seed-major: `--max-runs 2` gives both methods a seed first. SmolLM2's runs checkpoint,
+    so that one killed with its session resumes (runner.py)."""
+    every_ckpt = CHECKPOINT_EVERY if s.model == "smollm2" else 0
+    return [replace(rl_run(s, start, m, seed, m, (f"env.kwargs.switch_every={every}",), budget=b),
+                    checkpoint_every=every_ckpt) for seed in s.seeds for m in METHODS]
 
 
 def run(s: Settings) -> int:

@@ -85,6 +85,8 @@ def runs_section(results, common: tuple[str, ...]) -> str:
     seen: dict[str, object] = {}
     for r in results:
         seen.setdefault(r.run.label, r.run)
+    # What the commands got: a checkpointing run's `run.save_every` replaces the one `common` has.
+    common = tuple(o for o in common if all(o in run.command_overrides() for run in seen.values()))
     def rel(text: str) -> str:  # paths relative to the checkout, so the report reads the same anywhere
         return text.replace(str(ROOT) + "/", "")
 
@@ -92,7 +94,7 @@ def runs_section(results, common: tuple[str, ...]) -> str:
              (f"Config `{next(iter(seen.values())).config}` with, "
               f"for every run: `{rel(' '.join(common))}`\n") if seen else ""]
     for label, run in seen.items():
-        own = [o for o in run.overrides if o not in common]
+        own = [o for o in run.command_overrides() if o not in common]
         lines.append(f"- **{label}**: `{rel(' '.join(own))}`")
     lines.append("\nPer-run directories (metrics.jsonl, config.yaml snapshot, eval/) are listed in summary.json.\n"
                  "</details>\n")

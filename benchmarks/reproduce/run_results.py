@@ -108,6 +108,7 @@ def summarize(result: RunResult, batch: int) -> dict:
     trajectories = c.trajectories[-1] if c.trajectories else 0
     train_s = result.wall_s - eval_s
     return {"wall_s": result.wall_s, "cpu_s": result.cpu_s, "load_avg": result.load_avg, "eval_s": eval_s,
+            "attempts": result.attempts,
             "trajectories": trajectories,
             "trajectories_per_s": trajectories / train_s if train_s > 0 else None,
             "n_eval": n_eval, "eval_points": [[n, t, _finite(acc)] for n, t, acc in c.eval_points],

@@ -8,7 +8,10 @@ computes bumps it, so such a change never reuses old runs), so two
 experiments that need the same run (the SAO reference of the main comparison and of the ablations)
 share it, and re-running an experiment only runs what is missing. A run counts as done when its
 stage wrote its final artefact (`final_model/` for train); a half-finished directory is deleted and
-run again, never read.
+run again, never read, unless the run checkpoints (`Run.checkpoint_every`, the SmolLM2 experiments'
+hour-long runs): then the next invocation resumes it from its newest intact checkpoint (`sao train
+--resume`, which truncates the logs to that step) and its wall and CPU time add up every attempt's,
+the work redone since the checkpoint included (`reproduce_train.attempts.json` in the run directory).
 
 Why subprocesses: each stage builds its own Megatron world (torch.distributed, parallel state),
 exactly as a user's `sao train` does; two runs never share a process.
@@ -32,6 +35,9 @@ from megatron_sao.config.strict_yaml import load_strict
 
 ROOT = Path(__file__).resolve().parents[2]
 LOAD_SAMPLE_S = 10.0  # how often a run samples the machine's load average
+# Trainer steps between the checkpoints of the hour-long runs (SmolLM2), from which a run killed with its
+# session resumes: at most that many steps are trained twice.
+CHECKPOINT_EVERY = 10
 
 DONE_MARKER = {"train": "final_model/config.json", "sft": "sft_model/config.json",
                "value-pretrain": "critic_pretrained/config.json"}
@@ -45,6 +51,9 @@ class Run:
     overrides: tuple[str, ...] = ()
     stage: str = "train"
     run_dir: str | None = None  # a fixed directory (a starting point: sft then value-pretrain in one dir)
+    # Trainer steps between checkpoints (0: none), so that an interrupted train run resumes. Not part of
+    # key(): checkpoints decide where a run can pick up, not what it computes.
+    checkpoint_every: int = 0
 
     def key(self) -> str:
         path = Path(self.config) if Path(self.config).is_absolute() else ROOT / self.config
@@ -52,6 +61,14 @@ class Run:
         h = hashlib.sha256(json.dumps([self.stage, content, sorted(self.overrides), self.seed,
                                        algorithm_version()], sort_keys=True, default=str).encode())
         return h.hexdigest()[:10]
+
+    def command_overrides(self) -> tuple[str, ...]:
+        """The overrides its `sao` command gets: `overrides`, with `run.save_every` set to
+        `checkpoint_every` when it checkpoints."""
+        if not self.checkpoint_every:
+            return self.overrides
+        return (*(o for o in self.overrides if not o.startswith("run.save_every=")),
+                f"run.save_every={self.checkpoint_every}")
 
     def directory(self, work: Path) -> Path:
         if self.run_dir is not None:
@@ -69,10 +86,17 @@ class RunResult:
     error: str = ""
     load_avg: float | None = None  # the machine's mean 1-min load average while it ran (wall times need it)
     cpu_s: float | None = None  # CPU seconds of the run's process tree (_wait_cpu_seconds)
+    attempts: int = 1  # invocations the run took: more than one when it was resumed from a checkpoint
 
-    @property
-    def t_start(self) -> float:
-        return json.loads(_info_path(self.run, self.dir).read_text())["t_start"]
+    def elapsed(self, wall_time: float) -> float:
+        """Seconds of the run's own time at clock time `wall_time` (a logged step's): since it started,
+        less the gaps between its attempts when it was resumed."""
+        attempts = _attempts_path(self.run, self.dir)
+        if not attempts.exists():
+            return wall_time - json.loads(_info_path(self.run, self.dir).read_text())["t_start"]
+        tries = json.loads(attempts.read_text())
+        i = max([0] + [k for k, a in enumerate(tries) if a["t_start"] <= wall_time])  # the attempt that logged it
+        return sum(a["wall_s"] for a in tries[:i]) + wall_time - tries[i]["t_start"]
 
     def metrics(self) -> list[dict]:
         p = self.dir / "metrics.jsonl"
@@ -109,39 +133,118 @@ def _wait_cpu_seconds(p: subprocess.Popen, every_sample: Callable[[], None]) -> 
     return usage.ru_utime + usage.ru_stime
 
 
+def _attempts_path(run: Run, d: Path) -> Path:
+    return d / f"reproduce_{run.stage}.attempts.json"
+
+
+def _tree_cpu_seconds(root: int) -> float:
+    """CPU seconds so far, user and system, of `root` and its live descendants, with what each has
+    reaped of its children (Linux /proc): a running attempt's cost, which wait4 gives only at its end."""
+    stat, children = {}, {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):  # the process ended meanwhile
+                continue
+            pid = int(entry.name)  # fields[0] is stat's 3rd field (state): ppid the 4th, utime..cstime 14-17
+            stat[pid] = sum(int(x) for x in fields[11:15])
+            children.setdefault(int(fields[1]), []).append(pid)
+    ticks, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        ticks += stat.get(pid, 0)
+        todo += children.get(pid, [])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _attempt(pid: int, t_start: float, wall_s: float, cpu_s: float, loads: list[float],
+             exit_code: int | None) -> dict:
+    """One invocation of a run (`pid`: its stage process). `exit` None: still running, or killed before it
+    ended with its harness (the figures are then its last sample's, at most LOAD_SAMPLE_S old)."""
+    return {"pid": pid, "t_start": t_start, "wall_s": wall_s, "cpu_s": cpu_s, "load_samples": len(loads),
+            "load_avg": sum(loads) / len(loads), "exit": exit_code}
+
+
+def _still_running(attempt: dict, d: Path) -> bool:
+    """Whether an attempt without an exit status outlived its harness: its stage process, training in `d`."""
+    try:
+        cmdline = Path(f"/proc/{attempt['pid']}/cmdline").read_bytes().split(b"\0")
+    except (OSError, KeyError):
+        return False
+    return attempt["exit"] is None and f"run.dir={d}".encode() in cmdline
+
+
+def _totals(attempts: list[dict]) -> tuple[float, float, float]:
+    """A run's wall and CPU seconds over its attempts, and the machine's mean load while they ran."""
+    samples = sum(a["load_samples"] for a in attempts)  # every attempt has at least one
+    return (sum(a["wall_s"] for a in attempts), sum(a["cpu_s"] for a in attempts),
+            round(sum(a["load_avg"] * a["load_samples"] for a in attempts) / samples, 2))
+
+
+def _write_json(path: Path, data) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)  # a kill mid-write leaves the previous version, never half of one
+
+
+def stage_command(run: Run, d: Path, resume: bool) -> list[str]:
+    return [sys.executable, "-m", "megatron_sao.cli", run.stage, *(["--resume"] if resume else []), run.config,
+            f"run.dir={d}", f"run.seed={run.seed}", "run.console=none", *run.command_overrides()]
+
+
 def execute(run: Run, work: Path, threads: int = 1, fresh: bool = False, log=print) -> RunResult:
     d = run.directory(work)
     if _done(run, d) and not fresh:
         info = json.loads(_info_path(run, d).read_text())
         return RunResult(run, d, True, info["wall_s"], cached=True, load_avg=info.get("load_avg"),
-                         cpu_s=info.get("cpu_s"))
-    if d.exists() and run.run_dir is None:  # an interrupted or failed attempt: never read half-written results
+                         cpu_s=info.get("cpu_s"), attempts=info.get("attempts", 1))
+    # An earlier attempt of a checkpointing run: resumed (the trainer falls back to a fresh start if it
+    # left no intact checkpoint). Any other half-finished directory is deleted: never read half-written results.
+    resume = (not fresh and run.checkpoint_every > 0 and run.run_dir is None
+              and _attempts_path(run, d).exists())
+    if d.exists() and run.run_dir is None and not resume:
         shutil.rmtree(d)
     d.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "megatron_sao.cli", run.stage, run.config, f"run.dir={d}", f"run.seed={run.seed}",
-           "run.console=none", *run.overrides]
+    cmd = stage_command(run, d, resume)
+    earlier = json.loads(_attempts_path(run, d).read_text()) if resume else []
+    if earlier and _still_running(earlier[-1], d):
+        raise RuntimeError(f"{d}: its previous attempt (pid {earlier[-1]['pid']}) is still training there; "
+                           "stop it or wait for it before running this again")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    log(f"  start {run.stage:14s} {d.name}")
+    log(f"  {'resume' if resume else 'start'} {run.stage:14s} {d.name}"
+        + (f" (attempt {len(earlier) + 1})" if resume else ""))
     t0 = time.time()
     log_path = d / f"{run.stage}.log"
     loads: list[float] = []  # this machine may be shared: a wall time means little without its load
-    with open(log_path, "w") as out:
+
+    def every_sample() -> None:
+        loads.append(os.getloadavg()[0])
+        if run.checkpoint_every:  # what this attempt has cost so far, should it be killed before it ends
+            _write_json(_attempts_path(run, d),
+                        [*earlier, _attempt(p.pid, t0, time.time() - t0, _tree_cpu_seconds(p.pid), loads, None)])
+
+    with open(log_path, "a" if resume else "w") as out:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        cpu_s = _wait_cpu_seconds(p, lambda: loads.append(os.getloadavg()[0]))
-    wall = time.time() - t0
-    load = round(sum(loads) / len(loads), 2) if loads else round(os.getloadavg()[0], 2)
+        cpu_s = _wait_cpu_seconds(p, every_sample)
+    attempts = [*earlier, _attempt(p.pid, t0, time.time() - t0, cpu_s, loads or [os.getloadavg()[0]], p.returncode)]
+    if run.checkpoint_every:
+        _write_json(_attempts_path(run, d), attempts)
+    wall, cpu_s, load = _totals(attempts)
     if p.returncode != 0 or not (d / DONE_MARKER[run.stage]).exists():
         tail = log_path.read_text()[-3000:]
         log(f"  FAILED {d.name} (exit {p.returncode}); log: {log_path}")
-        return RunResult(run, d, False, wall, cached=False, error=tail, load_avg=load, cpu_s=cpu_s)
+        return RunResult(run, d, False, wall, cached=False, error=tail, load_avg=load, cpu_s=cpu_s,
+                         attempts=len(attempts))
     if run.stage == "train":  # optimizer state is not needed afterwards: keep metrics and final_model only
         shutil.rmtree(d / "checkpoints", ignore_errors=True)
-    _info_path(run, d).write_text(json.dumps({"command": cmd, "t_start": t0, "wall_s": wall, "cpu_s": cpu_s,
-                                              "label": run.label,
+    _info_path(run, d).write_text(json.dumps({"command": cmd, "t_start": attempts[0]["t_start"], "wall_s": wall,
+                                              "cpu_s": cpu_s, "attempts": len(attempts), "label": run.label,
                                               "seed": run.seed, "threads": threads, "load_avg": load,
                                               "algorithm_version": algorithm_version()}, indent=1))
-    log(f"  done  {run.stage:14s} {d.name} in {wall:.0f} s (mean load average {load:g})")
-    return RunResult(run, d, True, wall, cached=False, load_avg=load, cpu_s=cpu_s)
+    log(f"  done  {run.stage:14s} {d.name} in {wall:.0f} s (mean load average {load:g}"
+        + (f", {len(attempts)} attempts)" if len(attempts) > 1 else ")"))
+    return RunResult(run, d, True, wall, cached=False, load_avg=load, cpu_s=cpu_s, attempts=len(attempts))
 
 
 def execute_all(runs: list[Run], work: Path, jobs: int = 1, fresh: bool = False, log=print,

@@ -29,6 +29,8 @@ Each finished run writes its result file into OUT/runs/ at once (run_results.py)
 skips the runs whose file is there for the same key (config, overrides, seed, ALGORITHM_VERSION,
 SFT weights, and the pretrained critic's for the rows that start from it), and `--max-runs N` trains at
 most N of the missing ones, so the runs (30 to 60 min each on 2 free cores) can be spread over sessions.
+A run checkpoints every runner.CHECKPOINT_EVERY trainer steps, and one killed with its session (a
+`sao_long` run takes 2 to 3 hours) resumes from there on the next invocation, its attempts' times added.
 Runs go one at a time by default: each one peaks near 14 GiB and their wall times are only comparable
 on an otherwise idle machine (their CPU times are kept too). The report (results.md, summary.json,
 main_smollm2.png) is rebuilt from the result files on every invocation and names the runs still
@@ -54,7 +56,7 @@ import matplotlib.pyplot as plt
 from benchmarks.reproduce import critic_presets, run_results
 from benchmarks.reproduce.experiment import METHODS, Settings
 from benchmarks.reproduce.report import header, md_table, runs_section, save_fig, write_report
-from benchmarks.reproduce.runner import ROOT, Run, RunResult, execute
+from benchmarks.reproduce.runner import CHECKPOINT_EVERY, ROOT, Run, RunResult, execute
 from benchmarks.reproduce.starts import EVAL_SEED, TOY_QUICK_CONFIG, Start, require_model
 from benchmarks.reproduce.summary import Stat, stat
 
@@ -247,7 +249,8 @@ def plan(start: SftStart, b: Budgets, seeds: list[int], rows: tuple[str, ...]) -
                 critic = ()
                 steps = (f"run.total_steps={b_steps}", "run.eval_every=0", f"run.eval_at=[{b.actor_steps},{b_steps}]")
             runs.append(Run(label, seed, start.config, (*start.rl_overrides(b.eval_size), *METHODS[row.method],
-                                                        *row.extra, *critic, *steps, f"buffer.batch_size={b.batch}")))
+                                                        *row.extra, *critic, *steps, f"buffer.batch_size={b.batch}"),
+                            checkpoint_every=CHECKPOINT_EVERY))
     return runs
 
 
@@ -446,7 +449,8 @@ def report(s: Settings, b: Budgets, start: SftStart, sft: dict, runs: list[Run],
                          _f(data["trajectories_per_s"], 2),
                          _f(_tail_mean(data["series"].get("critic/explained_variance", []))),
                          _f(_tail_mean(data["series"].get("actor/kept_fraction", []))),
-                         " ".join(f"{k}:{v}" for k, v in data["lag_histogram"].items()), "done"])
+                         " ".join(f"{k}:{v}" for k, v in data["lag_histogram"].items()),
+                         "done" if data.get("attempts", 1) == 1 else f"done ({data['attempts']} attempts)"])
     md += md_table(["method", "seed", "held-out, budget A", "held-out, budget B",
                     *([f"held-out, L ({b_steps} actor steps)"] if long else []), "run wall (min)", "run CPU (min)",
                     "machine load", "trajectories/s", "critic explained variance (last quarter)",

@@ -43,7 +43,6 @@ def curves_of(result: RunResult, batch: int, start_eval: float | None = None) ->
     c = Curves(result.run.label, result.run.seed, batch, run_wall_s=result.wall_s)
     if start_eval is not None:
         c.eval_points.append((0, 0.0, start_eval))
-    t0 = result.t_start
     rows = result.metrics()
     # Every critic diagnostic the run logged (EV overall and by turn, value mean, value error, loss, grad
     # norms of the trained groups and the head) and the return it is compared with, per step.
@@ -52,12 +51,12 @@ def curves_of(result: RunResult, batch: int, start_eval: float | None = None) ->
         n = (row["step"] + 1) * batch
         c.steps.append(row["step"])
         c.trajectories.append(n)
-        c.wall_s.append(row["wall_time"] - t0)
+        c.wall_s.append(result.elapsed(row["wall_time"]))
         c.reward.append(row["reward"])
         for k in dict.fromkeys([*SERIES_KEYS, *critic]):
             c.series.setdefault(k, []).append(float(row.get(k, math.nan)))
         if "eval/accuracy" in row:
-            c.eval_points.append((n, row["wall_time"] - t0, row["eval/accuracy"]))
+            c.eval_points.append((n, result.elapsed(row["wall_time"]), row["eval/accuracy"]))
     return c
 
 

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from megatron_sao.config.strict_yaml import load_strict
@@ -88,13 +89,18 @@ class RunResult:
     cpu_s: float | None = None  # CPU seconds of the run's process tree (_wait_cpu_seconds)
     attempts: int = 1  # invocations the run took: more than one when it was resumed from a checkpoint
 
+    @cached_property
+    def _tries(self) -> list[dict]:
+        """Its attempts (t_start, wall_s), read once; a run that never checkpointed had one."""
+        attempts = _attempts_path(self.run, self.dir)
+        if attempts.exists():
+            return json.loads(attempts.read_text())
+        return [{"t_start": json.loads(_info_path(self.run, self.dir).read_text())["t_start"], "wall_s": self.wall_s}]
+
     def elapsed(self, wall_time: float) -> float:
         """Seconds of the run's own time at clock time `wall_time` (a logged step's): since it started,
         less the gaps between its attempts when it was resumed."""
-        attempts = _attempts_path(self.run, self.dir)
-        if not attempts.exists():
-            return wall_time - json.loads(_info_path(self.run, self.dir).read_text())["t_start"]
-        tries = json.loads(attempts.read_text())
+        tries = self._tries
         i = max([0] + [k for k, a in enumerate(tries) if a["t_start"] <= wall_time])  # the attempt that logged it
         return sum(a["wall_s"] for a in tries[:i]) + wall_time - tries[i]["t_start"]
 
@@ -182,10 +188,11 @@ def _totals(attempts: list[dict]) -> tuple[float, float, float]:
             round(sum(a["load_avg"] * a["load_samples"] for a in attempts) / samples, 2))
 
 
-def _write_json(path: Path, data) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)  # a kill mid-write leaves the previous version, never half of one
+def _write_attempts(d: Path, run: Run, attempts: list[dict]) -> None:
+    from megatron_sao.trainer.checkpoints import atomic_write_text  # on use: it imports torch
+
+    # all or nothing: a kill mid-write leaves the previous record, never half of one
+    atomic_write_text(_attempts_path(run, d), json.dumps(attempts, indent=1))
 
 
 def stage_command(run: Run, d: Path, resume: bool) -> list[str]:
@@ -221,15 +228,15 @@ def execute(run: Run, work: Path, threads: int = 1, fresh: bool = False, log=pri
     def every_sample() -> None:
         loads.append(os.getloadavg()[0])
         if run.checkpoint_every:  # what this attempt has cost so far, should it be killed before it ends
-            _write_json(_attempts_path(run, d),
-                        [*earlier, _attempt(p.pid, t0, time.time() - t0, _tree_cpu_seconds(p.pid), loads, None)])
+            _write_attempts(d, run, [*earlier, _attempt(p.pid, t0, time.time() - t0, _tree_cpu_seconds(p.pid), loads,
+                                                        None)])
 
     with open(log_path, "a" if resume else "w") as out:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         cpu_s = _wait_cpu_seconds(p, every_sample)
     attempts = [*earlier, _attempt(p.pid, t0, time.time() - t0, cpu_s, loads or [os.getloadavg()[0]], p.returncode)]
     if run.checkpoint_every:
-        _write_json(_attempts_path(run, d), attempts)
+        _write_attempts(d, run, attempts)
     wall, cpu_s, load = _totals(attempts)
     if p.returncode != 0 or not (d / DONE_MARKER[run.stage]).exists():
         tail = log_path.read_text()[-3000:]

@@ -237,6 +237,10 @@ class Trajectory:
         v = self.versions[self.action_mask]
         return int(v.min()) if v.numel() else -1
 
+    def max_version(self) -> int:
+        v = self.versions[self.action_mask]
+        return int(v.max()) if v.numel() else -1
+
     def turn_ids(self) -> torch.Tensor:
         """int64 [T]: index of the action turn for action tokens, -1 elsewhere (for step-level GAE)."""
         out = torch.full((self.length,), -1, dtype=torch.int64)

@@ -33,7 +33,9 @@ the run when they keep coming (``max(8, concurrency)`` in a row with no healthy 
 that with healthy ones).
 
 Data position for resume: ``next_pos`` plus the units in flight; the trainer checkpoints both, and on
-resume re-runs in-flight units whose trajectory did not reach the buffer's directory. Each episode's
+resume re-runs in-flight units whose trajectory did not reach the buffer's directory. The units whose
+trajectory the buffer restored (``skip``) count as started: they fill the admission window as they did
+before the stop. Each episode's
 task carries ``meta["policy_step"]``: the trainer steps finished when it started (``step_offset +
 steps_done``), which non-stationary environments read; it is also recorded in ``traj.info``.
 """
@@ -83,7 +85,10 @@ class EpisodeDriver:
         self._queue: collections.deque[Unit] = collections.deque(requeue or [])
         self._skip = set(skip or ())  # units whose trajectory is already in the buffer (resume)
         self.in_flight: set[Unit] = set()
-        self.started = 0  # units started since this driver was created (admission counter)
+        # Units started since this driver was created (admission counter). A resumed run's buffer already
+        # holds `skip`'s trajectories, waiting for the steps ahead: they take their place in the window, or
+        # the driver would run ahead of training by that many more and the lag grow past the bound.
+        self.started = len(self._skip)
         self.steps_done = 0  # steps finished since this driver was created (admission is relative to it)
         self.step_offset = step_offset  # trainer steps finished before it (resume), for policy_step
         self.finished = 0

@@ -97,4 +97,29 @@ def test_rollout_run_killed_mid_rollout_and_after_a_commit_trains_every_prompt_o
     trajs = [t for b in batches for t in b["traj_ids"]]
     assert len(trajs) == len(set(trajs))
     still_there = {p.name.split("-", 1)[1].split(".")[0] for p in (run / "buffer").glob("*.safetensors")}
-    assert on_disk <= set(trajs) | still_there  # every trajectory that had finished was trained or is kept
+    set_aside = {p.name.split("-", 1)[1].split(".")[0] for p in (run / "buffer" / "set_aside").glob("*.safetensors")}
+    # Every trajectory that had finished was trained, is kept, or was set aside (sampled after the
+    # checkpoint by a policy the resumed run does not have: its prompt ran again, trained once above).
+    assert on_disk <= set(trajs) | still_there | set_aside
+
+
+def test_a_run_resumed_steps_after_its_checkpoint_keeps_the_staleness_bound(tmp_path):
+    """Killed two steps after its last checkpoint, an asynchronous run left a buffer full of trajectories:
+    those the killed attempt had already trained on (not covered by the checkpoint) and those it had
+    sampled ahead. The resumed run counts them against admission, so it does not run ahead by that many
+    more batches (before, the lag grew to 4-6 versions under buffer.max_staleness=1, a buffer that keeps
+    stale data); and the ones a policy newer than the checkpoint's sampled are set aside, their prompts
+    run again: that policy is gone, and their version labels would collide with the resumed run's."""
+    run = tmp_path / "lag"
+    at = [f"run.dir={run}", "run.total_steps=10", "run.save_every=2", "buffer.staleness_policy=keep",
+          "buffer.max_staleness=1", "run.console=none"]
+    killed_at("batch_taken:7", *at)  # steps 0-5 trained, the checkpoint of step 4 committed
+    sao("train", CONFIG, *at, "--resume")
+    metrics = rows(run, "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(11))
+    lags = {m["step"]: sorted(int(lag) for lag in m["lag_histogram"]) for m in metrics}
+    assert max(max(v) for v in lags.values()) <= 1, lags
+    aside = list((run / "buffer" / "set_aside").glob("*.safetensors"))
+    assert aside, "the killed attempt's steps 4-5 sampled with policy versions the resumed run does not have"
+    prompts = [p for b in rows(run, "batches.jsonl") for p in b["prompt_ids"]]
+    assert len(prompts) == len(set(prompts)) == 11 * 8  # no prompt trained twice, none lost

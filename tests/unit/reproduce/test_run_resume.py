@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -125,6 +126,10 @@ def test_an_attempt_that_outlived_its_harness_is_not_run_over(tmp_path, monkeypa
     d = run.directory(tmp_path / "work")
     d.mkdir(parents=True)
     orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"run.dir={d}"])
+    cmdline = Path(f"/proc/{orphan.pid}/cmdline")
+    deadline = time.monotonic() + 10  # until the child has exec'd (before, /proc shows pytest's cmdline)
+    while f"run.dir={d}".encode() not in cmdline.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
     try:
         (d / "reproduce_train.attempts.json").write_text(json.dumps([
             {"pid": orphan.pid, "t_start": time.time(), "wall_s": 1.0, "cpu_s": 0.5, "load_samples": 1,

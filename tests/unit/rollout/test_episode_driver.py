@@ -100,6 +100,21 @@ def test_async_admission_runs_ahead_by_the_staleness_bound():
         drv.stop()
 
 
+def test_a_resumed_driver_counts_the_restored_trajectories_against_the_window():
+    # The buffer restored the trajectories of positions 0-2 (a resume): they wait for the next steps and
+    # fill 3 of the window's (ahead + 1) * batch_size = 8 places, so only 5 episodes start.
+    drv, done, _ = make_driver(batch_size=4, ahead=1, skip={(0, 0), (1, 0), (2, 0)})
+    drv.start()
+    try:
+        assert wait_for(lambda: len(done) == 5)
+        time.sleep(0.3)
+        assert sorted(t.info["data_pos"] for t in done) == [3, 4, 5, 6, 7]
+        drv.step_finished()
+        assert wait_for(lambda: len(done) == 9)
+    finally:
+        drv.stop()
+
+
 def test_requeued_prompt_runs_first():
     drv, done, _ = make_driver(batch_size=2, ahead=0)
     drv.start()

@@ -35,9 +35,9 @@ that with healthy ones).
 Data position for resume: ``next_pos`` plus the units in flight; the trainer checkpoints both, and on
 resume re-runs in-flight units whose trajectory did not reach the buffer's directory. The units whose
 trajectory the buffer restored (``skip``) count as started: they fill the admission window as they did
-before the stop. Each episode's
-task carries ``meta["policy_step"]``: the trainer steps finished when it started (``step_offset +
-steps_done``), which non-stationary environments read; it is also recorded in ``traj.info``.
+before the stop. Each episode's task carries ``meta["policy_step"]``: the trainer steps finished when it
+started (``step_offset + steps_done``), which non-stationary environments read; it is also recorded in
+``traj.info``.
 """
 
 from __future__ import annotations

@@ -107,9 +107,10 @@ def test_a_run_resumed_steps_after_its_checkpoint_keeps_the_staleness_bound(tmp_
     """Killed two steps after its last checkpoint, an asynchronous run left a buffer full of trajectories:
     those the killed attempt had already trained on (not covered by the checkpoint) and those it had
     sampled ahead. The resumed run counts them against admission, so it does not run ahead by that many
-    more batches (before, the lag grew to 4-6 versions under buffer.max_staleness=1, a buffer that keeps
-    stale data); and the ones a policy newer than the checkpoint's sampled are set aside, their prompts
-    run again: that policy is gone, and their version labels would collide with the resumed run's."""
+    more batches (uncounted, they raise the lag to 4-6 versions here under buffer.max_staleness=1 with a
+    buffer that keeps stale data); and the ones a policy newer than the checkpoint's sampled are set
+    aside, their prompts run again: that policy is gone, and their version labels would collide with the
+    resumed run's."""
     run = tmp_path / "lag"
     at = [f"run.dir={run}", "run.total_steps=10", "run.save_every=2", "buffer.staleness_policy=keep",
           "buffer.max_staleness=1", "run.console=none"]

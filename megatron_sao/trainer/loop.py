@@ -396,8 +396,8 @@ class SAOTrainer:
         steps after it; its lag cannot be known, its version labels would collide with the versions this
         run makes again, and its episode runs again), or routes of another model (a buffer file of another
         run), which the train step would refuse."""
-        if traj.max_version() > self.version:
-            return (f"was sampled by policy version {traj.max_version()}, newer than the checkpoint's {self.version} "
+        if (newest := traj.max_version()) > self.version:
+            return (f"was sampled by policy version {newest}, newer than the checkpoint's {self.version} "
                     "(an earlier attempt's, which this resumed run does not have); its episode runs again")
         s = self.actor.spec
         return traj.routes_problem(s.num_layers, s.moe_topk, s.num_experts) if s.is_moe else None

@@ -66,13 +66,13 @@ async def run_harness_episode(engine: Any, env: Any, task: Task, endpoint: Any, 
 
 
 def _result(task: Task, session: Any, harness: asyncio.Future, pad_id: int, info: dict, t0: float) -> list[Trajectory]:
-    if not harness.done():  # the engine failed: the harness stops, the driver re-runs the episode
+    # The engine failed on a turn: the harness stops, the driver re-runs the episode. This wins even when the
+    # harness has returned too (it saw the 503 and gave up before the wait woke): its grade is of a cut episode.
+    if session.error is not None or not harness.done():
         return [_failed(task, session, pad_id, str(session.error), "engine_error", info)]
     try:
         outcome = harness.result()
     except Exception as e:  # the environment's failure ends only this episode
-        if session.error is not None:
-            return [_failed(task, session, pad_id, str(session.error), "engine_error", info)]
         return [_failed(task, session, pad_id, f"{type(e).__name__}: {e}", "error", info)]
     info["harness"] = dict(outcome.info)
     info["harness_s"] = time.monotonic() - t0

@@ -199,6 +199,59 @@ class _ClientHarness:
         self.closed = True
 
 
+class _EngineDiesAsHarnessReturns(ScriptedTextEngine):
+    """Its ``fail_on`` call resolves ``gave_up`` before it raises: the harness waiting on it returns in the
+    same loop iteration as the session's ``failed`` event wakes, so the episode finds both done."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gave_up = asyncio.get_running_loop().create_future()
+
+    async def generate(self, prompt_ids, sampling):
+        if len(self.prompts) == self.fail_on:
+            self.gave_up.set_result(None)
+        return await super().generate(prompt_ids, sampling)
+
+
+class _HarnessReturnsOnEngineFailure:
+    name = "client_harness"
+
+    def __init__(self, engine: _EngineDiesAsHarnessReturns) -> None:
+        self.engine = engine
+
+    async def run_harness(self, task, endpoint) -> HarnessOutcome:
+        c = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+        msgs = list(task.messages)
+        m = (await c.chat.completions.create(model=endpoint.model, messages=msgs)).choices[0].message
+        msgs += [{"role": "assistant", "content": m.content}, {"role": "user", "content": "next"}]
+        self.second = asyncio.ensure_future(c.chat.completions.create(model=endpoint.model, messages=msgs))
+        await self.engine.gave_up
+        return HarnessOutcome(reward=0.75, info={"graded": True})
+
+    async def close(self) -> None:
+        pass
+
+
+def test_an_engine_failure_wins_over_a_harness_that_returned_at_the_same_moment(served):
+    """The harness graded an episode cut by a dead engine: that grade is not the episode's reward (it
+    would train a truncated episode as if it ended); the episode fails and the driver re-runs it."""
+    from megatron_sao.envs.base import Task
+
+    lt, ep = served
+    task = Task("p1", [{"role": "user", "content": "go"}], None, "client_harness")
+
+    async def episode():
+        engine = _EngineDiesAsHarnessReturns(TOK, STOP, ["a", "b"], fail_on=1)
+        env = _HarnessReturnsOnEngineFailure(engine)
+        trajs = await run_harness_episode(engine, env, task, ep, cfg())
+        with pytest.raises(openai.APIStatusError):  # its request got the failed turn's answer
+            await env.second
+        return trajs
+
+    [traj] = lt.run(episode())
+    assert traj.status == "failed" and traj.info["end_reason"] == "engine_error" and "went away" in traj.error
+
+
 def test_a_harness_episode_ends_with_the_environment_s_reward_or_fails_with_its_engine(served):
     from megatron_sao.envs.base import Task
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import psutil
+
 from megatron_sao.config.strict_yaml import load_strict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,23 +147,20 @@ def _attempts_path(run: Run, d: Path) -> Path:
 
 def _tree_cpu_seconds(root: int) -> float:
     """CPU seconds so far, user and system, of `root` and its live descendants, with what each has
-    reaped of its children (Linux /proc): a running attempt's cost, which wait4 gives only at its end."""
-    stat, children = {}, {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):  # the process ended meanwhile
-                continue
-            pid = int(entry.name)  # fields[0] is stat's 3rd field (state): ppid the 4th, utime..cstime 14-17
-            stat[pid] = sum(int(x) for x in fields[11:15])
-            children.setdefault(int(fields[1]), []).append(pid)
-    ticks, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        ticks += stat.get(pid, 0)
-        todo += children.get(pid, [])
-    return ticks / os.sysconf("SC_CLK_TCK")
+    reaped of its children: a running attempt's cost, which wait4 gives only at its end."""
+    try:
+        procs = [psutil.Process(root)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+        except psutil.NoSuchProcess:  # ended meanwhile: its parent has reaped it (counted there) or will
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
 
 
 def _attempt(pid: int, t_start: float, wall_s: float, cpu_s: float, loads: list[float],

@@ -5,7 +5,9 @@ steps; then the held-out failures of each evaluation the run wrote, by episode l
 chain task (envs/chain_python.py) the episodes solved by chain length, per phase and per evaluation, where
 a policy that drifts on the long chains shows (docs/results.md, section 9). Reads the run directory only
 (`batches.jsonl`, the trajectory buffer `buffer/`, `config.yaml`, `eval/`) and regenerates the config's
-tasks; no model runs.
+tasks; no model runs. A checkpoint prunes the trajectory files it covers, so the training counts come
+from batches.jsonl's rewards and endings; a checkpointed run from before those were recorded gives its
+held-out counts only (`--held-out-only`).
 
     PYTHONPATH=. .venv/bin/python benchmarks/run_failures.py runs/critic35/chain_sao_s1 runs/critic35/chain_sao_s3
 
@@ -20,6 +22,7 @@ import collections
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -32,9 +35,20 @@ def phase_of(step: int, warmup: int, block: int) -> str:
     return f"actor {lo}-{lo + block - 1}"
 
 
+class Episode(NamedTuple):
+    """What the counts need of one trained trajectory."""
+
+    prompt_id: str
+    reward: float
+    ending: str  # trainer/run_dir.py's episode_ending
+
+
 def trained(run_dir: Path, block: int = 5):
-    """(phase, trajectory) for every trajectory the run trained on, in step order (`batches.jsonl`, `buffer/`)."""
+    """(phase, Episode) for every trajectory the run trained on, in step order: from `batches.jsonl`, which
+    records each one's reward and ending; a run that predates those fields is read from its trajectory files
+    in `buffer/` (all there when the run kept no checkpoints, which prune the trajectories they cover)."""
     from megatron_sao.config import load_config
+    from megatron_sao.trainer.run_dir import episode_ending
     from megatron_sao.trajectory import load_trajectories
 
     warmup = load_config(run_dir / "config.yaml", []).algorithm.warmup_steps
@@ -42,21 +56,26 @@ def trained(run_dir: Path, block: int = 5):
     for line in (run_dir / "batches.jsonl").read_text().splitlines():
         batch = json.loads(line)
         phase = phase_of(batch["step"], warmup, block)
+        if "endings" in batch:
+            for row in zip(batch["prompt_ids"], batch["rewards"], batch["endings"], strict=True):
+                yield phase, Episode(*row)
+            continue
         for tid in batch["traj_ids"]:
             if tid not in files:
-                raise SystemExit(f"{run_dir}: trajectory {tid} of step {batch['step']} is not in buffer/")
+                raise SystemExit(f"{run_dir}: trajectory {tid} of step {batch['step']} is not in buffer/ (pruned at "
+                                 "a checkpoint) and batches.jsonl predates the rewards and endings it records now: "
+                                 "this run's training episodes cannot be counted, its held-out ones can "
+                                 "(--held-out-only)")
             for t in load_trajectories(files[tid]):
-                yield phase, t
+                yield phase, Episode(t.prompt_id, t.reward, episode_ending(t))
 
 
 def endings(run_dir: Path, block: int = 5, episodes=None) -> dict[str, dict[str, int]]:
     """{phase: {reason: trajectories}} of the trajectories the run trained on (`episodes`: `trained()`'s
     pairs when the caller has read them already)."""
     out: dict[str, collections.Counter] = {}
-    for phase, t in trained(run_dir, block) if episodes is None else episodes:
-        # An episode the rollout cut (turn or token limit) has no environment verdict: its end reason.
-        reason = t.info.get("env_info", {}).get("reason") or f"cut: {t.info.get('end_reason', 'unknown')}"
-        out.setdefault(phase, collections.Counter())[reason] += 1
+    for phase, e in trained(run_dir, block) if episodes is None else episodes:
+        out.setdefault(phase, collections.Counter())[e.ending] += 1
     return {phase: dict(c.most_common()) for phase, c in out.items()}
 
 
@@ -99,16 +118,16 @@ def chain_lengths(run_dir: Path, block: int = 5, episodes=None) -> dict[str, dic
         cell[1] += 1
 
     out: dict[str, dict[int, list[int]]] = {}
-    for phase, t in trained(run_dir, block) if episodes is None else episodes:
-        tally(out, phase, t.prompt_id, t.reward == 1.0)
+    for phase, e in trained(run_dir, block) if episodes is None else episodes:
+        tally(out, phase, e.prompt_id, e.reward == 1.0)
     for step, rows in eval_files(run_dir):
         for r in rows:
             tally(out, f"held-out at step {step}", r["prompt_id"], bool(r["correct"]))
     return {phase: {f"{k} steps": f"{s}/{n}" for k, (s, n) in sorted(c.items())} for phase, c in out.items()}
 
 
-def report(run_dir: Path, block: int = 5) -> dict[str, dict]:
-    episodes = list(trained(run_dir, block))  # the buffer is read once for both tallies
+def report(run_dir: Path, block: int = 5, held_out_only: bool = False) -> dict[str, dict]:
+    episodes = [] if held_out_only else list(trained(run_dir, block))  # read once for both tallies
     by_length = chain_lengths(run_dir, block, episodes)
     return {**endings(run_dir, block, episodes), **held_out_failures(run_dir),
             **({"by chain length": by_length} if by_length else {})}
@@ -126,7 +145,14 @@ def per_run_dir(report, description: str, block: int, argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    return per_run_dir(report, __doc__.splitlines()[0], 5, argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dirs", nargs="+", type=Path)
+    ap.add_argument("--block", type=int, default=5, help="actor steps per row (default 5)")
+    ap.add_argument("--held-out-only", action="store_true",
+                    help="count the evaluations only (a checkpointed run from before batches.jsonl kept rewards)")
+    args = ap.parse_args(argv)
+    print(json.dumps({str(d): report(d, args.block, args.held_out_only) for d in args.run_dirs}, indent=1))
+    return 0
 
 
 if __name__ == "__main__":

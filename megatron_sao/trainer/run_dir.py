@@ -3,7 +3,8 @@
     <run>/config.yaml              resolved config snapshot (a resume with other settings keeps the
                                    previous one as config.<n>.yaml)
     <run>/metrics.jsonl            one JSON object per step (append, flushed each step)
-    <run>/batches.jsonl            which trajectories and prompts each step trained on (audit trail)
+    <run>/batches.jsonl            which trajectories and prompts each step trained on (audit trail),
+                                   with their rewards and endings
     <run>/tensorboard/             TensorBoard event files with the same scalars
     <run>/wandb/                   W&B's files and the run's id (run.wandb.project set; scalar_sinks.py)
     <run>/exports/step_N/          HF checkpoints of the actor every run.export_every steps (two kept)
@@ -266,16 +267,24 @@ class RunDir:
 
     def log_batch(self, step: int, trajs) -> None:
         """Audit trail: which trajectories (and prompts) each step trained on, to check that a run
-        (resumed or not) never lost or repeated one."""
+        (resumed or not) never lost or repeated one; with each one's reward and ending, which outlive the
+        trajectory files (a checkpoint prunes the ones it covers from buffer/)."""
         if not self.is_writer:
             return
-        rec = {"step": step, "traj_ids": [t.traj_id for t in trajs], "prompt_ids": [t.prompt_id for t in trajs]}
+        rec = {"step": step, "traj_ids": [t.traj_id for t in trajs], "prompt_ids": [t.prompt_id for t in trajs],
+               "rewards": [jsonable(t.reward) for t in trajs], "endings": [episode_ending(t) for t in trajs]}
         with open(self.path / "batches.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
         fault_point("batch_logged")
 
     def close(self) -> None:
         self.scalars.close()
+
+
+def episode_ending(t) -> str:
+    """How a trajectory's episode ended: the environment's verdict (`env_info.reason`: correct,
+    broken_chain, wrong, ...) or, for an episode the rollout cut, ``"cut: <end_reason>"``."""
+    return t.info.get("env_info", {}).get("reason") or f"cut: {t.info.get('end_reason', 'unknown')}"
 
 
 def _complete_record_before(line: str, step: int) -> bool:

@@ -5,10 +5,11 @@ import json
 
 import pytest
 
-from benchmarks.run_failures import chain_lengths, held_out_failures
+from benchmarks.run_failures import chain_lengths, endings, held_out_failures, report
 from megatron_sao.config import load_config
 from megatron_sao.config.loading import dump_config
 from megatron_sao.envs.chain_python import load_chain_tasks
+from megatron_sao.trainer.run_dir import episode_ending
 from megatron_sao.trajectory import TrajectoryBuilder, save_trajectories
 
 
@@ -26,9 +27,11 @@ def test_held_out_failures_count_failed_episodes_by_turns_and_truncation(tmp_pat
     }
 
 
-def _chain_run(tmp_path, trained, evaluated):
+def _chain_run(tmp_path, trained, evaluated, pruned=False, recorded=False):
     """A run directory on the chain task: `trained` = per step, [(train task index, reward)];
-    `evaluated` = {step: [(eval task index, correct)]}."""
+    `evaluated` = {step: [(eval task index, correct)]}. `pruned`: the trajectory files gone (a checkpoint
+    covered them); `recorded`: batches.jsonl has each trajectory's reward and ending, as the trainer writes."""
+    tmp_path.mkdir(exist_ok=True)
     dump_config(load_config("examples/tiny_cpu.yaml", [
         "env.name=chain_python", "env.train_data=train", "env.eval_data=eval", "env.task_kwargs={n: 20, seed: 0}",
         "env.eval_size=6", "algorithm.critic_warmup_steps=1"]), tmp_path / "config.yaml")
@@ -36,16 +39,20 @@ def _chain_run(tmp_path, trained, evaluated):
     (tmp_path / "eval").mkdir()
     lines, pos = [], 0
     for step, rows in enumerate(trained):
-        ids = []
+        trajs = []
         for i, reward in rows:
             b = TrajectoryBuilder(prompt_id=f"chain/train/0/{i}@{pos}")  # the rollout appends the stream position
             b.add_prompt([1, 2])
             b.add_action([3, 4], [-0.5, -0.5], 0)
-            t = b.finish("terminated", reward=reward)
-            save_trajectories(tmp_path / "buffer" / f"{pos:09d}-{t.traj_id}.safetensors", [t])
-            ids.append(t.traj_id)
+            t = b.finish("terminated", reward=reward, info={"env_info": {"reason": "correct" if reward else "wrong"}})
+            if not pruned:
+                save_trajectories(tmp_path / "buffer" / f"{pos:09d}-{t.traj_id}.safetensors", [t])
+            trajs.append(t)
             pos += 1
-        lines.append(json.dumps({"step": step, "traj_ids": ids}))
+        rec = {"step": step, "traj_ids": [t.traj_id for t in trajs], "prompt_ids": [t.prompt_id for t in trajs]}
+        if recorded:
+            rec.update(rewards=[t.reward for t in trajs], endings=[episode_ending(t) for t in trajs])
+        lines.append(json.dumps(rec))
     (tmp_path / "batches.jsonl").write_text("\n".join(lines) + "\n")
     for step, rows in evaluated.items():
         (tmp_path / "eval" / f"step_{step:06d}.jsonl").write_text("".join(
@@ -83,3 +90,21 @@ def test_chain_lengths_is_empty_on_a_task_without_chains_and_names_an_unknown_pr
         chain_lengths(run)
     dump_config(load_config("examples/tiny_cpu.yaml", []), run / "config.yaml")
     assert chain_lengths(run) == {}
+
+
+def test_a_pruned_run_is_counted_from_what_batches_jsonl_recorded_and_an_older_one_says_what_it_lacks(tmp_path):
+    """A checkpoint prunes the trajectory files it covers: the counts come from batches.jsonl's rewards and
+    endings, equal to the ones read from the files; a pruned run from before those fields names the gap."""
+    trained = [[(0, 1.0), (1, 0.0)], [(0, 0.0), (2, 1.0)]]
+    evaluated = {5: [(0, True), (1, False)]}
+    full = _chain_run(tmp_path / "files", trained, evaluated)
+    kept = _chain_run(tmp_path / "recorded", trained, evaluated, pruned=True, recorded=True)
+    assert not list((kept / "buffer").iterdir())
+    assert chain_lengths(kept) == chain_lengths(full) and endings(kept) == endings(full)
+    assert endings(kept) == {"warm-up 0-0": {"correct": 1, "wrong": 1}, "actor 0-4": {"wrong": 1, "correct": 1}}
+    old = _chain_run(tmp_path / "old", trained, evaluated, pruned=True)
+    with pytest.raises(SystemExit, match="pruned at a checkpoint.*--held-out-only"):
+        report(old)
+    assert report(old, held_out_only=True) == {**held_out_failures(full),
+                                                "by chain length": {"held-out at step 5": chain_lengths(full)[
+                                                    "held-out at step 5"]}}

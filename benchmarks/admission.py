@@ -1,6 +1,7 @@
 """What the admission rule put into a run's batches: the trajectories each actor step trained on, against
 the prompt stream's order they were launched in. Reads run directories only (`config.yaml`,
-`batches.jsonl`, the trajectory buffer `buffer/`); no model runs.
+`batches.jsonl` with its episode records, the trajectory buffer `buffer/` for what no step trained and for
+runs that predate those records); no model runs.
 
     PYTHONPATH=. .venv/bin/python benchmarks/admission.py runs/reproduce/runs/sao-s1-98b335a9d5 \
         runs/reproduce/runs/sao_sync-s1-<key> [--block 10]
@@ -50,7 +51,9 @@ class Episode:
 
 
 def read_run(run_dir: Path) -> tuple[dict, dict[str, Episode], list[dict]]:
-    """The run's config, {traj_id: Episode} of its buffer, and its batches (one dict per step)."""
+    """The run's config, {traj_id: Episode} of what it trained (`batches.jsonl`'s episode records; a run that
+    predates them, from `buffer/`) and of what finished untrained (`buffer/`), and its batches (one dict
+    per step)."""
     from megatron_sao.config import load_config
     from megatron_sao.trajectory import load_trajectories
 
@@ -65,10 +68,14 @@ def read_run(run_dir: Path) -> tuple[dict, dict[str, Episode], list[dict]]:
                                           int(t.action_mask.sum()))
     batches = [json.loads(line) for line in (run_dir / "batches.jsonl").read_text().splitlines()]
     for b in batches:
+        if "episodes" in b:
+            for tid, e in zip(b["traj_ids"], b["episodes"], strict=True):
+                episodes[tid] = Episode(e["pos"], e["first_version"], e["reward"], e["turns"], e["action_tokens"])
         missing = [tid for tid in b["traj_ids"] if tid not in episodes]
         if missing:
             raise SystemExit(f"{run_dir}: step {b['step']} trained {len(missing)} trajectories not in buffer/ "
-                             f"(first {missing[0]})")
+                             f"(first {missing[0]}; pruned at a checkpoint, and batches.jsonl predates the "
+                             "episode records it keeps now)")
     info = {"mode": cfg.trainer.mode, "batch": cfg.buffer.batch_size, "max_staleness": cfg.buffer.max_staleness,
             "warmup": cfg.algorithm.warmup_steps, "seed": cfg.run.seed, "algorithm": cfg.algorithm.name}
     return info, episodes, batches

@@ -6,8 +6,8 @@ chain task (envs/chain_python.py) the episodes solved by chain length, per phase
 a policy that drifts on the long chains shows (docs/results.md, section 9). Reads the run directory only
 (`batches.jsonl`, the trajectory buffer `buffer/`, `config.yaml`, `eval/`) and regenerates the config's
 tasks; no model runs. A checkpoint prunes the trajectory files it covers, so the training counts come
-from batches.jsonl's rewards and endings; a checkpointed run from before those were recorded gives its
-held-out counts only (`--held-out-only`).
+from batches.jsonl's episode records; a checkpointed run from before those were kept gives its held-out
+counts only (`--held-out-only`).
 
     PYTHONPATH=. .venv/bin/python benchmarks/run_failures.py runs/critic35/chain_sao_s1 runs/critic35/chain_sao_s3
 
@@ -40,15 +40,15 @@ class Episode(NamedTuple):
 
     prompt_id: str
     reward: float
-    ending: str  # trainer/run_dir.py's episode_ending
+    ending: str  # trainer/run_dir.py's episode_record
 
 
 def trained(run_dir: Path, block: int = 5):
     """(phase, Episode) for every trajectory the run trained on, in step order: from `batches.jsonl`, which
-    records each one's reward and ending; a run that predates those fields is read from its trajectory files
+    records each one's reward and ending; a run that predates those records is read from its trajectory files
     in `buffer/` (all there when the run kept no checkpoints, which prune the trajectories they cover)."""
     from megatron_sao.config import load_config
-    from megatron_sao.trainer.run_dir import episode_ending
+    from megatron_sao.trainer.run_dir import episode_record
     from megatron_sao.trajectory import load_trajectories
 
     warmup = load_config(run_dir / "config.yaml", []).algorithm.warmup_steps
@@ -56,18 +56,18 @@ def trained(run_dir: Path, block: int = 5):
     for line in (run_dir / "batches.jsonl").read_text().splitlines():
         batch = json.loads(line)
         phase = phase_of(batch["step"], warmup, block)
-        if "endings" in batch:
-            for row in zip(batch["prompt_ids"], batch["rewards"], batch["endings"], strict=True):
-                yield phase, Episode(*row)
+        if "episodes" in batch:
+            for prompt_id, e in zip(batch["prompt_ids"], batch["episodes"], strict=True):
+                yield phase, Episode(prompt_id, e["reward"], e["ending"])
             continue
         for tid in batch["traj_ids"]:
             if tid not in files:
                 raise SystemExit(f"{run_dir}: trajectory {tid} of step {batch['step']} is not in buffer/ (pruned at "
-                                 "a checkpoint) and batches.jsonl predates the rewards and endings it records now: "
+                                 "a checkpoint) and batches.jsonl predates the episode records it keeps now: "
                                  "this run's training episodes cannot be counted, its held-out ones can "
                                  "(--held-out-only)")
             for t in load_trajectories(files[tid]):
-                yield phase, Episode(t.prompt_id, t.reward, episode_ending(t))
+                yield phase, Episode(t.prompt_id, t.reward, episode_record(t)["ending"])
 
 
 def endings(run_dir: Path, block: int = 5, episodes=None) -> dict[str, dict[str, int]]:

@@ -4,7 +4,7 @@
                                    previous one as config.<n>.yaml)
     <run>/metrics.jsonl            one JSON object per step (append, flushed each step)
     <run>/batches.jsonl            which trajectories and prompts each step trained on (audit trail),
-                                   with their rewards and endings
+                                   with their rewards, endings, positions, versions and lengths
     <run>/tensorboard/             TensorBoard event files with the same scalars
     <run>/wandb/                   W&B's files and the run's id (run.wandb.project set; scalar_sinks.py)
     <run>/exports/step_N/          HF checkpoints of the actor every run.export_every steps (two kept)
@@ -267,12 +267,13 @@ class RunDir:
 
     def log_batch(self, step: int, trajs) -> None:
         """Audit trail: which trajectories (and prompts) each step trained on, to check that a run
-        (resumed or not) never lost or repeated one; with each one's reward and ending, which outlive the
-        trajectory files (a checkpoint prunes the ones it covers from buffer/)."""
+        (resumed or not) never lost or repeated one; with what the run's analyses read of each
+        (`episode_record`), which outlives the trajectory files (a checkpoint prunes the ones it covers
+        from buffer/)."""
         if not self.is_writer:
             return
         rec = {"step": step, "traj_ids": [t.traj_id for t in trajs], "prompt_ids": [t.prompt_id for t in trajs],
-               "rewards": [jsonable(t.reward) for t in trajs], "endings": [episode_ending(t) for t in trajs]}
+               "episodes": [episode_record(t) for t in trajs]}
         with open(self.path / "batches.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
         fault_point("batch_logged")
@@ -281,10 +282,15 @@ class RunDir:
         self.scalars.close()
 
 
-def episode_ending(t) -> str:
-    """How a trajectory's episode ended: the environment's verdict (`env_info.reason`: correct,
-    broken_chain, wrong, ...) or, for an episode the rollout cut, ``"cut: <end_reason>"``."""
-    return t.info.get("env_info", {}).get("reason") or f"cut: {t.info.get('end_reason', 'unknown')}"
+def episode_record(t) -> dict[str, Any]:
+    """What batches.jsonl keeps of a trained trajectory (benchmarks/run_failures.py, admission.py): its
+    reward; how its episode ended, the environment's verdict (`env_info.reason`: correct, broken_chain,
+    wrong, ...) or, for an episode the rollout cut, ``"cut: <end_reason>"``; its prompt-stream position;
+    the policy version of its first action; its turns and action tokens."""
+    return {"reward": jsonable(t.reward),
+            "ending": t.info.get("env_info", {}).get("reason") or f"cut: {t.info.get('end_reason', 'unknown')}",
+            "pos": t.info.get("data_pos"), "first_version": t.min_version(), "turns": t.num_turns,
+            "action_tokens": int(t.action_mask.sum())}
 
 
 def _complete_record_before(line: str, step: int) -> bool:

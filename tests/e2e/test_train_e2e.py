@@ -62,9 +62,14 @@ def test_sync_mode_trains_on_policy_and_syncs_weights_exactly(tmp_path):
         assert r["logprob_mismatch_lag0"] < 1e-4, r["logprob_mismatch_lag0"]
     seen = [p for b in batches(run) for p in b["prompt_ids"]]
     assert len(seen) == len(set(seen)) == 24  # no prompt trained twice
-    for b, r in zip(batches(run), rows, strict=True):  # each trajectory's reward and ending, kept past pruning
-        assert len(b["rewards"]) == len(b["endings"]) == 8 and all(isinstance(e, str) and e for e in b["endings"])
-        assert sum(b["rewards"]) / 8 == pytest.approx(r["reward"])
+    positions = []
+    for b, r in zip(batches(run), rows, strict=True):  # each trajectory's record, kept past the buffer's pruning
+        eps = b["episodes"]
+        assert len(eps) == 8 and all(isinstance(e["ending"], str) and e["ending"] for e in eps)
+        assert sum(e["reward"] for e in eps) / 8 == pytest.approx(r["reward"])
+        assert all(e["first_version"] == r["version"] and e["turns"] >= 1 and e["action_tokens"] > 0 for e in eps)
+        positions += [e["pos"] for e in eps]
+    assert sorted(positions) == list(range(24))  # sync: step s trains positions [8s, 8s + 8)
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000003"
     assert (run / "final_model" / "config.json").exists()
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))

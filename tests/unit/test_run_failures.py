@@ -9,7 +9,7 @@ from benchmarks.run_failures import chain_lengths, endings, held_out_failures, r
 from megatron_sao.config import load_config
 from megatron_sao.config.loading import dump_config
 from megatron_sao.envs.chain_python import load_chain_tasks
-from megatron_sao.trainer.run_dir import episode_ending
+from megatron_sao.trainer.run_dir import episode_record
 from megatron_sao.trajectory import TrajectoryBuilder, save_trajectories
 
 
@@ -30,7 +30,7 @@ def test_held_out_failures_count_failed_episodes_by_turns_and_truncation(tmp_pat
 def _chain_run(tmp_path, trained, evaluated, pruned=False, recorded=False):
     """A run directory on the chain task: `trained` = per step, [(train task index, reward)];
     `evaluated` = {step: [(eval task index, correct)]}. `pruned`: the trajectory files gone (a checkpoint
-    covered them); `recorded`: batches.jsonl has each trajectory's reward and ending, as the trainer writes."""
+    covered them); `recorded`: batches.jsonl has each trajectory's episode record, as the trainer writes."""
     tmp_path.mkdir(exist_ok=True)
     dump_config(load_config("examples/tiny_cpu.yaml", [
         "env.name=chain_python", "env.train_data=train", "env.eval_data=eval", "env.task_kwargs={n: 20, seed: 0}",
@@ -51,7 +51,7 @@ def _chain_run(tmp_path, trained, evaluated, pruned=False, recorded=False):
             pos += 1
         rec = {"step": step, "traj_ids": [t.traj_id for t in trajs], "prompt_ids": [t.prompt_id for t in trajs]}
         if recorded:
-            rec.update(rewards=[t.reward for t in trajs], endings=[episode_ending(t) for t in trajs])
+            rec["episodes"] = [episode_record(t) for t in trajs]
         lines.append(json.dumps(rec))
     (tmp_path / "batches.jsonl").write_text("\n".join(lines) + "\n")
     for step, rows in evaluated.items():
@@ -93,8 +93,8 @@ def test_chain_lengths_is_empty_on_a_task_without_chains_and_names_an_unknown_pr
 
 
 def test_a_pruned_run_is_counted_from_what_batches_jsonl_recorded_and_an_older_one_says_what_it_lacks(tmp_path):
-    """A checkpoint prunes the trajectory files it covers: the counts come from batches.jsonl's rewards and
-    endings, equal to the ones read from the files; a pruned run from before those fields names the gap."""
+    """A checkpoint prunes the trajectory files it covers: the counts come from batches.jsonl's episode
+    records, equal to the ones read from the files; a pruned run from before those records names the gap."""
     trained = [[(0, 1.0), (1, 0.0)], [(0, 0.0), (2, 1.0)]]
     evaluated = {5: [(0, True), (1, False)]}
     full = _chain_run(tmp_path / "files", trained, evaluated)

@@ -50,27 +50,31 @@ class Episode:
     action_tokens: int
 
 
+def _episode(record: dict) -> Episode:
+    """An Episode of a trajectory's record (trainer/run_dir.py `episode_record`)."""
+    return Episode(int(record["pos"]), record["first_version"], float(record["reward"]), record["turns"],
+                   record["action_tokens"])
+
+
 def read_run(run_dir: Path) -> tuple[dict, dict[str, Episode], list[dict]]:
     """The run's config, {traj_id: Episode} of what it trained (`batches.jsonl`'s episode records; a run that
     predates them, from `buffer/`) and of what finished untrained (`buffer/`), and its batches (one dict
     per step)."""
     from megatron_sao.config import load_config
+    from megatron_sao.trainer.run_dir import episode_record
     from megatron_sao.trajectory import load_trajectories
 
     for name in ("config.yaml", "batches.jsonl", "buffer"):
         if not (run_dir / name).exists():
             raise SystemExit(f"{run_dir}: no {name}; is this a `sao train` run directory?")
     cfg = load_config(run_dir / "config.yaml", [])
-    episodes = {}
-    for f in (run_dir / "buffer").glob("*.safetensors"):
-        for t in load_trajectories(f):
-            episodes[t.traj_id] = Episode(int(t.info["data_pos"]), t.min_version(), float(t.reward), t.num_turns,
-                                          int(t.action_mask.sum()))
     batches = [json.loads(line) for line in (run_dir / "batches.jsonl").read_text().splitlines()]
+    episodes = {tid: _episode(e) for b in batches if "episodes" in b
+                for tid, e in zip(b["traj_ids"], b["episodes"], strict=True)}
+    for f in (run_dir / "buffer").glob("*.safetensors"):  # <seq>-<traj_id>: only what no record covers
+        if f.stem.split("-", 1)[1] not in episodes:
+            episodes.update((t.traj_id, _episode(episode_record(t))) for t in load_trajectories(f))
     for b in batches:
-        if "episodes" in b:
-            for tid, e in zip(b["traj_ids"], b["episodes"], strict=True):
-                episodes[tid] = Episode(e["pos"], e["first_version"], e["reward"], e["turns"], e["action_tokens"])
         missing = [tid for tid in b["traj_ids"] if tid not in episodes]
         if missing:
             raise SystemExit(f"{run_dir}: step {b['step']} trained {len(missing)} trajectories not in buffer/ "

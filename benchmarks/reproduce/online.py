@@ -30,6 +30,10 @@ from benchmarks.reproduce.summary import first_step_started_after, recovery_step
 METHODS = ("sao", "running_mean")
 FULL_SWITCH, FULL_PHASES = 10, 3
 QUICK_SWITCH, QUICK_PHASES = 1, 3
+# A switch is measured only from a pre-switch reward of at least this: below it the policy had not learned
+# the old style (or had lost every style), the "recovery" target (90% of the level) is met by noise, and a
+# recovery count would read as a fast re-adaptation that never happened.
+MIN_PRE_LEVEL = 0.1
 
 
 @dataclass
@@ -51,7 +55,8 @@ def curve_of_result(data: dict) -> RewardCurve:
 
 def recovery_table(groups: dict[str, list[RewardCurve]], every: int, phases: int) -> tuple[list[list[str]], dict]:
     """Per method and switch: the pre-switch reward and each seed's recovery steps (None: not within the
-    phase), as table rows and as the summary's data."""
+    phase; "n/a": the pre-switch reward was under MIN_PRE_LEVEL, nothing learned to lose), as table rows
+    and as the summary's data."""
     switches = [every * k for k in range(1, phases)]
     rows, data = [], {}
     for m, cs in groups.items():
@@ -61,11 +66,14 @@ def recovery_table(groups: dict[str, list[RewardCurve]], every: int, phases: int
             rec = [recovery_steps(c.reward, sw, end, search_from=first_step_started_after(c.policy_step_min, sw))
                    for c in cs if len(c.reward) > sw]
             pre = stat([r[0] for r in rec])
-            steps = [r[1] for r in rec]
-            got = [x for x in steps if x is not None]
+            steps = [n if level >= MIN_PRE_LEVEL else "n/a" for level, n in rec]
+            measured = [x for x in steps if x != "n/a"]
+            got = [x for x in measured if x is not None]
             per_switch.append({"switch_step": sw, "pre_reward": pre.values, "recovery_steps": steps})
             rows.append([m, str(sw), pre.fmt(2), ", ".join("never" if x is None else str(x) for x in steps),
-                         f"{sum(got) / len(got):.1f}" if got else "never", f"{len(got)}/{len(steps)}"])
+                         f"{sum(got) / len(got):.1f}" if got else "never" if measured else "n/a",
+                         f"{len(got)}/{len(measured)}" + (f" ({len(steps) - len(measured)} n/a)"
+                                                          if len(measured) < len(steps) else "")])
         data[m] = {"reward": [c.reward for c in cs], "switches": per_switch,
                    "mean_reward": stat([sum(c.reward) / len(c.reward) for c in cs if c.reward]).values}
     return rows, data
@@ -124,8 +132,9 @@ def run(s: Settings) -> int:
     md += ("\n\nA switch is 'recovered' when the 3-step mean reward returns to 90% of the mean of the 3 steps before "
            "it; 'never' means not within the run (the next switch or the end). The search starts at the first "
            "step whose whole batch started after the switch (`rollout/policy_step_min`): earlier batches still "
-           "hold episodes the judge scored by the old style. A low pre-switch level makes "
-           f"recovery trivially easy, so read the pre-switch column too.\n\n![reward]({png})\n")
+           "hold episodes the judge scored by the old style. 'n/a': the pre-switch reward was under "
+           f"{MIN_PRE_LEVEL}, nothing learned to lose, and 90% of it is met by noise; a low level above it still "
+           f"makes recovery easy, so read the pre-switch column too.\n\n![reward]({png})\n")
     summary = {"switch_every": every, "phases": phases, "budget": vars(b), "methods": data}
     common = start.rl_overrides(b.eval_size)
     if recorded is None:

@@ -31,6 +31,17 @@ def test_recovery_is_counted_from_the_first_batch_started_after_the_switch():
     assert rows == [["sao", "10", "0.60 ± 0.00 (0.60, 0.60)", "3, never", "3.0", "1/2"]]
 
 
+def test_a_switch_from_a_reward_of_nothing_is_not_counted_as_a_recovery():
+    # SmolLM2's runs: phase 1 learned (0.8), then the policy writes only the old style and earns 0.00 from the
+    # first switch on. The second switch starts from 0.00: 90% of it is met at once, which is no recovery.
+    up = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.8, 0.8, 0.8, 0.8]
+    collapsed = online.curve_of_result(_result([*up, *[0.0] * 20]))
+    rows, data = online.recovery_table({"running_mean": [collapsed, collapsed]}, every=10, phases=3)
+    assert [s["recovery_steps"] for s in data["running_mean"]["switches"]] == [[None, None], ["n/a", "n/a"]]
+    assert rows[0][3:] == ["never, never", "never", "0/2"]
+    assert rows[1][3:] == ["n/a, n/a", "n/a", "0/0 (2 n/a)"]
+
+
 def test_on_smollm2_both_methods_take_the_same_steps_from_the_pretrained_critic():
     s = Settings("online_smollm2", False, [1, 2], 1, Path("/out"), Path("/work"), model="smollm2")
     every, phases, b = online.schedule(s)

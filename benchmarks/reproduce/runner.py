@@ -145,14 +145,35 @@ def _attempts_path(run: Run, d: Path) -> Path:
     return d / f"reproduce_{run.stage}.attempts.json"
 
 
-def _tree_cpu_seconds(root: int) -> float:
-    """CPU seconds so far, user and system, of `root` and its live descendants, with what each has
-    reaped of its children: a running attempt's cost, which wait4 gives only at its end."""
+def _tree(root: int) -> list[psutil.Process]:
+    """`root` and its live descendants ([] once it has ended)."""
     try:
-        procs = [psutil.Process(root)]
-        procs += procs[0].children(recursive=True)
+        proc = psutil.Process(root)
+        return [proc, *proc.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0.0
+        return []
+
+
+def _kill_leftovers(seen: dict[int, psutil.Process]) -> list[str]:
+    """Kill the descendants of an ended stage process that still run (psutil checks each is the same
+    process, not a reused pid); their names. A trainer the kernel's OOM killer or a signal ended leaves its
+    vLLM engine (EngineCore and its worker, a few GiB) orphaned, and the next run, short of that memory,
+    died the same way (seen: three SmolLM2 runs in a row)."""
+    killed = []
+    for proc in seen.values():
+        try:
+            if proc.is_running():
+                name = proc.name()
+                proc.kill()
+                killed.append(f"{name} (pid {proc.pid})")
+        except psutil.NoSuchProcess:
+            pass
+    return killed
+
+
+def _tree_cpu_seconds(procs: list[psutil.Process]) -> float:
+    """CPU seconds so far, user and system, of a process tree (`_tree`), with what each has reaped of its
+    children: a running attempt's cost, which wait4 gives only at its end."""
     total = 0.0
     for proc in procs:
         try:
@@ -223,16 +244,22 @@ def execute(run: Run, work: Path, threads: int = 1, fresh: bool = False, log=pri
     t0 = time.time()
     log_path = d / f"{run.stage}.log"
     loads: list[float] = []  # this machine may be shared: a wall time means little without its load
+    seen: dict[int, psutil.Process] = {}  # every descendant the samples found, killed if left running
 
     def every_sample() -> None:
         loads.append(os.getloadavg()[0])
+        tree = _tree(p.pid)
+        seen.update((proc.pid, proc) for proc in tree[1:])
         if run.checkpoint_every:  # what this attempt has cost so far, should it be killed before it ends
-            _write_attempts(d, run, [*earlier, _attempt(p.pid, t0, time.time() - t0, _tree_cpu_seconds(p.pid), loads,
+            _write_attempts(d, run, [*earlier, _attempt(p.pid, t0, time.time() - t0, _tree_cpu_seconds(tree), loads,
                                                         None)])
 
     with open(log_path, "a" if resume else "w") as out:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         cpu_s = _wait_cpu_seconds(p, every_sample)
+    left = _kill_leftovers(seen)
+    if left:
+        log(f"  {d.name} (exit {p.returncode}) left running: {', '.join(left)}; killed")
     attempts = [*earlier, _attempt(p.pid, t0, time.time() - t0, cpu_s, loads or [os.getloadavg()[0]], p.returncode)]
     if run.checkpoint_every:
         _write_attempts(d, run, attempts)

@@ -37,6 +37,7 @@ from megatron_sao.buffer import TrajectoryBuffer
 from megatron_sao.config import SAOConfig, to_dict
 from megatron_sao.distributed.gated import GatedCollectives
 from megatron_sao.errors import TrainingInterrupted, TrainingStopped
+from megatron_sao.megatron import writer_results
 from megatron_sao.megatron.async_saves import AsyncSaves
 from megatron_sao.models.builtin import resolve_model_dir
 from megatron_sao.rollout.prompts import complete_units
@@ -112,6 +113,7 @@ class SAOTrainer:
         self.model_dir = resolve_model_dir(cfg.model.path, self.run_dir.path, cfg.run.seed) if self.rank0 else None
         self.model_dir = Path(self.collectives.broadcast(str(self.model_dir) if self.model_dir else None))
         C.check_trainer_memory(cfg, self.model_dir, self.ctx)
+        writer_results.start_server()  # forked while this process is small: it lives as long as the trainer
         self.actor = C.build_actor(cfg, self.model_dir, ctx=self.ctx)
         self.critic = C.build_critic(cfg, self.model_dir, ctx=self.ctx) if a.uses_critic else None
         self.models = [m for m in (self.actor, self.critic) if m is not None]

@@ -1,0 +1,41 @@
+"""A run's stage process that dies (the kernel's OOM killer, a signal) leaves no process of its own behind:
+the runner kills what it started that still runs (a trainer's vLLM engine would otherwise hold its GiBs
+through every later run). The stage is a stand-in script at the subprocess boundary."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import psutil
+
+from benchmarks.reproduce import runner
+from benchmarks.reproduce.runner import Run
+
+# The stand-in for `sao train`: starts a long-lived child (as the trainer starts its vLLM engine), waits for
+# the runner to sample it, and dies by SIGKILL, as the OOM killer kills a trainer.
+STAGE = """
+import os, signal, subprocess, sys, time
+from pathlib import Path
+d = Path(next(a for a in sys.argv if a.startswith("run.dir=")).split("=", 1)[1])
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+(d / "engine.pid").write_text(str(engine.pid))
+time.sleep(1.0)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_stage_s_orphaned_child_is_killed_and_named(tmp_path, monkeypatch):
+    script = tmp_path / "stage.py"
+    script.write_text(STAGE)
+    monkeypatch.setattr(runner, "stage_command", lambda run, d, resume: [sys.executable, str(script), f"run.dir={d}"])
+    monkeypatch.setattr(runner, "LOAD_SAMPLE_S", 0.1)
+    lines = []
+    result = runner.execute(Run("sao", 1, "examples/tiny_cpu.yaml"), tmp_path / "work", log=lines.append)
+    assert not result.ok
+    engine = psutil.Process(int((result.dir / "engine.pid").read_text()))  # reaped by init only once killed
+    deadline = time.monotonic() + 10
+    while engine.is_running() and engine.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
+    assert any("left running" in line and f"pid {engine.pid}" in line for line in lines), lines

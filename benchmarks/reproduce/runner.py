@@ -41,6 +41,7 @@ LOAD_SAMPLE_S = 10.0  # how often a run samples the machine's load average
 # Trainer steps between the checkpoints of the hour-long runs (SmolLM2), from which a run killed with its
 # session resumes: at most that many steps are trained twice.
 CHECKPOINT_EVERY = 10
+LEFTOVER_GRACE_S = 10.0  # how long a run's leftover processes may take to exit on their own (_kill_leftovers)
 
 DONE_MARKER = {"train": "final_model/config.json", "sft": "sft_model/config.json",
                "value-pretrain": "critic_pretrained/config.json"}
@@ -154,18 +155,26 @@ def _tree(root: int) -> list[psutil.Process]:
         return []
 
 
-def _kill_leftovers(seen: dict[int, psutil.Process]) -> list[str]:
-    """Kill the descendants of an ended stage process that still run (psutil checks each is the same
-    process, not a reused pid); their names. A trainer the kernel's OOM killer or a signal ended leaves its
-    vLLM engine (EngineCore and its worker, a few GiB) orphaned, and the next run, short of that memory,
-    died the same way (seen: three SmolLM2 runs in a row)."""
-    killed = []
+def _kill_leftovers(seen: dict[int, psutil.Process], grace_s: float) -> list[str]:
+    """Kill the descendants of an ended stage process that still run `grace_s` later (psutil checks each is
+    the same process, not a reused pid); their names. A trainer the kernel's OOM killer or a signal ended
+    leaves its vLLM engine (EngineCore and its worker, a few GiB) orphaned, and the next run, short of that
+    memory, died the same way (seen: three SmolLM2 runs in a row). The grace lets a clean exit's helpers
+    (multiprocessing's resource tracker, which unlinks leaked shared memory) finish on their own."""
+    alive = []
     for proc in seen.values():
         try:
             if proc.is_running():
-                name = proc.name()
-                proc.kill()
-                killed.append(f"{name} (pid {proc.pid})")
+                alive.append((proc, proc.name()))
+        except psutil.NoSuchProcess:
+            pass
+    _, still = psutil.wait_procs([proc for proc, _ in alive], timeout=grace_s)
+    names = dict((proc.pid, name) for proc, name in alive)
+    killed = []
+    for proc in still:
+        try:
+            proc.kill()
+            killed.append(f"{names[proc.pid]} (pid {proc.pid})")
         except psutil.NoSuchProcess:
             pass
     return killed
@@ -257,7 +266,7 @@ def execute(run: Run, work: Path, threads: int = 1, fresh: bool = False, log=pri
     with open(log_path, "a" if resume else "w") as out:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         cpu_s = _wait_cpu_seconds(p, every_sample)
-    left = _kill_leftovers(seen)
+    left = _kill_leftovers(seen, LEFTOVER_GRACE_S)
     if left:
         log(f"  {d.name} (exit {p.returncode}) left running: {', '.join(left)}; killed")
     attempts = [*earlier, _attempt(p.pid, t0, time.time() - t0, cpu_s, loads or [os.getloadavg()[0]], p.returncode)]

@@ -12,24 +12,29 @@ import psutil
 from benchmarks.reproduce import runner
 from benchmarks.reproduce.runner import Run
 
-# The stand-in for `sao train`: starts a long-lived child (as the trainer starts its vLLM engine), waits for
-# the runner to sample it, and dies by SIGKILL, as the OOM killer kills a trainer.
+# The stand-in for `sao train`: starts a long-lived child (as the trainer starts its vLLM engine) and one that
+# ends a second after it (as multiprocessing's resource tracker cleans up), waits for the runner to sample
+# them, and dies by SIGKILL, as the OOM killer kills a trainer.
 STAGE = """
 import os, signal, subprocess, sys, time
 from pathlib import Path
 d = Path(next(a for a in sys.argv if a.startswith("run.dir=")).split("=", 1)[1])
 engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+tracker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])
 (d / "engine.pid").write_text(str(engine.pid))
+(d / "tracker.pid").write_text(str(tracker.pid))
 time.sleep(1.0)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_a_killed_stage_s_orphaned_child_is_killed_and_named(tmp_path, monkeypatch):
+def test_a_killed_stage_s_orphaned_child_is_killed_and_named_one_that_ends_by_itself_is_left_to(
+        tmp_path, monkeypatch):
     script = tmp_path / "stage.py"
     script.write_text(STAGE)
     monkeypatch.setattr(runner, "stage_command", lambda run, d, resume: [sys.executable, str(script), f"run.dir={d}"])
     monkeypatch.setattr(runner, "LOAD_SAMPLE_S", 0.1)
+    monkeypatch.setattr(runner, "LEFTOVER_GRACE_S", 4.0)
     lines = []
     result = runner.execute(Run("sao", 1, "examples/tiny_cpu.yaml"), tmp_path / "work", log=lines.append)
     assert not result.ok
@@ -38,4 +43,5 @@ def test_a_killed_stage_s_orphaned_child_is_killed_and_named(tmp_path, monkeypat
     while engine.is_running() and engine.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
-    assert any("left running" in line and f"pid {engine.pid}" in line for line in lines), lines
+    (left,) = [line for line in lines if "left running" in line]
+    assert f"pid {engine.pid}" in left and f"pid {(result.dir / 'tracker.pid').read_text()}" not in left, left

@@ -266,10 +266,11 @@ def execute(run: Run, work: Path, threads: int = 1, fresh: bool = False, log=pri
     with open(log_path, "a" if resume else "w") as out:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         cpu_s = _wait_cpu_seconds(p, every_sample)
+    wall_s = time.time() - t0
     left = _kill_leftovers(seen, LEFTOVER_GRACE_S)
     if left:
         log(f"  {d.name} (exit {p.returncode}) left running: {', '.join(left)}; killed")
-    attempts = [*earlier, _attempt(p.pid, t0, time.time() - t0, cpu_s, loads or [os.getloadavg()[0]], p.returncode)]
+    attempts = [*earlier, _attempt(p.pid, t0, wall_s, cpu_s, loads or [os.getloadavg()[0]], p.returncode)]
     if run.checkpoint_every:
         _write_attempts(d, run, attempts)
     wall, cpu_s, load = _totals(attempts)

@@ -39,7 +39,11 @@ _MANAGER: SyncManager | None = None
 
 
 def _die_with(parent: int) -> None:
-    """Runs first in the Manager's server process."""
+    """Runs first in the Manager's server process. It ignores SIGTERM (multiprocessing already ignores
+    SIGINT there): a scheduler's cancel or preemption signals every process of the job, and the trainer
+    answers by writing a checkpoint, through this server. Forked before the models, it has the handler of
+    `sao train`'s start-up (cli.exit_on_sigterm), which would end it first."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the server outlives a killed trainer, as megatron's does

@@ -48,3 +48,23 @@ def test_the_server_forked_before_the_models_holds_none_of_them():
     # The same script forking the server at the first save, as before: it maps the whole 512 MiB.
     late = _server_memory("late")
     assert late["server_mib"] > 512, late
+
+
+STOP = """
+import os, signal, sys, time
+from megatron_sao.cli import exit_on_sigterm
+from megatron_sao.megatron import writer_results
+
+exit_on_sigterm()  # sao train's handler until its models are built, when the server is forked
+pid = writer_results.start_server()
+os.kill(pid, signal.SIGTERM)  # scancel: every process of the job gets one
+time.sleep(1.0)
+writer_results.install_new_queue()  # the stop's checkpoint: a queue from the same server
+assert writer_results.start_server() == pid
+print("served")
+"""
+
+
+def test_the_server_outlives_a_sigterm_to_the_whole_job_so_the_stop_checkpoint_can_be_written():
+    out = subprocess.run([sys.executable, "-c", STOP], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("served"), out.stderr[-2000:]

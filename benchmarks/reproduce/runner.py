@@ -161,20 +161,13 @@ def _kill_leftovers(seen: dict[int, psutil.Process], grace_s: float) -> list[str
     leaves its vLLM engine (EngineCore and its worker, a few GiB) orphaned, and the next run, short of that
     memory, died the same way (seen: three SmolLM2 runs in a row). The grace lets a clean exit's helpers
     (multiprocessing's resource tracker, which unlinks leaked shared memory) finish on their own."""
-    alive = []
-    for proc in seen.values():
-        try:
-            if proc.is_running():
-                alive.append((proc, proc.name()))
-        except psutil.NoSuchProcess:
-            pass
-    _, still = psutil.wait_procs([proc for proc, _ in alive], timeout=grace_s)
-    names = dict((proc.pid, name) for proc, name in alive)
+    _, still = psutil.wait_procs([proc for proc in seen.values() if proc.is_running()], timeout=grace_s)
     killed = []
     for proc in still:
         try:
+            name = proc.name()
             proc.kill()
-            killed.append(f"{names[proc.pid]} (pid {proc.pid})")
+            killed.append(f"{name} (pid {proc.pid})")
         except psutil.NoSuchProcess:
             pass
     return killed

@@ -7,6 +7,7 @@
     sao bench staleness     # imposed policy lag 1/4/16: vanilla GRPO vs GRPO+DIS vs SAO
     sao bench online        # style shift: critic vs running-mean baseline, recovery after switches
     sao bench online --model smollm2 [--max-runs N]   # the same on SmolLM2-135M-Instruct
+    sao bench online ... --switch-every N --actor-lr X  # another schedule, in a results folder of its own
     sao bench throughput    # async vs sync on heavy-tailed tool latency
     sao bench dynamics [--stress] [--max-runs N]   # 500 async steps (--stress: lag 8, 4x the LR, 100 steps)
     sao bench all           # all five, in that order (the two starting points first, side by side)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.reproduce import ablations, dynamics, main_comparison, online, smollm2_main, staleness, throughput
@@ -34,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stress", action="store_true",
                     help="dynamics only: twice the lag and 4x the actor LR, where the ratios leave the DIS band "
                          "(results in results/reproduce/dynamics_stress/)")
+    ap.add_argument("--switch-every", type=int, default=None,
+                    help="online only: trainer steps per style phase (default 10; --quick: 1); results in a "
+                         "folder of their own (online.py)")
+    ap.add_argument("--actor-lr", type=float, default=None,
+                    help="online only: the actor's LR (the critic's 5x it, the paper's ratio; default: the "
+                         "recipe's); results in a folder of their own (online.py)")
     ap.add_argument("--max-runs", type=int, default=None,
                     help="--model smollm2 and dynamics: train at most N of the missing runs, then write the report")
     ap.add_argument("--rows", nargs="+", default=None,
@@ -56,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     task = args.task or "arith"
     if args.stress and args.experiment != "dynamics":
         ap.error("--stress: only with the dynamics experiment")
+    for flag, value in (("--switch-every", args.switch_every), ("--actor-lr", args.actor_lr)):
+        if value is not None and args.experiment != "online":
+            ap.error(f"{flag}: only with the online experiment")
+        if value is not None and not value > 0:
+            ap.error(f"{flag}: must be positive, got {value}")
     seeds = args.seeds or ([1] if args.quick else smollm2_main.DEFAULT_SEEDS if smollm2 else [1, 2, 3])
     jobs = args.jobs or (1 if smollm2 and not args.quick else 2)
     work = Path(args.work or ROOT / ("runs/reproduce_quick" if args.quick else "runs/reproduce")).resolve()
@@ -70,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         name = (smollm2_main.TASKS[task].folder if main_smollm2 else "online_smollm2" if smollm2
                 else "dynamics_stress" if args.stress else experiment)
         s = Settings(name, args.quick, seeds, jobs, out_root / name, work, args.fresh, command, max_runs=args.max_runs,
-                     rows=args.rows, model=args.model, task=task, stress=args.stress)
+                     rows=args.rows, model=args.model, task=task, stress=args.stress,
+                     switch_every=args.switch_every, actor_lr=args.actor_lr)
+        if experiment == "online" and online.design_suffix(s):
+            s = replace(s, name=name + online.design_suffix(s), out=out_root / (name + online.design_suffix(s)))
         s.log(f"start: seeds {seeds}, {jobs} job(s), results in {s.out}")
         code = (smollm2_main if main_smollm2 else EXPERIMENTS[experiment]).run(s)
         s.log(f"{'done' if code == 0 else 'FAILED runs'}: {s.out / 'results.md'}")

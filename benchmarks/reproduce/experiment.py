@@ -49,6 +49,8 @@ class Settings:
     model: str = "toy"  # --model: toy | smollm2 (the main comparison and the online experiment)
     task: str = "arith"  # --model smollm2: the recipe's task (smollm2_main.TASKS)
     stress: bool = False  # dynamics: the stress regime (dynamics.STRESS)
+    switch_every: int | None = None  # online: trainer steps per phase (None: online.FULL_SWITCH / QUICK_SWITCH)
+    actor_lr: float | None = None  # online: the actor's LR, the critic's at the paper's ratio (None: the recipe's)
     t0: float = field(default_factory=time.time)
 
     @property

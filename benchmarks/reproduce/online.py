@@ -10,6 +10,13 @@ runs take most of an hour each, so every finished run writes a result file into
 results/reproduce/online_smollm2/runs/ at once and `--max-runs N` spreads them over sessions, as the
 SmolLM2 main comparison does (run_results.py). SAO's critic is value-pretrained, so neither method
 spends steps on a warm-up there: both take the same trainer steps under the same schedule.
+
+`--switch-every N` and `--actor-lr X` change the schedule (the critic's LR follows the actor's at the
+paper's 5x, critic_presets.PAPER_LR_RATIO); such a design keeps its results in a folder of its own
+(`online_smollm2_every<N>_lr<X>`, `design_suffix`), so the recipe's runs stay valid beside it. Why: at
+the recipe's actor LR 1e-5 the SmolLM2 policy narrows onto the first style within a 10-step phase and
+no method finds the next one (docs/results.md, section 4); longer phases at a lower LR keep the other
+styles sampled long enough for a switch to be recoverable at all.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from types import SimpleNamespace
 import matplotlib.pyplot as plt
 
 from benchmarks.reproduce import run_results
+from benchmarks.reproduce.critic_presets import PAPER_LR_RATIO
 from benchmarks.reproduce.experiment import Budget, Settings, finish, rl_run, run_and_load
 from benchmarks.reproduce.report import band_plot, header, md_table, runs_section, save_fig, write_report
 from benchmarks.reproduce.runner import CHECKPOINT_EVERY, Run
@@ -83,18 +91,39 @@ def schedule(s: Settings) -> tuple[int, int, Budget]:
     """(steps per phase, phases, budget). SmolLM2 starts from a value-pretrained critic and takes no
     warm-up (module docstring); the toy keeps the suite's."""
     every, phases = (QUICK_SWITCH, QUICK_PHASES) if s.quick else (FULL_SWITCH, FULL_PHASES)
+    every = s.switch_every or every
     b0 = s.budget
     warmup = 0 if s.model == "smollm2" and not s.quick else b0.warmup
     return every, phases, Budget(batch=b0.batch, steps=every * phases, eval_every=0, eval_size=b0.eval_size,
                                  warmup=warmup)
 
 
+def design_flags(s: Settings) -> str:
+    """The command-line flags of a schedule other than the default one ("" for the default)."""
+    return ((f" --switch-every {s.switch_every}" if s.switch_every else "")
+            + (f" --actor-lr {s.actor_lr:g}" if s.actor_lr else ""))
+
+
+def design_suffix(s: Settings) -> str:
+    """The results folder's suffix for a schedule other than the default one ("" for the default)."""
+    return ((f"_every{s.switch_every}" if s.switch_every else "")
+            + (f"_lr{s.actor_lr:g}" if s.actor_lr else ""))
+
+
+def lr_overrides(s: Settings) -> tuple[str, ...]:
+    """`--actor-lr`: the actor's LR, and the critic's at the paper's ratio to it (the recipes' 5e-5 to 1e-5)."""
+    if not s.actor_lr:
+        return ()
+    return (f"actor.optim.lr={s.actor_lr:g}", f"critic.optim.lr={PAPER_LR_RATIO * s.actor_lr:g}")
+
+
 def plan(s: Settings, start: Start, every: int, b: Budget) -> list[Run]:
     """Every run, seed-major: `--max-runs 2` gives both methods a seed first. SmolLM2's runs checkpoint,
     so that one killed with its session resumes (runner.py)."""
     every_ckpt = CHECKPOINT_EVERY if s.model == "smollm2" else 0
-    return [replace(rl_run(s, start, m, seed, m, (f"env.kwargs.switch_every={every}",), budget=b),
-                    checkpoint_every=every_ckpt) for seed in s.seeds for m in METHODS]
+    extra = (f"env.kwargs.switch_every={every}", *lr_overrides(s))
+    return [replace(rl_run(s, start, m, seed, m, extra, budget=b), checkpoint_every=every_ckpt)
+            for seed in s.seeds for m in METHODS]
 
 
 def run(s: Settings) -> int:
@@ -124,6 +153,8 @@ def run(s: Settings) -> int:
                 s.seeds, s.elapsed_s,
                 f"- {phases} phases of {every} trainer steps (batch {b.batch}); the judge's preferred style changes "
                 f"at steps {switches}; starting point `{start.dir.name}` ({start.config}); "
+                + (f"actor LR {s.actor_lr:g}, critic LR {PAPER_LR_RATIO * s.actor_lr:g} (not the recipe's); "
+                   if s.actor_lr else "")
                 + (f"SAO spends its first {b.warmup} steps on critic warm-up" if b.warmup else
                    "SAO starts from the value-pretrained critic, no warm-up: both methods take the same steps"))
     md += note
@@ -157,7 +188,7 @@ def _recorded(s: Settings, start: Start, runs, b: Budget):
     status = (f"all {len(runs)} runs finished" if not missing else
               f"PARTIAL: {len(runs) - len(missing)} of {len(runs)} runs finished; missing "
               + ", ".join(f"{r.label} seed {r.seed}" for r in missing)
-              + " (`sao bench online --model smollm2 --max-runs N` trains N of them)")
+              + f" (`sao bench online --model smollm2{design_flags(s)} --max-runs N` trains N of them)")
     note = f"**{status}.**\n\n"
     if rec.stale:
         note += "Result files set aside (another config, ALGORITHM_VERSION or start): " + ", ".join(rec.stale) + "\n\n"

@@ -53,3 +53,20 @@ def test_on_smollm2_both_methods_take_the_same_steps_from_the_pretrained_critic(
                 "critic.init=/start/critic_pretrained"} <= set(r.overrides)
     toy = Settings("online", False, [1], 1, Path("/out"), Path("/work"))
     assert online.schedule(toy)[2].warmup == 2  # the toy's critic warms up inside the budget, as before
+
+
+def test_a_longer_slower_schedule_changes_only_the_phase_and_the_lrs_and_has_its_own_folder(tmp_path):
+    base = Settings("online_smollm2", False, [1], 1, Path("/out"), Path("/work"), model="smollm2")
+    slow = Settings("online_smollm2", False, [1], 1, Path("/out"), Path("/work"), model="smollm2",
+                    switch_every=20, actor_lr=3e-6)
+    start = Start("smollm2_style", SMOLLM2_STYLE_CONFIG, Path("/start"), (), 0.0)
+    every, phases, b = online.schedule(slow)
+    assert (every, phases, b.steps, b.warmup) == (20, 3, 60, 0)
+    base_every, _, base_budget = online.schedule(base)
+    before = online.plan(base, start, base_every, base_budget)
+    after = online.plan(slow, start, every, b)
+    for p, q in zip(before, after):
+        assert set(q.overrides) - set(p.overrides) == {
+            "env.kwargs.switch_every=20", "run.total_steps=60", "actor.optim.lr=3e-06", "critic.optim.lr=1.5e-05"}
+    assert not any("optim.lr" in o for o in before[0].overrides)  # the committed runs' keys hold
+    assert online.design_suffix(base) == "" and online.design_suffix(slow) == "_every20_lr3e-06"

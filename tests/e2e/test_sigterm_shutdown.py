@@ -1,9 +1,10 @@
-"""SIGTERM to a `sao` command that runs an in-process vLLM engine (`sao eval`, `sao sft`'s and `sao
-value-pretrain`'s rollouts) shuts the engine down: its EngineCore process does not outlive the command.
+"""SIGTERM or SIGKILL to a `sao` command that runs an in-process vLLM engine (`sao eval`, `sao sft`'s and
+`sao value-pretrain`'s rollouts, `sao train`): its EngineCore process does not outlive the command.
 
 Python's default for SIGTERM is to die at once; the EngineCore child then kept running, orphaned, with
 the model and its KV cache in memory (what `timeout` or a scheduler's cancel left behind). `sao` turns
-SIGTERM into SystemExit (cli.exit_on_sigterm), so the engine's `finally: close()` runs.
+SIGTERM into SystemExit (cli.exit_on_sigterm), so the engine's `finally: close()` runs. A SIGKILL runs
+nothing of `sao`: the orphan guard process kills the EngineCore then.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ def _running(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-def test_sigterm_during_sao_eval_leaves_no_engine_core_process(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_signal_during_sao_eval_leaves_no_engine_core_process(tmp_path, sig):
+    """SIGTERM: `sao` closes its engine. SIGKILL (the OOM killer) runs no code of `sao`: the orphan guard
+    (rollout/engines/orphan_guard.py) kills the EngineCore it was handed."""
     model = materialize_builtin_model("tiny_qwen3_moe_ci", tmp_path / "model", 3)
     log = tmp_path / "eval.log"
     # A file, not a pipe: an orphaned EngineCore would hold a pipe open after the command exits.
@@ -67,8 +71,8 @@ def test_sigterm_during_sao_eval_leaves_no_engine_core_process(tmp_path):
         time.sleep(2)  # episodes in flight
         assert proc.poll() is None and all(_running(p) for p in cores), log.read_text()[-3000:]
         cores += _children(cores)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+        proc.send_signal(sig)
+        assert proc.wait(120) in (128 + sig, -sig), log.read_text()[-3000:]
         deadline = time.monotonic() + 30
         while any(_running(p) for p in cores) and time.monotonic() < deadline:
             time.sleep(0.5)

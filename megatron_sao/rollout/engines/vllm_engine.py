@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_sao.rollout.engines import orphan_guard
 from megatron_sao.rollout.engines.engine_core_processes import engine_core_processes, reap
 from megatron_sao.rollout.engines.protocol import (
     NEUTRAL_SAMPLING,
@@ -145,6 +146,7 @@ class VLLMEngine(StreamedUpdate):
             raise RuntimeError(f"{self.name}: vLLM cannot start with enable_return_routed_experts here ({e}); "
                                "rollout.routing_replay / record_routes need a vLLM build that captures routes "
                                "(a GPU build), or rollout.backend=hf") from e
+        orphan_guard.watch([p.pid for p in engine_core_processes(self.llm)])  # killed with us, even by SIGKILL
         kv = "vLLM's default" if cfg.kv_cache_memory_bytes is None else f"{cfg.kv_cache_memory_bytes / 2**20:.0f} MiB"
         logger.info("%s: up (EngineCore pid %s; max_model_len %d, KV cache %s)", self.name,
                     ",".join(str(p.pid) for p in engine_core_processes(self.llm)) or "-", cfg.max_model_len, kv)

@@ -16,6 +16,10 @@ from benchmarks.reproduce.__main__ import main
     (["online", "--model", "smollm2", "--rows", "sao"], "--rows: only with main --model smollm2"),
     (["online", "--max-runs", "1"], "--max-runs: only with --model smollm2"),
     (["staleness", "--model", "smollm2"], "--model smollm2: only the main comparison and the online experiment"),
+    (["main", "--switch-every", "20"], "--switch-every: only with the online experiment"),
+    (["dynamics", "--actor-lr", "3e-6"], "--actor-lr: only with the online experiment"),
+    (["online", "--actor-lr", "0"], "--actor-lr: must be positive, got 0.0"),
+    (["online", "--switch-every", "-1"], "--switch-every: must be positive, got -1"),
 ])
 def test_an_option_outside_its_experiment_is_refused(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit):
@@ -49,15 +53,3 @@ def test_the_stress_regime_changes_only_the_lag_the_lr_and_the_budget():
     cfg = load_config(TOY_CONFIG, [])  # the config the full runs train with
     assert 0.0012 / cfg.critic.optim.lr == pytest.approx(2e-4 / cfg.actor.optim.lr) == pytest.approx(4.0)
 
-
-@pytest.mark.parametrize("argv, message", [
-    (["main", "--switch-every", "20"], "--switch-every: only with the online experiment"),
-    (["dynamics", "--actor-lr", "3e-6"], "--actor-lr: only with the online experiment"),
-    (["online", "--actor-lr", "0"], "--actor-lr: must be positive, got 0.0"),
-    (["online", "--switch-every", "-1"], "--switch-every: must be positive, got -1"),
-])
-def test_the_online_schedule_options_are_refused_elsewhere_and_when_not_positive(argv, message, capsys, tmp_path):
-    with pytest.raises(SystemExit):
-        main([*argv, "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")])
-    assert message in capsys.readouterr().err
-    assert not (tmp_path / "w").exists()

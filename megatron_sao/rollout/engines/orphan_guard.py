@@ -7,15 +7,16 @@ SmolLM2, measured, and the next run on the machine was OOM-killed in turn. A sch
 them at the job's end; a workstation keeps them until someone kills them. So the trainer hands each
 EngineCore to this guard (`watch`), which kills it and its descendants once the trainer is gone.
 
-The guard is a fresh interpreter running this file (`python -I orphan_guard.py <trainer pid>`), not a
-fork: a fork of the trainer would keep a copy-on-write image of it for as long as it lives (the
-writers' server's lesson, megatron/writer_results.py). It reads "pid create_time" lines on stdin and
-polls its parent: once reparented, the trainer is gone, and it SIGKILLs each registered process that is
-still the one registered (same creation time: the pid may have been reused after a clean close) and
-the descendants it has at that moment. It polls rather than use PR_SET_PDEATHSIG because that signal follows the
-thread that started the guard, and an engine may be built from a thread that ends long before the
-trainer. It ignores SIGINT and SIGTERM: a Ctrl-C or a scancel reaches the whole process group, and the
-trainer's own handlers close its engines (and the guard must outlive them to cover a SIGKILL after).
+The guard is a fresh interpreter running this file (`python -P orphan_guard.py <trainer pid>`: the
+trainer's sys.path less this folder, whose module names could shadow others), not a fork: a fork of
+the trainer would keep a copy-on-write image of it for as long as it lives (the writers' server's
+lesson, megatron/writer_results.py). It reads "pid create_time" lines on stdin and polls its parent:
+once reparented, the trainer is gone, and it SIGKILLs each registered process that is still the one
+registered (same creation time: the pid may have been reused after a clean close) and the descendants
+it has at that moment. It polls rather than use PR_SET_PDEATHSIG because that signal follows the thread
+that started the guard, and an engine may be built from a thread that ends long before the trainer.
+It ignores SIGINT and SIGTERM: a Ctrl-C or a scancel reaches the whole process group, and the trainer's
+own handlers close its engines (the guard must outlive them to cover a SIGKILL after).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def watch(pids: list[int]) -> None:
         return
     with _lock:
         if _guard is None or _guard_owner != os.getpid() or _guard.poll() is not None:
-            _guard = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(os.getpid())],
+            _guard = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), str(os.getpid())],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, close_fds=True)
             _guard_owner = os.getpid()
             if _guard.stdout.readline() != "guarding\n":  # its signal dispositions are set from here on
@@ -81,6 +82,8 @@ def kill_registered(registered: dict[int, float]) -> list[int]:
 
 
 def _serve(parent: int) -> None:
+    import psutil  # noqa: F401  (now: an environment without it fails `watch`, not the kill it exists for)
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     registered: dict[int, float] = {}

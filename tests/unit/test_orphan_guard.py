@@ -23,7 +23,6 @@ TRAINER = textwrap.dedent("""
     import subprocess, sys, time
     from megatron_sao.rollout.engines import orphan_guard
     engine = subprocess.Popen(["sh", "-c", "sleep 300 & wait"])
-    time.sleep(0.3)  # the shell has started its child
     if sys.argv[1] == "watch":
         orphan_guard.watch([engine.pid])
     print(engine.pid, flush=True)
@@ -34,6 +33,9 @@ TRAINER = textwrap.dedent("""
 def _trainer(mode: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, mode], stdout=subprocess.PIPE, text=True)
     engine = psutil.Process(int(trainer.stdout.readline()))
+    deadline = time.monotonic() + 30
+    while not engine.children() and time.monotonic() < deadline:  # the shell starts its sleep
+        time.sleep(0.05)
     return trainer, [engine, *engine.children(recursive=True)]
 
 
@@ -97,8 +99,11 @@ def test_a_reused_pid_is_not_killed():
             other.kill()
 
 
-def test_a_forked_child_gets_a_guard_of_its_own():
+def test_a_forked_child_gets_a_guard_of_its_own(monkeypatch):
     """`watch` in a fork of a process that has a guard starts a new one: the parent's watches the parent."""
+    parents_guard = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    monkeypatch.setattr(orphan_guard, "_guard", parents_guard)  # this process's guard, as the child inherits it
+    monkeypatch.setattr(orphan_guard, "_guard_owner", os.getpid())
     engine = subprocess.Popen(["sleep", "60"])
     read, write = os.pipe()
     try:
@@ -115,6 +120,7 @@ def test_a_forked_child_gets_a_guard_of_its_own():
     finally:
         os.close(read)
         os.close(write)
-        if engine.poll() is None:
-            engine.kill()
-        engine.wait()
+        for p in (engine, parents_guard):
+            if p.poll() is None:
+                p.kill()
+            p.wait()

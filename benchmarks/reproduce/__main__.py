@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         s = Settings(name, args.quick, seeds, jobs, out_root / name, work, args.fresh, command, max_runs=args.max_runs,
                      rows=args.rows, model=args.model, task=task, stress=args.stress,
                      switch_every=args.switch_every, actor_lr=args.actor_lr)
-        if experiment == "online" and online.design_suffix(s):
-            s = replace(s, name=name + online.design_suffix(s), out=out_root / (name + online.design_suffix(s)))
+        if experiment == "online" and (suffix := online.design_suffix(s)):
+            s = replace(s, name=name + suffix, out=out_root / (name + suffix))
         s.log(f"start: seeds {seeds}, {jobs} job(s), results in {s.out}")
         code = (smollm2_main if main_smollm2 else EXPERIMENTS[experiment]).run(s)
         s.log(f"{'done' if code == 0 else 'FAILED runs'}: {s.out / 'results.md'}")

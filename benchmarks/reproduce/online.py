@@ -98,16 +98,20 @@ def schedule(s: Settings) -> tuple[int, int, Budget]:
                                  warmup=warmup)
 
 
+def _design(s: Settings) -> list[tuple[str, str, str]]:
+    """The options of a schedule other than the default one: (command-line flag, folder tag, value)."""
+    return [(flag, tag, f"{value:g}") for flag, tag, value in (("--switch-every", "every", s.switch_every),
+                                                               ("--actor-lr", "lr", s.actor_lr)) if value]
+
+
 def design_flags(s: Settings) -> str:
     """The command-line flags of a schedule other than the default one ("" for the default)."""
-    return ((f" --switch-every {s.switch_every}" if s.switch_every else "")
-            + (f" --actor-lr {s.actor_lr:g}" if s.actor_lr else ""))
+    return "".join(f" {flag} {value}" for flag, _, value in _design(s))
 
 
 def design_suffix(s: Settings) -> str:
     """The results folder's suffix for a schedule other than the default one ("" for the default)."""
-    return ((f"_every{s.switch_every}" if s.switch_every else "")
-            + (f"_lr{s.actor_lr:g}" if s.actor_lr else ""))
+    return "".join(f"_{tag}{value}" for _, tag, value in _design(s))
 
 
 def lr_overrides(s: Settings) -> tuple[str, ...]:

@@ -28,6 +28,8 @@ import sys
 import threading
 import time
 
+import psutil
+
 POLL_S = 0.5
 
 _lock = threading.Lock()
@@ -37,8 +39,6 @@ _guard_owner = 0  # the pid that started _guard (a forked child starts its own)
 
 def watch(pids: list[int]) -> None:
     """Kill these processes (and their descendants) if this process dies before they do."""
-    import psutil
-
     global _guard, _guard_owner
     lines = []
     for pid in pids:
@@ -61,8 +61,6 @@ def watch(pids: list[int]) -> None:
 
 def kill_registered(registered: dict[int, float]) -> list[int]:
     """SIGKILL each registered process that is still the one registered, and its descendants; the pids killed."""
-    import psutil
-
     killed = []
     for pid, created in registered.items():
         try:
@@ -82,8 +80,6 @@ def kill_registered(registered: dict[int, float]) -> list[int]:
 
 
 def _serve(parent: int) -> None:
-    import psutil  # noqa: F401  (now: an environment without it fails `watch`, not the kill it exists for)
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     registered: dict[int, float] = {}

@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--actor-lr", type=float, default=None,
                     help="online only: the actor's LR (the critic's 5x it, the paper's ratio; default: the "
                          "recipe's); results in a folder of their own (online.py)")
+    ap.add_argument("--entropy-coef", type=float, default=None,
+                    help="online only: algorithm.entropy_coef, the entropy bonus in both methods' policy loss "
+                         "(default: none, the paper's loss); results in a folder of their own (online.py)")
     ap.add_argument("--max-runs", type=int, default=None,
                     help="--model smollm2 and dynamics: train at most N of the missing runs, then write the report")
     ap.add_argument("--rows", nargs="+", default=None,
@@ -63,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     task = args.task or "arith"
     if args.stress and args.experiment != "dynamics":
         ap.error("--stress: only with the dynamics experiment")
-    for flag, value in (("--switch-every", args.switch_every), ("--actor-lr", args.actor_lr)):
+    for flag, value in (("--switch-every", args.switch_every), ("--actor-lr", args.actor_lr),
+                        ("--entropy-coef", args.entropy_coef)):
         if value is not None and args.experiment != "online":
             ap.error(f"{flag}: only with the online experiment")
         if value is not None and not value > 0:
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 else "dynamics_stress" if args.stress else experiment)
         s = Settings(name, args.quick, seeds, jobs, out_root / name, work, args.fresh, command, max_runs=args.max_runs,
                      rows=args.rows, model=args.model, task=task, stress=args.stress,
-                     switch_every=args.switch_every, actor_lr=args.actor_lr)
+                     switch_every=args.switch_every, actor_lr=args.actor_lr, entropy_coef=args.entropy_coef)
         if experiment == "online" and (suffix := online.design_suffix(s)):
             s = replace(s, name=name + suffix, out=out_root / (name + suffix))
         s.log(f"start: seeds {seeds}, {jobs} job(s), results in {s.out}")

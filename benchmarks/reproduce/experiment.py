@@ -51,6 +51,7 @@ class Settings:
     stress: bool = False  # dynamics: the stress regime (dynamics.STRESS)
     switch_every: int | None = None  # online: trainer steps per phase (None: online.FULL_SWITCH / QUICK_SWITCH)
     actor_lr: float | None = None  # online: the actor's LR, the critic's at the paper's ratio (None: the recipe's)
+    entropy_coef: float | None = None  # online: algorithm.entropy_coef (None: the recipe's, no entropy bonus)
     t0: float = field(default_factory=time.time)
 
     @property

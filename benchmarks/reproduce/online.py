@@ -12,11 +12,12 @@ SmolLM2 main comparison does (run_results.py). SAO's critic is value-pretrained,
 spends steps on a warm-up there: both take the same trainer steps under the same schedule.
 
 `--switch-every N` and `--actor-lr X` change the schedule (the critic's LR follows the actor's at the
-paper's 5x, critic_presets.PAPER_LR_RATIO); such a design keeps its results in a folder of its own
-(`online_smollm2_every<N>_lr<X>`, `design_suffix`), so the recipe's runs stay valid beside it. Why: at
-the recipe's actor LR 1e-5 the SmolLM2 policy narrows onto the first style within a 10-step phase and
-no method finds the next one (docs/results.md, section 4); longer phases at a lower LR keep the other
-styles sampled long enough for a switch to be recoverable at all.
+paper's 5x, critic_presets.PAPER_LR_RATIO), `--entropy-coef C` adds the entropy bonus to both methods'
+policy loss (algorithm.entropy_coef); such a design keeps its results in a folder of its own
+(`online_smollm2_every<N>_lr<X>_ent<C>`, `design_suffix`), so the recipe's runs stay valid beside it.
+Why: at the recipe's actor LR 1e-5 the SmolLM2 policy narrows onto the first style within a 10-step
+phase and no method finds the next one (docs/results.md, section 4); longer phases at a lower LR, or an
+entropy term, keep the other styles sampled long enough for a switch to be recoverable at all.
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ def schedule(s: Settings) -> tuple[int, int, Budget]:
 
 def _design(s: Settings) -> list[tuple[str, str, str]]:
     """The options of a schedule other than the default one: (command-line flag, folder tag, value)."""
-    return [(flag, tag, f"{value:g}") for flag, tag, value in (("--switch-every", "every", s.switch_every),
-                                                               ("--actor-lr", "lr", s.actor_lr)) if value]
+    options = (("--switch-every", "every", s.switch_every), ("--actor-lr", "lr", s.actor_lr),
+               ("--entropy-coef", "ent", s.entropy_coef))
+    return [(flag, tag, f"{value:g}") for flag, tag, value in options if value]
 
 
 def design_flags(s: Settings) -> str:
@@ -114,18 +116,18 @@ def design_suffix(s: Settings) -> str:
     return "".join(f"_{tag}{value}" for _, tag, value in _design(s))
 
 
-def lr_overrides(s: Settings) -> tuple[str, ...]:
-    """`--actor-lr`: the actor's LR, and the critic's at the paper's ratio to it (the recipes' 5e-5 to 1e-5)."""
-    if not s.actor_lr:
-        return ()
-    return (f"actor.optim.lr={s.actor_lr:g}", f"critic.optim.lr={PAPER_LR_RATIO * s.actor_lr:g}")
+def design_overrides(s: Settings) -> tuple[str, ...]:
+    """`--actor-lr`: the actor's LR, and the critic's at the paper's ratio to it (the recipes' 5e-5 to 1e-5);
+    `--entropy-coef`: the entropy bonus of both methods' policy loss."""
+    lrs = (f"actor.optim.lr={s.actor_lr:g}", f"critic.optim.lr={PAPER_LR_RATIO * s.actor_lr:g}") if s.actor_lr else ()
+    return (*lrs, *((f"algorithm.entropy_coef={s.entropy_coef:g}",) if s.entropy_coef else ()))
 
 
 def plan(s: Settings, start: Start, every: int, b: Budget) -> list[Run]:
     """Every run, seed-major: `--max-runs 2` gives both methods a seed first. SmolLM2's runs checkpoint,
     so that one killed with its session resumes (runner.py)."""
     every_ckpt = CHECKPOINT_EVERY if s.model == "smollm2" else 0
-    extra = (f"env.kwargs.switch_every={every}", *lr_overrides(s))
+    extra = (f"env.kwargs.switch_every={every}", *design_overrides(s))
     return [replace(rl_run(s, start, m, seed, m, extra, budget=b), checkpoint_every=every_ckpt)
             for seed in s.seeds for m in METHODS]
 
@@ -159,6 +161,7 @@ def run(s: Settings) -> int:
                 f"at steps {switches}; starting point `{start.dir.name}` ({start.config}); "
                 + (f"actor LR {s.actor_lr:g}, critic LR {PAPER_LR_RATIO * s.actor_lr:g} (not the recipe's); "
                    if s.actor_lr else "")
+                + (f"entropy bonus {s.entropy_coef:g} in both methods' policy loss; " if s.entropy_coef else "")
                 + (f"SAO spends its first {b.warmup} steps on critic warm-up" if b.warmup else
                    "SAO starts from the value-pretrained critic, no warm-up: both methods take the same steps"))
     md += note

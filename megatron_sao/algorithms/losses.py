@@ -1,6 +1,7 @@
-"""Token-level losses: SAO's DIS policy loss, PPO/GRPO clip loss (baselines), critic value loss.
+"""Token-level losses: SAO's DIS policy loss, PPO/GRPO clip loss (baselines), critic value loss, and
+the entropy bonus any policy loss may add.
 
-Conventions shared by all three:
+Conventions shared by all:
 - Inputs are [B, T]; ``action_mask`` (bool) marks the tokens the policy sampled. Targets
   (advantages, returns, old/rollout log-probs, old values) are detached inside.
 - The loss is a token mean: sum over tokens / D, where D is the number of action tokens in the
@@ -294,3 +295,36 @@ def value_loss(
         "clip_fraction": _ratio(clip_count, n),
     }
     return loss, metrics
+
+
+def entropy_bonus(
+    entropy: torch.Tensor,
+    action_mask: torch.Tensor,
+    coef: float,
+    loss_denominator: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The term a policy loss adds to keep the policy sampling: -coef * token-mean entropy.
+
+        loss = -coef * sum_{action t} H_t / D,   H_t = -sum_v p(v | s_t) log p(v | s_t)
+
+    (verl's ``entropy_coeff``, slime's ``--entropy-coef``). SAO's paper trains without it (coef 0);
+    it is here for runs where the policy collapses onto one behaviour faster than the task changes
+    (the style-shift task's preference switches, docs/results.md section 4).
+
+    Args:
+        entropy: [B, T] the entropy of the distribution each token was sampled from (differentiable:
+            megatron/logprobs.py computes its gradient in the log-prob pass).
+        action_mask: [B, T] bool.
+        coef: >= 0.
+        loss_denominator: as in ``dis_policy_loss``.
+
+    Returns:
+        the 0-dim term (the engine already reports the token-mean entropy as a metric).
+    """
+    check_float_tensor(entropy, "entropy", ndim=2)
+    check_mask(action_mask, "action_mask")
+    check_same_shape("entropy", entropy, action_mask=action_mask)
+    coef = check_positive(coef, "coef", allow_zero=True)
+    per_token = torch.where(action_mask, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device))
+    count = action_mask.sum()
+    return -coef * per_token.sum() / loss_denominator_value(loss_denominator, count, entropy.dtype)

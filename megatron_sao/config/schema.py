@@ -154,6 +154,9 @@ class AlgorithmConfig:
     group_size: int = 8  # grpo*: rollouts per prompt
     running_mean_window: int = 512  # running_mean: rewards kept in the baseline window
     whiten_advantages: bool = False
+    # Entropy bonus: the policy loss minus entropy_coef x the token-mean entropy of the sampled
+    # tokens' distributions (algorithms.losses.entropy_bonus; verl's entropy_coeff). 0 = the paper's loss.
+    entropy_coef: float = 0.0
 
     @property
     def uses_critic(self) -> bool:

@@ -6,6 +6,8 @@ the first failure, so a config with several problems always reports the same one
 
 from __future__ import annotations
 
+import math
+
 from megatron_sao.config.errors import ConfigError
 from megatron_sao.config.presets import PRESETS
 from megatron_sao.config.schema import (
@@ -36,6 +38,8 @@ def _check_algorithm(a: AlgorithmConfig, b: BufferConfig) -> None:
     _check(a.critic_steps >= 1, "algorithm.critic_steps", f"must be >= 1, got {a.critic_steps}")
     _check(a.critic_warmup_steps >= 0, "algorithm.critic_warmup_steps", "must be >= 0")
     _check(a.group_size >= 1, "algorithm.group_size", "must be >= 1")
+    _check(math.isfinite(a.entropy_coef) and a.entropy_coef >= 0, "algorithm.entropy_coef",
+           f"must be >= 0, got {a.entropy_coef}")
     if a.uses_groups:
         _check(a.group_size >= 2, "algorithm.group_size", f"{a.name} needs at least 2 rollouts per prompt")
         _check(b.batch_size % a.group_size == 0, "buffer.batch_size",

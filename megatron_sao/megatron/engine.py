@@ -384,7 +384,8 @@ class MegatronEngine:
 
         `loss_fn(output [b, T'], micro_batch, loss_denominator) -> (loss, metrics)` where output is
         log-probs (actor) or values (critic) and loss_denominator is the global action-token count
-        (a 0-dim float tensor); see forward.py for why this yields an exact global token-mean.
+        (a 0-dim float tensor); see forward.py for why this yields an exact global token-mean. The
+        actor's micro-batch also carries the differentiable `entropy` [b, T'] (forward.py).
         A non-finite loss or grad norm skips the update (grads zeroed, params and Adam state
         untouched) and returns skipped=True.
         """

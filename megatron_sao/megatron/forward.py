@@ -144,16 +144,19 @@ def forward_outputs(
 
 
 def make_train_loss_func(role: str, loss_fn: LossFn, denominator: torch.Tensor, *, vocab_size: int | None):
-    """Wrap a user loss `loss_fn(output [b,s], micro_batch, denominator) -> (loss, metrics)`."""
+    """Wrap a user loss `loss_fn(output [b,s], micro_batch, denominator) -> (loss, metrics)`. The actor's
+    micro-batch also carries `entropy` [b, s]: the entropy of the distribution each token was drawn from
+    (differentiable; the engine reports its token mean over the action tokens as `entropy`)."""
 
     def make_loss_func(mb: Batch):
         def loss_func(output: torch.Tensor):
             entropy = None
-            if role == "actor":  # the policy's entropy comes out of the same chunked pass (a metric)
+            if role == "actor":  # the policy's entropy comes out of the same chunked pass: the loss
+                # may use it (an entropy bonus; its gradient costs the backward nothing otherwise)
                 out, entropy = token_logprobs(output, mb["tokens"], vocab_size, with_entropy=True, seq_first=True)
+                result = loss_fn(out, {**mb, "entropy": entropy}, denominator)
             else:
-                out = head_output(role, output, mb["tokens"], vocab_size)
-            result = loss_fn(out, mb, denominator)
+                result = loss_fn(head_output(role, output, mb["tokens"], vocab_size), mb, denominator)
             if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
                 raise TypeError("loss_fn must return (loss: 0-dim tensor, metrics: dict[str, 0-dim tensor])")
             loss, metrics = result
@@ -163,11 +166,11 @@ def make_train_loss_func(role: str, loss_fn: LossFn, denominator: torch.Tensor, 
             reported = {"loss": loss.detach().float(), _WEIGHT: mb["action_mask"].float().sum()}
             if entropy is not None:  # token mean over the action tokens (weighted across micro-batches)
                 action = mb["action_mask"].bool()
-                reported["entropy"] = torch.where(action, entropy, 0.0).sum() / action.sum().clamp(min=1)
+                reported["entropy"] = torch.where(action, entropy.detach(), 0.0).sum() / action.sum().clamp(min=1)
             for k, v in metrics.items():
                 # a Python number becomes a tensor beside the output: DP ranks all-reduce these
                 reported[k] = (v.detach() if torch.is_tensor(v)
-                               else torch.tensor(v, device=out.device)).float().reshape(())
+                               else torch.tensor(v, device=loss.device)).float().reshape(())
             return loss, _ONE, reported
 
         return loss_func

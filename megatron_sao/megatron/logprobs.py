@@ -17,10 +17,13 @@ logits' own storage, as megatron-core's cross entropy writes it into its fp32 co
 verl's chunked log-prob losses rest on the same identity, grad_logits = g * (softmax - onehot(target))
 with g = -dL/dlogp.
 
-The policy's entropy over the vocabulary, a metric (no gradient flows through it), comes out of the
-same chunk loop when asked for: with S = sum e over every TP rank, H = log S - sum(e * y) / S. The
-product e * y is taken in place on the chunk's exp; it is why the forward keeps y beside e (a second
-buffer) instead of e * log e, whose log costs more than the rest of the pass on a CPU.
+The policy's entropy over the vocabulary comes out of the same chunk loop when asked for: with
+S = sum e over every TP rank, H = log S - sum(e * y) / S. The product e * y is taken in place on the
+chunk's exp; it is why the forward keeps y beside e (a second buffer) instead of e * log e, whose log
+costs more than the rest of the pass on a CPU. The entropy is a metric unless a loss uses it (the
+entropy bonus, `algorithm.entropy_coef`): then its gradient, dH/dlogit = -p * (log p + H), joins the
+log-prob's in the same backward chunk loop (one more fp32 chunk buffer for p beside log p). An output
+the loss does not use receives no gradient and costs the backward nothing.
 
 The chunk: on CUDA, `DEFAULT_CHUNK_TOKENS` rows (few launches; the caching allocator recycles the
 buffers). On a CPU each chunk is a few passes of memory-bound elementwise work, fast only while the
@@ -40,7 +43,8 @@ import torch.distributed as dist
 # 512 x 151936/TP fp32 = 0.29 GiB per buffer at TP 1, two buffers; a 128K-token micro-batch is 256
 # chunks of a few kernels each, and still two all-reduces
 DEFAULT_CHUNK_TOKENS = 512
-FP32_CHUNK_BUFFERS = 2  # y and exp(y) in the forward; the backward's fp32 chunk (bf16 logits) is one
+# y and exp(y) in the forward; in the backward the fp32 chunk (bf16 logits) and, with an entropy loss, p
+FP32_CHUNK_BUFFERS = 2
 CPU_CHUNK_BYTES = 4 << 20
 
 
@@ -66,7 +70,7 @@ def _all_reduce(t: torch.Tensor, op, group) -> None:
 
 class _ChunkedLogprob(torch.autograd.Function):
     """logits [N, Vl] (this TP rank's vocab shard), labels [N] (global ids) -> (log p(label) [N] fp32,
-    entropy [N] fp32 or an empty tensor when `with_entropy` is False; never differentiated)."""
+    entropy [N] fp32 or an empty tensor when `with_entropy` is False); both differentiable."""
 
     @staticmethod
     def forward(ctx, logits, labels, vocab_start: int, valid: int, chunk: int, group, with_entropy: bool):
@@ -101,29 +105,46 @@ class _ChunkedLogprob(torch.autograd.Function):
         entropy = (log_sum_exp - sums[2] / sums[0]) if with_entropy else torch.empty(0, **f32)
         lse.add_(log_sum_exp)
         logp = sums[1] - lse
-        ctx.save_for_backward(logits, lse, local, own)
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None: no work for it
+        ctx.save_for_backward(logits, lse, local, own, entropy)
         ctx.valid, ctx.chunk = valid, chunk
-        ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):  # grad_entropy: none flows (a metric)
-        logits, lse, local, own = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, lse, local, own, entropy = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return (None,) * 7
         n, vl = logits.shape
-        g = grad_logp.float()
+        g = None if grad_logp is None else grad_logp.float()
+        g_ent = None if grad_entropy is None else grad_entropy.float()
+        f32 = dict(dtype=torch.float32, device=logits.device)
+        rows_max = min(ctx.chunk, n)
         # fp32 logits are turned into their gradient in place; other dtypes go through one fp32 buffer
-        buf = None if logits.dtype == torch.float32 else torch.empty(min(ctx.chunk, n), vl, dtype=torch.float32,
-                                                                      device=logits.device)
+        buf = None if logits.dtype == torch.float32 else torch.empty(rows_max, vl, **f32)
+        p_buf = None if g_ent is None else torch.empty(rows_max, vl, **f32)
         for i in range(0, n, ctx.chunk):
             rows = min(ctx.chunk, n - i)
-            p = logits[i:i + rows] if buf is None else buf[:rows].copy_(logits[i:i + rows])
-            p.sub_(lse[i:i + rows, None]).exp_()  # the chunk's softmax
+            at = slice(i, i + rows)
+            out = logits[at] if buf is None else buf[:rows].copy_(logits[at])
+            out.sub_(lse[at, None])  # log p of the chunk
+            if g_ent is None:
+                p = out.exp_()  # the chunk's softmax, in place
+            else:  # dH/dlogit = -p * (log p + H), into log p's storage; p beside it
+                p = torch.exp(out, out=p_buf[:rows])
+                out.add_(entropy[at, None]).mul_(p).mul_(-g_ent[at, None])
+            if g is not None:  # d logp / d logits = onehot - softmax
+                target = (torch.arange(rows, device=out.device), local[at])
+                if g_ent is None:
+                    p[target] -= own[at].float()
+                    p.mul_(-g[at, None])
+                else:
+                    out.addcmul_(p, g[at, None], value=-1.0)
+                    out[target] += own[at].float() * g[at]
             if ctx.valid < vl:
-                p[:, ctx.valid:] = 0.0
-            p[torch.arange(rows, device=p.device), local[i:i + rows]] -= own[i:i + rows].float()
-            p.mul_(-g[i:i + rows, None])  # d logp / d logits = onehot - softmax
+                out[:, ctx.valid:] = 0.0
             if buf is not None:
-                logits[i:i + rows] = p  # the logits are not read again (module docstring)
+                logits[at] = out  # the logits are not read again (module docstring)
         return logits, None, None, None, None, None, None
 
 
@@ -135,7 +156,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_si
     `vocab_size` (the real vocabulary) keeps the padding columns out of the normaliser; None: every
     column is a token. `chunk_tokens`: rows of one chunk (None: `chunk_tokens_for` the logits' device).
     `with_entropy`: return (log-probs, entropy of each position's distribution over the real
-    vocabulary, fp32 [...], no gradient)."""
+    vocabulary, fp32 [...]); a loss may differentiate either."""
     group, rank = _tp_group()
     vl = logits.shape[-1]
     start = rank * vl

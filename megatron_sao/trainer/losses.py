@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sao.algorithms import dis_policy_loss, ppo_clip_loss, value_loss
+from megatron_sao.algorithms import dis_policy_loss, entropy_bonus, ppo_clip_loss, value_loss
 from megatron_sao.algorithms.losses import turn_bucket_names
 from megatron_sao.config import AlgorithmConfig
 from megatron_sao.trainer.targets import values_for_actions
@@ -38,7 +38,20 @@ def policy_loss_fn(algo: AlgorithmConfig):
             return dis_policy_loss(logprobs, mb["rollout_logprobs"], mb["advantages"], mb["action_mask"].bool(),
                                    algo.eps_low, algo.eps_high, loss_denominator=denominator,
                                    turn_ids=mb.get("turn_ids"))
+    if algo.entropy_coef > 0:
+        loss = with_entropy_bonus(loss, algo.entropy_coef)
     return with_lag0_mismatch(loss)
+
+
+def with_entropy_bonus(loss_fn, coef: float):
+    """Add `entropy_bonus` (-coef x the token-mean entropy, from the micro-batch's differentiable
+    `entropy`, megatron/forward.py) to a policy loss; its part of the loss is reported as
+    `entropy_bonus_loss_sum` (its sum over micro-batches is the step's, like `loss`)."""
+    def loss(logprobs, mb, denominator):
+        value, metrics = loss_fn(logprobs, mb, denominator)
+        bonus = entropy_bonus(mb["entropy"], mb["action_mask"].bool(), coef, loss_denominator=denominator)
+        return value + bonus, {**metrics, "entropy_bonus_loss_sum": bonus.detach()}
+    return loss
 
 
 def dis_masked_share_by_turn(metrics: dict[str, float]) -> dict[str, float]:

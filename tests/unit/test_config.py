@@ -13,6 +13,7 @@ def test_defaults_are_the_paper_settings():
     assert cfg.actor.optim.lr == 1e-6 and cfg.critic.optim.lr == 5e-6
     assert cfg.critic.freeze == ["attention", "embeddings", "router", "norms"]
     assert cfg.buffer.staleness_policy == "keep"  # every finished trajectory is trained on
+    assert a.entropy_coef == 0.0  # the paper's loss has no entropy term
 
 
 def test_presets_and_precedence(tmp_path):
@@ -52,6 +53,8 @@ def test_presets_and_precedence(tmp_path):
     (["run.seed=1.5"], "run.seed: expected an integer"),
     (["algorithm.eps_low"], "expected key.path=value"),
     (["parallel.etp=0"], "parallel.etp: must be >= 1"),
+    (["algorithm.entropy_coef=-0.01"], "algorithm.entropy_coef: must be >= 0, got -0.01"),
+    (["algorithm.entropy_coef=nan"], "algorithm.entropy_coef: must be >= 0"),
     (["rollout.weight_sync_check_every=0"], "rollout.weight_sync_check_every: must be an int >= 1"),
     (["model.dtype=float16"], "model.dtype: float16 training needs loss scaling"),
     (["rollout.start_min_servers=-1"], "rollout.start_min_servers: must be >= 0"),

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_sao.algorithms.losses import dis_policy_loss, ppo_clip_loss, value_loss
+from megatron_sao.algorithms.losses import dis_policy_loss, entropy_bonus, ppo_clip_loss, value_loss
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -264,3 +264,21 @@ def test_value_loss_clipped():
         value_loss(values, returns, mask, clip=0.2)
     with pytest.raises(ValueError, match="clip"):
         value_loss(values, returns, mask, old_values=old, clip=-1.0)
+
+
+def test_entropy_bonus_is_minus_coef_times_the_masked_token_mean_and_refuses_bad_input():
+
+    mask = torch.tensor([[False, True, True], [True, False, False]])
+    entropy = torch.tensor([[9.0, 1.0, 2.0], [3.0, 7.0, float("nan")]], requires_grad=True)  # NaN off the mask
+    loss = entropy_bonus(entropy, mask, 0.1)
+    assert float(loss) == pytest.approx(-0.1 * 6.0 / 3)  # local token mean over the 3 action tokens
+    loss.backward()
+    assert torch.equal(entropy.grad, torch.where(mask, -0.1 / 3, 0.0))  # the masked NaN gets gradient 0
+    global_loss = entropy_bonus(entropy.detach(), mask, 0.1, loss_denominator=torch.tensor(12.0))
+    assert float(global_loss) == pytest.approx(-0.1 * 6.0 / 12)
+    empty = entropy_bonus(entropy.detach(), torch.zeros_like(mask), 0.1)
+    assert float(empty) == 0.0
+    with pytest.raises(ValueError, match="coef"):
+        entropy_bonus(entropy.detach(), mask, -0.1)
+    with pytest.raises(ValueError, match="action_mask"):
+        entropy_bonus(entropy.detach(), mask[:, :2], 0.1)

@@ -1,5 +1,5 @@
 """The policy loss closures the trainer hands to the engine: which log-probs each GRPO takes its
-ratio against, and the lag-0 mismatch measured from the train step's own log-probs."""
+ratio against, the lag-0 mismatch measured from the train step's own log-probs, and the entropy bonus."""
 
 from __future__ import annotations
 
@@ -90,3 +90,22 @@ def test_dis_masked_share_per_turn_counts_the_tokens_the_band_drops_in_each_turn
     assert shares == {"dis/masked_share_turn_0": 0.5, "dis/masked_share_turn_1": 0.0,
                       "dis/masked_share_turn_4plus": 1.0}
     assert float(metrics["below_count"] + metrics["above_count"]) == 3.0
+
+
+@pytest.mark.parametrize("name", ["sao", "grpo", "grpo_dis", "running_mean"])
+def test_entropy_coef_adds_minus_coef_times_the_token_mean_entropy(name):
+    """The bonus is the same term for every policy loss: -coef * sum of the action tokens' entropy / D,
+    its gradient -coef / D on each action token's entropy and none elsewhere; at coef 0 the closure
+    never reads the micro-batch's entropy (the paper's loss, unchanged)."""
+    logprobs, mb = micro_batch()
+    entropy = torch.rand(2, 5, dtype=torch.float64).requires_grad_()
+    denominator = torch.tensor(6.0, dtype=torch.float64)
+    base, base_metrics = policy_loss_fn(AlgorithmConfig(name=name))(logprobs, mb, denominator)
+    with_bonus, metrics = policy_loss_fn(AlgorithmConfig(name=name, entropy_coef=0.05))(
+        logprobs, {**mb, "entropy": entropy}, denominator)
+    masked_sum = (entropy.detach() * mb["action_mask"]).sum()
+    assert float(with_bonus - base) == pytest.approx(-0.05 * float(masked_sum) / 6.0, rel=1e-12)
+    assert float(metrics["entropy_bonus_loss_sum"]) == pytest.approx(-0.05 * float(masked_sum) / 6.0, rel=1e-12)
+    assert "entropy_bonus_loss_sum" not in base_metrics
+    with_bonus.backward()
+    assert torch.allclose(entropy.grad, mb["action_mask"].double() * (-0.05 / 6.0), rtol=1e-12, atol=0)

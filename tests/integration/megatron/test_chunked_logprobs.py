@@ -1,6 +1,6 @@
 """megatron/logprobs.py against log_softmax of the masked fp32 logits, values and gradients, for chunk
-sizes from one token to the whole batch, and its entropy against the full softmax's. One process (no
-TP group), and the entropy once at TP 2 (a torchrun worker; one case gives a rank a shard of padding
+sizes from one token to the whole batch, and its entropy (value and gradient) against the full softmax's.
+One process (no TP group), and the entropy once at TP 2 (a torchrun worker; one case gives a rank a shard of padding
 only); the multi-rank engine tests run the log-probs under TP 2 and 4 against the HF model
 (tests/integration/megatron/test_engine_parallel.py, models_equivalence)."""
 
@@ -91,10 +91,41 @@ def test_entropy_matches_the_full_softmax_and_leaves_the_logprobs_and_gradient_u
     (lp, ent), grad = run(True)
     plain_lp, plain_grad = run(False)
     want = reference_entropy(base, vocab_size)
-    assert ent.dtype == torch.float32 and not ent.requires_grad
+    assert ent.dtype == torch.float32
     assert torch.allclose(ent, want, atol=1e-5, rtol=0), (ent - want).abs().max()
+    ent = ent.detach()
     assert float(ent[0, 0]) < 1e-5 and float(ent[1, 1]) == pytest.approx(math.log(vocab_size or v), abs=1e-5)
-    assert torch.equal(lp, plain_lp) and torch.equal(grad, plain_grad)  # the metric changes nothing else
+    assert torch.equal(lp, plain_lp) and torch.equal(grad, plain_grad)  # an unused entropy changes nothing else
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 7, 10_000])
+@pytest.mark.parametrize("vocab_size", [None, 50])
+@pytest.mark.parametrize("uses_logprobs", [True, False])
+def test_the_entropy_gradient_matches_autograd_through_the_full_softmax(dtype, chunk, vocab_size, uses_logprobs):
+    """The entropy bonus differentiates the entropy: alone, or beside the log-probs' own gradient."""
+    torch.manual_seed(4)
+    b, s, v = 3, 37, 64
+    base = (torch.randn(b, s, v) * 3).to(dtype)
+    base[0, 0] = -30.0
+    base[0, 0, 5] = 60.0  # a one-hot row: p underflows to 0 off the peak, and its gradient must stay finite
+    labels = torch.randint(0, vocab_size or v, (b, s))
+    w_lp, w_ent = torch.randn(b, s), torch.randn(b, s)
+
+    def run(fn):
+        logits = base.clone().requires_grad_(True)
+        lp, ent = fn(logits)
+        loss = (ent * w_ent).sum() + ((lp * w_lp).sum() if uses_logprobs else 0.0)
+        loss.backward()
+        return logits.grad.float()
+
+    got = run(lambda x: vocab_parallel_logprobs(x, labels, vocab_size, chunk_tokens=chunk, with_entropy=True))
+    want = run(lambda x: (reference_logprobs(x, labels, vocab_size), reference_entropy(x, vocab_size)))
+    assert torch.isfinite(got).all()
+    atol, rtol = (1e-5, 0) if dtype == torch.float32 else (1e-2, 1e-2)  # bf16: one ulp of the rounded gradient
+    assert torch.allclose(got, want, atol=atol, rtol=rtol), (got - want).abs().max()
+    if vocab_size is not None:
+        assert torch.count_nonzero(got[..., vocab_size:]) == 0
 
 
 def test_token_logprobs_shifts_the_entropy_like_the_logprobs():
@@ -121,3 +152,9 @@ def test_entropy_and_logprobs_at_tp2_match_the_full_softmax(tmp_path):
         got_ent, got_lp = torch.tensor(r["entropy"]), torch.tensor(r["logprobs"])
         assert torch.allclose(got_ent, reference_entropy(full, vocab), atol=1e-5, rtol=0), tag
         assert torch.allclose(got_lp, reference_logprobs(full, labels, vocab), atol=1e-5, rtol=0), tag
+        x = full.to(torch.bfloat16 if "bfloat16" in tag else torch.float32).requires_grad_(True)
+        w_lp, w_ent = torch.tensor(r["w_lp"]), torch.tensor(r["w_ent"])
+        ((reference_logprobs(x, labels, vocab) * w_lp).sum() + (reference_entropy(x, vocab) * w_ent).sum()).backward()
+        # bf16: both gradients are rounded to bf16, one ulp apart at most (2^-6 at |g| ~ 2)
+        atol, rtol = (1e-2, 1e-2) if "bfloat16" in tag else (1e-5, 0)
+        assert torch.allclose(torch.tensor(r["grad"]), x.grad.float(), atol=atol, rtol=rtol), tag

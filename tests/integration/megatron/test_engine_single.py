@@ -53,6 +53,15 @@ def test_step_matches_torch_adamw_with_clipping(results):
     assert r["param_max_abs_diff"] <= 2e-5  # ...exactly as torch AdamW did
 
 
+def test_entropy_bonus_step_matches_torch_on_the_full_softmax_and_widens_the_policy(results):
+    r = results["entropy_bonus"]
+    assert r["skipped"] == [False, False]
+    assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 and abs(r["entropy"] + r["loss"]) <= 1e-5
+    assert abs(r["grad_norm"] - r["ref_grad_norm"]) <= 1e-5 * r["ref_grad_norm"]
+    assert r["param_max_abs_diff"] <= 2e-5  # the entropy's gradient through the chunked pass is autograd's
+    assert r["entropy_after_one_step"] > r["entropy"] + 1e-3
+
+
 def test_nan_loss_skips_step(results):
     r = results["nan_skip"]
     assert r["skipped"] and not r["grad_norm_finite"]

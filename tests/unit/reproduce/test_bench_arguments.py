@@ -20,6 +20,8 @@ from benchmarks.reproduce.__main__ import main
     (["dynamics", "--actor-lr", "3e-6"], "--actor-lr: only with the online experiment"),
     (["online", "--actor-lr", "0"], "--actor-lr: must be positive, got 0.0"),
     (["online", "--switch-every", "-1"], "--switch-every: must be positive, got -1"),
+    (["main", "--model", "smollm2", "--entropy-coef", "0.01"], "--entropy-coef: only with the online experiment"),
+    (["online", "--entropy-coef", "-0.01"], "--entropy-coef: must be positive, got -0.01"),
 ])
 def test_an_option_outside_its_experiment_is_refused(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.reproduce import online
@@ -70,3 +71,16 @@ def test_a_longer_slower_schedule_changes_only_the_phase_and_the_lrs_and_has_its
             "env.kwargs.switch_every=20", "run.total_steps=60", "actor.optim.lr=3e-06", "critic.optim.lr=1.5e-05"}
     assert not any("optim.lr" in o for o in before[0].overrides)  # the committed runs' keys hold
     assert online.design_suffix(base) == "" and online.design_suffix(slow) == "_every20_lr3e-06"
+
+
+def test_an_entropy_bonus_adds_only_its_coefficient_and_has_its_own_folder():
+    base = Settings("online_smollm2", False, [1], 1, Path("/out"), Path("/work"), model="smollm2",
+                    switch_every=20, actor_lr=5e-6)
+    bonus = replace(base, entropy_coef=0.01)
+    start = Start("smollm2_style", SMOLLM2_STYLE_CONFIG, Path("/start"), (), 0.0)
+    every, _, b = online.schedule(bonus)
+    for p, q in zip(online.plan(base, start, every, b), online.plan(bonus, start, every, b)):
+        assert set(q.overrides) - set(p.overrides) == {"algorithm.entropy_coef=0.01"}
+        assert set(p.overrides) <= set(q.overrides) and p.key() != q.key()
+    assert online.design_suffix(bonus) == "_every20_lr5e-06_ent0.01"
+    assert online.design_flags(bonus) == " --switch-every 20 --actor-lr 5e-06 --entropy-coef 0.01"

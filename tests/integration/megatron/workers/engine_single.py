@@ -26,6 +26,7 @@ from tests.integration.megatron.workers.engine_common import (
 # isort: split
 from megatron.core.transformer.attention import SelfAttention
 
+from megatron_sao.algorithms import entropy_bonus
 from megatron_sao.megatron.engine import InitSource, MegatronEngine
 from megatron_sao.megatron.forward import token_logprobs
 from megatron_sao.megatron.optimizer import OptimConfig, model_main_param_pairs, sub_optimizers
@@ -84,6 +85,38 @@ emit("adamw_ref", {
     "loss": res.loss, "ref_loss": ref_loss.item(), "grad_norm": res.grad_norm, "ref_grad_norm": ref_norm,
     "skipped": res.skipped, "distributed_optimizer": type(eng.optimizer).__name__,
     "state_version": eng.state_version})
+
+# 2b. the entropy bonus alone (algorithm.entropy_coef): the engine's step == torch AdamW on a twin whose
+#     loss is -mean entropy of the full softmax; a second step starts from a wider policy
+def entropy_only(o, mb, d):
+    return entropy_bonus(mb["entropy"], mb["action_mask"].bool(), 1.0, loss_denominator=d), {}
+
+
+# Adam eps 1e-4, not 1e-8: Adam's first step is lr * g / (|g| + eps), so at 1e-8 every gradient above
+# ~1e-8 moves its weight by the full lr, and the fp32 rounding of the near-zero gradients (the entropy's
+# gradient sums terms that cancel) decides those moves; the gradient norm is compared exactly either way.
+OPT_E = OptimConfig(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-4, clip_grad=0.5)
+eng_e = actor(optim=OPT_E)
+twin = build_gpt_model(spec, transformer_config_from_spec(spec, sizes), role="actor")
+twin.load_state_dict(eng_e.module.state_dict(), strict=False)
+res_e = eng_e.train_step(batch, entropy_only)
+after_one = snapshot(eng_e)
+res_e2 = eng_e.train_step(batch, entropy_only)
+logits = twin(batch["tokens"], pos, None)[:, :-1, :spec.vocab_size].float()
+ref_entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+act = batch["action_mask"][:, 1:].float()
+ref_mean_entropy = (ref_entropy * act).sum() / act.sum()
+(-ref_mean_entropy).backward()
+params = list(twin.named_parameters())
+ref_norm = torch.nn.utils.clip_grad_norm_([p for _, p in params], OPT_E.clip_grad).item()
+groups = [{"params": [p for _, p in params if p.dim() > 1], "weight_decay": OPT_E.weight_decay},
+          {"params": [p for _, p in params if p.dim() <= 1], "weight_decay": 0.0}]
+torch.optim.AdamW(groups, lr=OPT_E.lr, betas=OPT_E.betas, eps=OPT_E.eps).step()
+emit("entropy_bonus", {
+    "param_max_abs_diff": max_diff(after_one, dict(twin.named_parameters())),
+    "loss": res_e.loss, "ref_loss": -ref_mean_entropy.item(), "entropy": res_e.metrics["entropy"],
+    "grad_norm": res_e.grad_norm, "ref_grad_norm": ref_norm, "entropy_after_one_step": res_e2.metrics["entropy"],
+    "skipped": [res_e.skipped, res_e2.skipped]})
 
 # 3. NaN loss -> skipped, params and Adam state unchanged; the next finite step trains again
 def adam_steps(engine):

@@ -57,6 +57,26 @@ def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def twin_of(engine):
+    """A plain torch model with the engine's weights. A fresh config: the engine's carries DDP hooks,
+    which the MoE layer's deepcopy cannot pickle."""
+    twin = build_gpt_model(spec, transformer_config_from_spec(spec, sizes), role="actor")
+    twin.load_state_dict(engine.module.state_dict(), strict=False)
+    return twin
+
+
+def torch_adamw_step(twin, loss, opt: OptimConfig) -> float:
+    """Backward `loss`, clip and take torch AdamW's step as the engine's optimizer config says (decay on
+    matrices only); returns the gradient norm before clipping."""
+    loss.backward()
+    params = list(twin.named_parameters())
+    norm = torch.nn.utils.clip_grad_norm_([p for _, p in params], opt.clip_grad).item()
+    groups = [{"params": [p for _, p in params if p.dim() > 1], "weight_decay": opt.weight_decay},
+              {"params": [p for _, p in params if p.dim() <= 1], "weight_decay": 0.0}]
+    torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps).step()
+    return norm
+
+
 # 1. logprobs == HF log_softmax
 eng = actor()
 lp = eng.logprobs(batch)
@@ -64,21 +84,14 @@ ref_lp_hf = hf_logprobs(hf, batch)
 emit("hf_logprobs", {"max_abs_diff": (lp - ref_lp_hf).abs().max().item(), "shape": list(lp.shape)})
 
 # 2. one engine step == torch AdamW on a twin model (same weights), with clipping active
-# A fresh config: the engine's carries DDP hooks, which the MoE layer's deepcopy cannot pickle.
-twin = build_gpt_model(spec, transformer_config_from_spec(spec, sizes), role="actor")
-twin.load_state_dict(eng.module.state_dict(), strict=False)
+twin = twin_of(eng)
 before = snapshot(eng)
 res = eng.train_step(batch, nll_loss)
 pos = torch.arange(batch["tokens"].shape[1])[None].expand_as(batch["tokens"])
 ref_lp = token_logprobs(twin(batch["tokens"], pos, None), batch["tokens"])
 mask = batch["action_mask"].float()
 ref_loss = -(ref_lp * mask).sum() / mask.sum()
-ref_loss.backward()
-params = list(twin.named_parameters())
-ref_norm = torch.nn.utils.clip_grad_norm_([p for _, p in params], OPT.clip_grad).item()
-groups = [{"params": [p for _, p in params if p.dim() > 1], "weight_decay": OPT.weight_decay},
-          {"params": [p for _, p in params if p.dim() <= 1], "weight_decay": 0.0}]
-torch.optim.AdamW(groups, lr=OPT.lr, betas=OPT.betas, eps=OPT.eps).step()
+ref_norm = torch_adamw_step(twin, ref_loss, OPT)
 emit("adamw_ref", {
     "param_max_abs_diff": max_diff(snapshot(eng), dict(twin.named_parameters())),
     "param_change": max_diff(snapshot(eng), before),
@@ -97,8 +110,7 @@ def entropy_only(o, mb, d):
 # gradient sums terms that cancel) decides those moves; the gradient norm is compared exactly either way.
 OPT_E = OptimConfig(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-4, clip_grad=0.5)
 eng_e = actor(optim=OPT_E)
-twin = build_gpt_model(spec, transformer_config_from_spec(spec, sizes), role="actor")
-twin.load_state_dict(eng_e.module.state_dict(), strict=False)
+twin = twin_of(eng_e)
 res_e = eng_e.train_step(batch, entropy_only)
 after_one = snapshot(eng_e)
 res_e2 = eng_e.train_step(batch, entropy_only)
@@ -106,12 +118,7 @@ logits = twin(batch["tokens"], pos, None)[:, :-1, :spec.vocab_size].float()
 ref_entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
 act = batch["action_mask"][:, 1:].float()
 ref_mean_entropy = (ref_entropy * act).sum() / act.sum()
-(-ref_mean_entropy).backward()
-params = list(twin.named_parameters())
-ref_norm = torch.nn.utils.clip_grad_norm_([p for _, p in params], OPT_E.clip_grad).item()
-groups = [{"params": [p for _, p in params if p.dim() > 1], "weight_decay": OPT_E.weight_decay},
-          {"params": [p for _, p in params if p.dim() <= 1], "weight_decay": 0.0}]
-torch.optim.AdamW(groups, lr=OPT_E.lr, betas=OPT_E.betas, eps=OPT_E.eps).step()
+ref_norm = torch_adamw_step(twin, -ref_mean_entropy, OPT_E)
 emit("entropy_bonus", {
     "param_max_abs_diff": max_diff(after_one, dict(twin.named_parameters())),
     "loss": res_e.loss, "ref_loss": -ref_mean_entropy.item(), "entropy": res_e.metrics["entropy"],

@@ -12,6 +12,8 @@ change a rank's memory, so a 1-rank group stands in for them. The figure is the 
 (ru_maxrss) during the stage minus its peak RSS once the logits, labels and loss weights exist,
 i.e. what the stage adds on top of the logits the LM head produced; the stage's seconds, as a ratio;
 and the planner's logits term (cluster/memory.py::logits_bytes) against the logits plus that figure.
+"entropy" is the chunked pass with the entropy bonus's gradient too (algorithm.entropy_coef: a loss on
+the log-probs and on the entropy): its stage memory and its seconds against "after".
 """
 
 from __future__ import annotations
@@ -62,10 +64,15 @@ def child(variant: str, seq: int, vocab: int, tp: int) -> dict:
             x = x.masked_fill(torch.arange(per_rank) >= valid, float("-inf"))
         lp = -tensor_parallel.vocab_parallel_cross_entropy(x.contiguous()[None], labels[None])[0]
         del x
-    else:
+    elif variant == "after":
         from megatron_sao.megatron.logprobs import vocab_parallel_logprobs
 
         lp = vocab_parallel_logprobs(logits, labels, valid)
+    else:  # "entropy"
+        from megatron_sao.megatron.logprobs import vocab_parallel_logprobs
+
+        lp, entropy = vocab_parallel_logprobs(logits, labels, valid, with_entropy=True)
+        lp = lp + 0.01 * entropy  # the bonus's gradient flows through the same backward
     (lp * weights).sum().backward()
     seconds = time.perf_counter() - t0
     peak = _rss_peak()
@@ -93,15 +100,17 @@ def main() -> None:
     rows = []
     for tp in args.tp:
         pair = {}
-        for variant in ("before", "after"):
+        for variant in ("before", "after", "entropy"):
             out = subprocess.run([sys.executable, __file__, "--child", variant, str(args.seq), str(args.vocab),
                                   str(tp)], capture_output=True, text=True, check=True).stdout
             pair[variant] = json.loads(out.strip().splitlines()[-1])
-        b, a = pair["before"], pair["after"]
+        b, a, e = pair["before"], pair["after"], pair["entropy"]
         rows.append({"tp": tp, "seq": args.seq, "vocab": args.vocab, "logits_gib": round(b["logits_gib"], 3),
                      "before_gib": round(b["stage_peak_gib"], 3), "after_gib": round(a["stage_peak_gib"], 3),
                      "ratio": round(a["stage_peak_gib"] / b["stage_peak_gib"], 3),
                      "time_ratio": round(a["stage_s"] / b["stage_s"], 3),
+                     "entropy_gib": round(e["stage_peak_gib"], 3),
+                     "entropy_time_ratio": round(e["stage_s"] / a["stage_s"], 3),
                      # the planner's term (cluster/memory.py::logits_bytes) against logits + what the stage added
                      "planned_gib": round(a["planned_gib"], 3),
                      "measured_gib": round(a["logits_gib"] + a["stage_peak_gib"], 3),
@@ -112,7 +121,8 @@ def main() -> None:
     for r in rows:
         print(f"TP {r['tp']}  S={r['seq']}  V={r['vocab']}: logits {r['logits_gib']:.2f} GiB (bf16, one rank); "
               f"log-prob stage adds {r['before_gib']:.2f} GiB before, {r['after_gib']:.2f} GiB after "
-              f"(x{r['ratio']:.3f}); time x{r['time_ratio']:.2f}; sum of log-probs agrees to "
+              f"(x{r['ratio']:.3f}); time x{r['time_ratio']:.2f}; with the entropy bonus's gradient "
+              f"{r['entropy_gib']:.3f} GiB, time x{r['entropy_time_ratio']:.2f} of after; sum of log-probs agrees to "
               f"{r['logprob_sum_rel_diff']:.1e}; planner {r['planned_gib']:.2f} GiB vs measured "
               f"{r['measured_gib']:.2f} GiB (logits + stage)")
 

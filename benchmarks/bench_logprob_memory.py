@@ -64,15 +64,14 @@ def child(variant: str, seq: int, vocab: int, tp: int) -> dict:
             x = x.masked_fill(torch.arange(per_rank) >= valid, float("-inf"))
         lp = -tensor_parallel.vocab_parallel_cross_entropy(x.contiguous()[None], labels[None])[0]
         del x
-    elif variant == "after":
+    else:
         from megatron_sao.megatron.logprobs import vocab_parallel_logprobs
 
-        lp = vocab_parallel_logprobs(logits, labels, valid)
-    else:  # "entropy"
-        from megatron_sao.megatron.logprobs import vocab_parallel_logprobs
-
-        lp, entropy = vocab_parallel_logprobs(logits, labels, valid, with_entropy=True)
-        lp = lp + 0.01 * entropy  # the bonus's gradient flows through the same backward
+        if variant == "after":
+            lp = vocab_parallel_logprobs(logits, labels, valid)
+        else:  # "entropy": the bonus's gradient flows through the same backward
+            lp, entropy = vocab_parallel_logprobs(logits, labels, valid, with_entropy=True)
+            lp = lp + 0.01 * entropy
     (lp * weights).sum().backward()
     seconds = time.perf_counter() - t0
     peak = _rss_peak()

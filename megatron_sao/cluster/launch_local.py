@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from typing import Sequence
 from megatron_sao.cluster.launch_plan import Executables, LaunchPlan, ProcessSpec, build_launch_plan
 from megatron_sao.cluster.supervisor import RestartPolicy, Supervisor, SupervisorError
 from megatron_sao.config import ConfigError
+from megatron_sao.distributed.ports import free_port, free_port_block
 
 HOST = "127.0.0.1"
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -42,35 +42,6 @@ class LocalPlan:
     server_urls: list[str]
     run_dir: str
     plan: LaunchPlan
-
-
-def free_port() -> int:
-    """An ephemeral TCP port free right now (a tiny race remains; fine for CI on one machine)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def free_port_block(n: int, avoid: Sequence[int] = ()) -> int:
-    """The first of ``n`` consecutive ports that are free right now (the plan numbers servers from it)."""
-    for _ in range(200):
-        base = free_port()
-        block = range(base, base + max(n, 1))
-        if base + n > 65535 or any(p in avoid for p in block):
-            continue
-        try:
-            socks = []
-            for p in block:
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind((HOST, p))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return base
-    raise RuntimeError(f"no block of {n} free consecutive ports on {HOST}")
 
 
 def build_local_plan(config: str, *, trainer_ranks: int, rollout_servers: int, run_dir: str,
@@ -88,9 +59,10 @@ def build_local_plan(config: str, *, trainer_ranks: int, rollout_servers: int, r
     config = os.path.abspath(config)
     if server == "vllm" and rollout_servers:
         overrides = [*overrides, *_builtin_model_dir(config, overrides, run_dir)]
-    mport = master_port or free_port()
-    rport = rollout_port or free_port_block(rollout_servers, avoid=[mport])
-    wport = weight_sync_port or free_port_block(rollout_servers, avoid=[mport, *range(rport, rport + rollout_servers)])
+    mport = master_port or free_port(HOST)
+    rport = rollout_port or free_port_block(rollout_servers, HOST, avoid=[mport])
+    taken = [mport, *range(rport, rport + rollout_servers)]
+    wport = weight_sync_port or free_port_block(rollout_servers, HOST, avoid=taken)
     local = [f"cluster.master_port={mport}", f"cluster.rollout_port={rport}", f"cluster.weight_sync_port={wport}",
              "cluster.trainer_nodes=1", "cluster.rollout_tp=1"]
     if not rollout_servers:

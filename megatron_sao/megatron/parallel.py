@@ -26,13 +26,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron_sao.distributed import collective_guard, rank0_gate
+from megatron_sao.distributed.ports import free_port
 from megatron_sao.megatron.cpu_compat import ensure_cpu_compat
 
 logger = logging.getLogger(__name__)
@@ -40,12 +40,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 600.0
 PG_TIMEOUT_ENV = "SAO_PG_TIMEOUT_S"
 PG_TIMEOUT_MARGIN_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _launcher_env() -> tuple[int, int, int]:
@@ -153,7 +147,7 @@ def init_parallel(sizes, *, seed: int = 1234, timeout_s: float = DEFAULT_TIMEOUT
         if "MASTER_PORT" not in os.environ:
             if world > 1:
                 raise RuntimeError("MASTER_PORT is not set for a multi-process launch")
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
         if use_cuda:
             torch.cuda.set_device(local_rank)
         if world > 1:

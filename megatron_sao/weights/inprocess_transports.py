@@ -156,7 +156,8 @@ class GroupTransport(ReloadSession):
     async def setup(self, llm: object) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        from megatron_sao.weights.vllm_worker.transfer_group import Rendezvous, free_port, join_group
+        from megatron_sao.distributed.ports import free_port
+        from megatron_sao.weights.vllm_worker.transfer_group import Rendezvous, join_group
 
         # In-process: vLLM's workers run on this host, so the rendezvous is local.
         port = self.cfg.weight_transfer_ports[0] if self.cfg.weight_transfer_ports else free_port()

@@ -6,7 +6,6 @@ process group; the fake torchrun records its argv and exits with a chosen code.
 """
 
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 
 from megatron_sao.cluster.launch_local import build_local_plan
 from megatron_sao.cluster.supervisor import RestartPolicy, Supervisor, SupervisorError
+from megatron_sao.distributed.ports import free_port
 from tests.cluster.recipes import RECIPES
 from tests.paths import REPO
 
@@ -53,12 +53,6 @@ FAKE_TORCHRUN = textwrap.dedent("""\
     """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _exe(path, text):
     path.write_text(text)
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
@@ -94,7 +88,7 @@ def _node(env, rank):
 def test_trainer_starts_while_the_server_loads_then_rollout_node_stops_cleanly(tmp_path):
     """The trainer node starts torchrun at once, not after the servers' /health (the trainer waits for
     them itself, rollout/episode_driver.py): the fake trainer polls the server, which takes 3 s to load."""
-    port = _free_port()
+    port = free_port()
     env = _env(tmp_path, port, FAKE_TRAINER_RC="3", FAKE_VLLM_LOAD_S="3",
                FAKE_TRAINER_HEALTH=f"http://localhost:{port}/health")
     rollout = _node(env, 1)
@@ -121,7 +115,7 @@ def _starts(tmp_path, port):
 def test_rollout_node_restarts_a_dead_server_with_backoff_a_bounded_number_of_times(tmp_path):
     """A server that keeps exiting is restarted SAO_SERVER_RESTARTS times, each after a longer wait, each
     logged; then it stays down and the node waits for the trainer (exit 0: no srun --kill-on-bad-exit)."""
-    port = _free_port()
+    port = free_port()
     env = _env(tmp_path, port, FAKE_VLLM_FAIL="1", SAO_SERVER_RESTARTS="2", SAO_RESTART_BACKOFF_S="1")
     log = tmp_path / "node.out"
     with open(log, "w") as out:
@@ -150,7 +144,7 @@ def test_rollout_node_restarts_a_dead_server_with_backoff_a_bounded_number_of_ti
 def test_a_restarted_server_serves_again_and_stops_with_the_node(tmp_path):
     from megatron_sao.cluster.supervisor import http_ok
 
-    port = _free_port()
+    port = free_port()
     rollout = _node(_env(tmp_path, port, FAKE_VLLM_FAIL_FIRST="1", SAO_RESTART_BACKOFF_S="0"), 1)
     try:
         deadline = time.monotonic() + 60
@@ -169,7 +163,7 @@ def test_a_restarted_server_serves_again_and_stops_with_the_node(tmp_path):
 def test_trainer_node_sigterms_the_trainer_on_the_stop_file_and_exits_0(tmp_path):
     """The batch host's stop request (USR1 before the time limit) reaches the trainer as one SIGTERM, not
     srun's SIGKILL; the node exits 0 so that srun does not kill the other nodes, and writes the done file."""
-    port = _free_port()
+    port = free_port()
     env = _env(tmp_path, port, FAKE_TRAINER_WAIT="1")
     rollout = _node(env, 1)
     trainer = _node(env, 0)
@@ -193,7 +187,7 @@ def test_supervisor_health_deadline_and_early_death(tmp_path):
     with Supervisor(grace_s=2, poll_s=0.05) as sup:
         sup.start("dies", [sys.executable, "-c", "import sys; sys.exit(4)"], str(tmp_path / "d.log"))
         try:
-            sup.wait_healthy([f"http://127.0.0.1:{_free_port()}/health"], timeout_s=30)
+            sup.wait_healthy([f"http://127.0.0.1:{free_port()}/health"], timeout_s=30)
         except SupervisorError as e:
             assert "dies exited with code 4" in str(e)
         else:
@@ -201,7 +195,7 @@ def test_supervisor_health_deadline_and_early_death(tmp_path):
     with Supervisor(grace_s=2, poll_s=0.05) as sup:
         sup.start("sleeper", ["sleep", "30"], str(tmp_path / "s.log"))
         try:
-            sup.wait_healthy([f"http://127.0.0.1:{_free_port()}/health"], timeout_s=0.3)
+            sup.wait_healthy([f"http://127.0.0.1:{free_port()}/health"], timeout_s=0.3)
         except SupervisorError as e:
             assert "no /health answer after 0.3s" in str(e)
         else:

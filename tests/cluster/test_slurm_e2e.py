@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_sao.cluster.launch_local import free_port_block
+from megatron_sao.distributed.ports import free_port_block
 from tests.paths import REPO
 from tools.slurm_local.cluster import ClusterError, SlurmCluster, missing_tools
 

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_sao.distributed.ports import free_port
+
 NODES = {"sao-n1": "127.0.0.2", "sao-n2": "127.0.0.3"}
 PARTITION = "sao"
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -44,12 +46,6 @@ def missing_tools() -> list[str]:
 
 def _which(tool: str) -> str:
     return shutil.which(tool) or str(Path("/usr/sbin", tool))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ensure_hosts(path: str = "/etc/hosts") -> None:
@@ -146,8 +142,8 @@ class SlurmCluster:
             key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o400)
         user = subprocess.run(["id", "-un"], capture_output=True, text=True, check=True).stdout.strip()
-        ports = {n: _free_port() for n in NODES}
-        self.conf.write_text(slurm_conf(d, _free_port(), ports, self.cpus, user))
+        ports = {n: free_port() for n in NODES}
+        self.conf.write_text(slurm_conf(d, free_port(), ports, self.cpus, user))
         try:
             self._spawn("munged", [_which("munged"), "--foreground", "--force", f"--key-file={key}",
                                    f"--socket={d}/munge/munge.socket", f"--pid-file={d}/munge/munged.pid",

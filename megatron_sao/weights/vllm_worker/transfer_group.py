@@ -65,15 +65,6 @@ def worker_group_rank(rank_offset: int, tp_pp_rank: int, tp_pp_world_size: int, 
     return dp_index * tp_pp_world_size + tp_pp_rank + rank_offset
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on ``host`` (a small race remains; fine for one machine)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class TransferGroup(Protocol):
     def broadcast(self, tensor: torch.Tensor, src: int = 0, timeout_s: float | None = None) -> None: ...
 

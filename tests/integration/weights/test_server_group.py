@@ -19,8 +19,8 @@ import torch
 
 pytest.importorskip("vllm")
 
+from megatron_sao.distributed.ports import free_port
 from megatron_sao.weights.server_group import ServerTransferGroup, member_init_info, rank_offsets
-from megatron_sao.weights.vllm_worker.transfer_group import free_port
 
 pytestmark = pytest.mark.timeout(300)
 

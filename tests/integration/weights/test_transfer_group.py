@@ -19,10 +19,10 @@ import torch
 
 pytest.importorskip("vllm")
 
+from megatron_sao.distributed.ports import free_port
 from megatron_sao.weights.vllm_worker.transfer_group import (
     Rendezvous,
     broadcast_bucket,
-    free_port,
     join_group,
     worker_group_rank,
 )

@@ -13,26 +13,49 @@ from benchmarks.reproduce import runner
 from benchmarks.reproduce.runner import Run
 
 # The stand-in for `sao train`: starts a long-lived child (as the trainer starts its vLLM engine) and one that
-# ends a second after it (as multiprocessing's resource tracker cleans up), waits for the runner to sample
-# them, and dies by SIGKILL, as the OOM killer kills a trainer.
+# ends half a second after the stage (as multiprocessing's resource tracker cleans up), waits until the runner has
+# sampled them (the flag file the test's wrapper of runner._tree writes: a fixed sleep was too short under load),
+# and dies by SIGKILL, as the OOM killer kills a trainer.
 STAGE = """
 import os, signal, subprocess, sys, time
 from pathlib import Path
 d = Path(next(a for a in sys.argv if a.startswith("run.dir=")).split("=", 1)[1])
+flag = sys.argv[-1]
 engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-tracker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])
+tracker = subprocess.Popen([sys.executable, "-c", TRACKER, flag])
 (d / "engine.pid").write_text(str(engine.pid))
 (d / "tracker.pid").write_text(str(tracker.pid))
-time.sleep(1.0)
+deadline = time.monotonic() + 120
+while not Path(flag).exists() and time.monotonic() < deadline:
+    time.sleep(0.02)
 os.kill(os.getpid(), signal.SIGKILL)
+"""
+TRACKER = """
+import pathlib, sys, time
+flag = pathlib.Path(sys.argv[1])
+deadline = time.monotonic() + 120
+while not flag.exists() and time.monotonic() < deadline:
+    time.sleep(0.02)
+time.sleep(0.5)
 """
 
 
 def test_a_killed_stage_s_orphaned_child_is_killed_and_named_one_that_ends_by_itself_is_left_to(
         tmp_path, monkeypatch):
     script = tmp_path / "stage.py"
-    script.write_text(STAGE)
-    monkeypatch.setattr(runner, "stage_command", lambda run, d, resume: [sys.executable, str(script), f"run.dir={d}"])
+    script.write_text(f"TRACKER = {TRACKER!r}\n" + STAGE)
+    flag = tmp_path / "sampled"
+    monkeypatch.setattr(runner, "stage_command",
+                        lambda run, d, resume: [sys.executable, str(script), f"run.dir={d}", str(flag)])
+    real_tree = runner._tree
+
+    def tree_then_flag(root: int) -> list[psutil.Process]:
+        procs = real_tree(root)
+        if len(procs) >= 3:  # the stage and both its children: the runner has seen them
+            flag.touch()
+        return procs
+
+    monkeypatch.setattr(runner, "_tree", tree_then_flag)
     monkeypatch.setattr(runner, "LOAD_SAMPLE_S", 0.1)
     monkeypatch.setattr(runner, "LEFTOVER_GRACE_S", 4.0)
     lines = []

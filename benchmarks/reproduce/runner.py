@@ -43,6 +43,16 @@ LOAD_SAMPLE_S = 10.0  # how often a run samples the machine's load average
 CHECKPOINT_EVERY = 10
 LEFTOVER_GRACE_S = 10.0  # how long a run's leftover processes may take to exit on their own (_kill_leftovers)
 
+# What makes a stage compute the same bits on any x86-64 machine with AVX2, AVX-512 ones included: ATen's
+# AVX2 kernels instead of the widest this CPU has (their reductions group the sums by vector width), MKL's
+# conditional numerical reproducibility mode on its AVX2 path, and a fixed thread count (both split the work
+# by thread). Measured on the word problems' SFT (docs/results.md, section 10): AVX-512 and AVX2 kernels give
+# different weights, and with this an AVX-512 machine gives the AVX2 ones, at 1.07x the time (the scalar
+# kernels with MKL_CBWR=COMPATIBLE take 2x). For the shared starting points of the experiments spread over
+# sessions: every session is a fresh machine that rebuilds the start, and result files are keyed by its weights.
+PORTABLE_NUMERICS = (("ATEN_CPU_CAPABILITY", "avx2"), ("MKL_CBWR", "AVX2"))
+PORTABLE_THREADS = 2
+
 DONE_MARKER = {"train": "final_model/config.json", "sft": "sft_model/config.json",
                "value-pretrain": "critic_pretrained/config.json"}
 
@@ -58,12 +68,17 @@ class Run:
     # Trainer steps between checkpoints (0: none), so that an interrupted train run resumes. Not part of
     # key(): checkpoints decide where a run can pick up, not what it computes.
     checkpoint_every: int = 0
+    # Environment variables of the stage process (PORTABLE_NUMERICS), part of key() when given: they
+    # change the bits it computes.
+    env: tuple[tuple[str, str], ...] = ()
 
     def key(self) -> str:
         path = Path(self.config) if Path(self.config).is_absolute() else ROOT / self.config
         content = load_strict(path.read_text())
-        h = hashlib.sha256(json.dumps([self.stage, content, sorted(self.overrides), self.seed,
-                                       algorithm_version()], sort_keys=True, default=str).encode())
+        what = [self.stage, content, sorted(self.overrides), self.seed, algorithm_version()]
+        if self.env:  # only then: the runs without one keep their keys
+            what.append(sorted(self.env))
+        h = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode())
         return h.hexdigest()[:10]
 
     def command_overrides(self) -> tuple[str, ...]:
@@ -240,7 +255,7 @@ def execute(run: Run, work: Path, threads: int = 1, fresh: bool = False, log=pri
     if earlier and _still_running(earlier[-1], d):
         raise RuntimeError(f"{d}: its previous attempt (pid {earlier[-1]['pid']}) is still training there; "
                            "stop it or wait for it before running this again")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **dict(run.env)}
     log(f"  {'resume' if resume else 'start'} {run.stage:14s} {d.name}"
         + (f" (attempt {len(earlier) + 1})" if resume else ""))
     t0 = time.time()
@@ -276,8 +291,8 @@ def execute(run: Run, work: Path, threads: int = 1, fresh: bool = False, log=pri
         shutil.rmtree(d / "checkpoints", ignore_errors=True)
     _info_path(run, d).write_text(json.dumps({"command": cmd, "t_start": attempts[0]["t_start"], "wall_s": wall,
                                               "cpu_s": cpu_s, "attempts": len(attempts), "label": run.label,
-                                              "seed": run.seed, "threads": threads, "load_avg": load,
-                                              "algorithm_version": algorithm_version()}, indent=1))
+                                              "seed": run.seed, "threads": threads, "env": dict(run.env),
+                                              "load_avg": load, "algorithm_version": algorithm_version()}, indent=1))
     log(f"  done  {run.stage:14s} {d.name} in {wall:.0f} s (mean load average {load:g}"
         + (f", {len(attempts)} attempts)" if len(attempts) > 1 else ")"))
     return RunResult(run, d, True, wall, cached=False, load_avg=load, cpu_s=cpu_s, attempts=len(attempts))

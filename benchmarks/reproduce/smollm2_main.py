@@ -56,7 +56,15 @@ import matplotlib.pyplot as plt
 from benchmarks.reproduce import critic_presets, run_results
 from benchmarks.reproduce.experiment import METHODS, Settings
 from benchmarks.reproduce.report import header, md_table, runs_section, save_fig, write_report
-from benchmarks.reproduce.runner import CHECKPOINT_EVERY, ROOT, Run, RunResult, execute
+from benchmarks.reproduce.runner import (
+    CHECKPOINT_EVERY,
+    PORTABLE_NUMERICS,
+    PORTABLE_THREADS,
+    ROOT,
+    Run,
+    RunResult,
+    execute,
+)
 from benchmarks.reproduce.starts import EVAL_SEED, TOY_QUICK_CONFIG, Start, require_model
 from benchmarks.reproduce.summary import Stat, stat
 
@@ -126,9 +134,12 @@ PAIRED_REFERENCE = "grpo_dis"  # the per-seed paired differences of the report a
 class SftStart(Start):
     """The SFT model, and the critic value-pretrained on its rollouts (`pretrained`, its HF directory;
     `pretrain_rollouts` the rollouts that fit generated, held-out ones included: budget B counts them).
-    `digest` identifies the SFT weights by content, `critic_digest` the pretrained critic's."""
+    `digest` identifies the SFT weights by content, `critic_digest` the pretrained critic's; `env` and
+    `threads` are what both stages ran with (runner.PORTABLE_NUMERICS: the same weights on any x86 machine)."""
 
     digest: str = ""
+    env: tuple[tuple[str, str], ...] = ()
+    threads: int = 1
     pretrained: Path | None = None
     critic_digest: str = ""
     pretrain_rollouts: int = 0
@@ -144,12 +155,15 @@ def sft_start(quick: bool, config: str, work: Path, log=print) -> SftStart:
     config = TOY_QUICK_CONFIG if quick else config
     overrides = () if quick else ("sft.eval=false",)  # the start's accuracy comes from Start.evaluate_sft
     require_model(config)
-    d = work / "starts" / f"{name}-{Run(name, 1, config, overrides, stage='sft').key()}"
-    res = execute(Run(name, 1, config, overrides, stage="sft", run_dir=str(d)), work, threads=os.cpu_count() or 1,
+    # The toy start (CI's --quick) is rebuilt in every run of the suite: it needs no portability.
+    env, threads = ((), os.cpu_count() or 1) if quick else (PORTABLE_NUMERICS, PORTABLE_THREADS)
+    d = work / "starts" / f"{name}-{Run(name, 1, config, overrides, stage='sft', env=env).key()}"
+    res = execute(Run(name, 1, config, overrides, stage="sft", run_dir=str(d), env=env), work, threads=threads,
                   log=log)
     if not res.ok:
         raise RuntimeError(f"starting point {name}: `sao sft` failed; log in {d}/sft.log\n{res.error}")
-    return SftStart(name, config, d, overrides, res.wall_s, digest=run_results.weights_digest(d / "sft_model"))
+    return SftStart(name, config, d, overrides, res.wall_s, digest=run_results.weights_digest(d / "sft_model"),
+                    env=env, threads=threads)
 
 
 def rollouts_pin(folder: Path, sft_digest: str) -> Path:
@@ -162,17 +176,19 @@ def pretrain_critic(start: SftStart, work: Path, pins: Path, log=print) -> SftSt
     start's directory; the critic cache (work/critic_cache) makes it one fit per SFT model and settings
     for every checkout that shares the work folder.
 
-    The SFT weights rebuilt bit for bit in fresh checkouts of these machines, the vLLM rollouts value
-    pretraining plays did not (docs/results.md, section 9), and the SmolLM2 critic (540 MB) is too big to
-    commit. So the rollouts (4 MB) are kept in the results folder `pins` (rollouts_pin, once per SFT
-    digest), and a checkout that rebuilds this start fits its critic on them (`value_pretrain.rollouts_file`)
-    instead of playing new ones."""
+    Both stages run with the start's `env` (runner.PORTABLE_NUMERICS): the SFT weights then come out
+    the same on an AVX-512 machine as on an AVX2 one (measured; without it they did not, and every
+    session is a fresh machine that rebuilds the start), and the fit uses the same kernels. The vLLM rollouts value
+    pretraining plays are not reproducible (docs/results.md, section 9) and the SmolLM2 critic (540 MB)
+    is too big to commit, so the rollouts (4 MB) are kept in the results folder `pins` (rollouts_pin,
+    once per SFT digest), and a checkout that rebuilds this start fits its critic on them
+    (`value_pretrain.rollouts_file`) instead of playing new ones."""
     d = start.dir / "value_pretrain"
     pin = rollouts_pin(pins, start.digest)
     overrides = (f"actor.init={start.sft_model}", f"value_pretrain.cache_dir={work / 'critic_cache'}",
                  *([f"value_pretrain.rollouts_file={pin}"] if pin.is_file() else []))
-    res = execute(Run(start.name + "_vp", 1, start.config, overrides, stage="value-pretrain", run_dir=str(d)), work,
-                  threads=os.cpu_count() or 1, log=log)
+    res = execute(Run(start.name + "_vp", 1, start.config, overrides, stage="value-pretrain", run_dir=str(d),
+                      env=start.env), work, threads=start.threads, log=log)
     if not res.ok:
         raise RuntimeError(f"starting point {start.name}: `sao value-pretrain` failed; log in {d}/value-pretrain.log\n"
                            f"{res.error}")

@@ -116,14 +116,18 @@ def test_committed_result_files_are_not_ignored_by_git_and_match_the_summary():
     swallows them (a bare `runs/` did) makes `git add results/` commit the summary and silently drop
     the results the next checkout needs to skip finished runs."""
     folder = REPO / "results/reproduce/main_smollm2"
-    files = sorted((folder / "runs").glob("*.json"))
     probe = subprocess.run(["git", "check-ignore", "-q", str(folder / "runs" / "probe.json")], cwd=REPO)
     assert probe.returncode == 1, "results/reproduce/main_smollm2/runs/*.json is ignored by git"
-    summary = json.loads((folder / "summary.json").read_text())
-    by_name = {f"{v['label']}-s{v['seed']}-{v['key']}.json": v for v in summary["results"].values()}
-    assert {f.name for f in files} == set(by_name)
-    for f in files:
-        assert json.loads(f.read_text()) == by_name[f.name]
+    # The current report's folder and the kept ones of earlier starts (start_<digest>/, before/).
+    summaries = sorted(folder.rglob("summary.json"))
+    assert len(summaries) >= 2, summaries
+    for path in summaries:
+        files = sorted((path.parent / "runs").glob("*.json"))
+        summary = json.loads(path.read_text())
+        by_name = {f"{v['label']}-s{v['seed']}-{v['key']}.json": v for v in summary["results"].values()}
+        assert {f.name for f in files} == set(by_name), path
+        for f in files:
+            assert json.loads(f.read_text()) == by_name[f.name]
 
 
 def test_the_pretrained_rows_result_is_keyed_on_the_critic_weights_too(tmp_path):

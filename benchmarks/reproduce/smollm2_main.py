@@ -135,7 +135,7 @@ class SftStart(Start):
     """The SFT model, and the critic value-pretrained on its rollouts (`pretrained`, its HF directory;
     `pretrain_rollouts` the rollouts that fit generated, held-out ones included: budget B counts them).
     `digest` identifies the SFT weights by content, `critic_digest` the pretrained critic's; `env` and
-    `threads` are what both stages ran with (runner.PORTABLE_NUMERICS: the same weights on any x86 machine)."""
+    `threads` are what both stages ran with (runner.PORTABLE_NUMERICS: the same weights on AVX2 and AVX-512 CPUs)."""
 
     digest: str = ""
     env: tuple[tuple[str, str], ...] = ()

@@ -47,9 +47,10 @@ LEFTOVER_GRACE_S = 10.0  # how long a run's leftover processes may take to exit 
 # AVX2 kernels instead of the widest this CPU has (their reductions group the sums by vector width), MKL's
 # conditional numerical reproducibility mode on its AVX2 path, and a fixed thread count (both split the work
 # by thread). Measured on the word problems' SFT (docs/results.md, section 10): AVX-512 and AVX2 kernels give
-# different weights, and with this an AVX-512 machine gives the AVX2 ones, at 1.07x the time (the scalar
-# kernels with MKL_CBWR=COMPATIBLE take 2x). For the shared starting points of the experiments spread over
-# sessions: every session is a fresh machine that rebuilds the start, and result files are keyed by its weights.
+# different weights, and with this an AVX-512 machine gives the AVX2 ones (one build each: 150 s against 140 s;
+# the scalar kernels with MKL_CBWR=COMPATIBLE took 280-295 s). For the shared starting points of the experiments
+# spread over sessions: every session is a fresh machine that rebuilds the start, and result files are keyed by
+# its weights.
 PORTABLE_NUMERICS = (("ATEN_CPU_CAPABILITY", "avx2"), ("MKL_CBWR", "AVX2"))
 PORTABLE_THREADS = 2
 

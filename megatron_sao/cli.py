@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--port", type=int, default=8000)
         elif name == "eval":
             _add_config_args(p)
-            p.add_argument("--checkpoint", default=None, help="actor checkpoint (default: the run's latest)")
+            p.add_argument("--checkpoint", default=None, help="actor HF directory (default: <run.dir>/final_model)")
             p.add_argument("--out", default=None, help="per-item results (jsonl)")
         else:
             _add_config_args(p)

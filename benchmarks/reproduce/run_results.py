@@ -166,6 +166,7 @@ def train_missing(s, runs: list[Run], start_dir: Path, digest: Callable[[Run], s
     todo = todo if s.max_runs is None else todo[: s.max_runs]
     s.log(f"{len(runs) - len(missing)} of {len(runs)} runs have a result in {folder}; training {len(todo)} now")
     failed: list[RunResult] = []
+    commit = git_commit()  # the code the runs start from: a commit made while they train is not theirs
 
     def record(res: RunResult) -> None:
         if not res.ok:
@@ -174,7 +175,7 @@ def train_missing(s, runs: list[Run], start_dir: Path, digest: Callable[[Run], s
         data = {"experiment": s.name, "label": res.run.label, "seed": res.run.seed, "key": keys[res.run],
                 "algorithm_version": algorithm_version(), "config": res.run.config,
                 "overrides": list(portable(res.run, start_dir).overrides), "start": start_info(res.run),
-                "batch": batch, "commit": git_commit(), "run_dir": str(res.dir), **summarize(res, batch)}
+                "batch": batch, "commit": commit, "run_dir": str(res.dir), **summarize(res, batch)}
         write(paths[res.run], data)
         done[res.run], read[res.run] = data, paths[res.run]
         s.log(f"  result {paths[res.run]}")

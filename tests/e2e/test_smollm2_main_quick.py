@@ -36,6 +36,8 @@ def test_harness_writes_a_result_per_run_skips_it_after_and_reports_the_missing(
     assert data["start"]["pretrain_rollouts"] == 8  # the quick config's value_pretrain.rollouts: budget B's count
     pinned = list((folder / "start").glob("value_pretrain_rollouts-*.safetensors"))  # a rebuilt start fits on them
     assert [p.name for p in pinned] == [smollm2_main.rollouts_pin(folder, data["start"]["digest"]).name]
+    sft = json.loads(smollm2_main.sft_eval_pin(folder, data["start"]["digest"], b.eval_size).read_text())
+    assert sft["accuracy"] == data["start"]["accuracy"]  # kept: a later session reads the runs against it
     assert data["load_avg"] >= 0  # sampled while the run trained: its wall time's context
     assert 0 < data["cpu_s"]  # the run's process tree: the figure a shared machine does not inflate
     summary = json.loads((folder / "summary.json").read_text())

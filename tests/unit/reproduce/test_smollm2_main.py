@@ -263,3 +263,49 @@ def test_value_pretraining_keeps_its_rollouts_and_a_rebuilt_start_fits_on_them(t
     other = smollm2_main.pretrain_critic(_fake_start(tmp_path / "checkout3", digest="e" * 64), tmp_path / "w3", pins)
     assert not any("rollouts_file" in o for o in calls[2])
     assert smollm2_main.rollouts_pin(pins, other.digest).read_bytes() == b"draw 3" and pin.read_bytes() == b"draw 1"
+
+
+def test_a_result_records_the_commit_its_invocation_started_from(tmp_path, monkeypatch):
+    """Runs take half an hour; a commit made while one trains (the report of the one before) must not be
+    recorded as the code it ran."""
+    from benchmarks.reproduce.experiment import Settings
+
+    head = ["1111111"]
+    monkeypatch.setattr(run_results, "git_commit", lambda: head[0])
+    monkeypatch.setattr(run_results, "summarize", lambda res, batch: {})
+
+    def fake_execute_all(todo, work, jobs, fresh, log, on_done):
+        head[0] = "2222222"  # committed while the run trained
+        for run in todo:
+            on_done(RunResult(run, tmp_path / "run", True, 1.0, cached=False))
+
+    monkeypatch.setattr(run_results, "execute_all", fake_execute_all)
+    st = _fake_start(tmp_path / "start")
+    runs = [r for r in smollm2_main.plan(st, smollm2_main.QUICK, [1], ROWS) if r.label == "grpo"]
+    s = Settings("main_smollm2", True, [1], 1, tmp_path / "out", tmp_path / "work")
+    rec = run_results.train_missing(s, runs, st.dir, lambda r: st.digest, lambda r: {}, 8)
+    assert [d["commit"] for d in rec.done.values()] == ["1111111"]
+
+
+def test_the_sft_accuracy_is_evaluated_once_per_sft_weights_and_kept_for_later_sessions(tmp_path, monkeypatch):
+    """vLLM's sampling on the CPU is not bit-reproducible across sessions: the first evaluation of an SFT
+    start lands in the results folder and a rebuilt start reads it instead of evaluating again."""
+    evaluated = []
+
+    def fake_evaluate(self, eval_size, log=print):
+        evaluated.append(self.dir)
+        return {"model": str(self.sft_model), "accuracy": [0.25, 0.5, 0.75][len(evaluated) - 1], "n": eval_size}
+
+    monkeypatch.setattr(smollm2_main.SftStart, "evaluate_sft", fake_evaluate)
+    pins = tmp_path / "results"
+    first = smollm2_main.sft_accuracy(_fake_start(tmp_path / "checkout1"), pins, 16)
+    assert first["accuracy"] == 0.25 and first["n"] == 16
+    pin = smollm2_main.sft_eval_pin(pins, "d" * 64, 16)
+    assert json.loads(pin.read_text()) == {"sft_digest": "d" * 64, "eval_seed": smollm2_main.EVAL_SEED,
+                                           "accuracy": 0.25, "n": 16}
+    again = smollm2_main.sft_accuracy(_fake_start(tmp_path / "checkout2"), pins, 16)  # another session, same weights
+    assert again["accuracy"] == 0.25 and len(evaluated) == 1
+    other = smollm2_main.sft_accuracy(_fake_start(tmp_path / "checkout3", digest="e" * 64), pins, 16)
+    assert other["accuracy"] == 0.5 and len(evaluated) == 2  # other SFT weights are evaluated
+    assert smollm2_main.sft_accuracy(_fake_start(tmp_path / "checkout4"), pins, 32)["accuracy"] == 0.75  # other size
+    assert not list(pins.rglob("*.tmp"))

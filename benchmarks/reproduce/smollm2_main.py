@@ -186,10 +186,7 @@ def sft_accuracy(start: SftStart, pins: Path, eval_size: int, log=print) -> dict
         return json.loads(pin.read_text())
     res = start.evaluate_sft(eval_size, log)
     kept = {"sft_digest": start.digest, "eval_seed": EVAL_SEED, "accuracy": res["accuracy"], "n": res["n"]}
-    pin.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pin.with_name(pin.name + ".tmp")
-    tmp.write_text(json.dumps(kept, indent=1) + "\n")
-    tmp.replace(pin)
+    run_results.write(pin, kept)
     log(f"  kept the SFT model's held-out accuracy in {pin}: every later session reads the runs against it")
     return kept
 

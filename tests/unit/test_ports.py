@@ -10,17 +10,16 @@ import pytest
 
 from megatron_sao.distributed import ports
 
+LINUX_DEFAULT = (32768, 60999)  # the tests name the range: this machine's own may start anywhere
+
 
 def test_reads_the_kernels_range_and_falls_back_to_linuxs_default(tmp_path):
     f = tmp_path / "range"
     f.write_text("40000\t50000\n")
     assert ports.ephemeral_range(f) == (40000, 50000)
     f.write_text("garbage\n")
-    assert ports.ephemeral_range(f) == (32768, 60999)
-    assert ports.ephemeral_range(tmp_path / "missing") == (32768, 60999)
-
-
-LINUX_DEFAULT = (32768, 60999)  # the tests name the range: this machine's own may start anywhere
+    assert ports.ephemeral_range(f) == LINUX_DEFAULT
+    assert ports.ephemeral_range(tmp_path / "missing") == LINUX_DEFAULT
 
 
 def test_ports_lie_below_the_ephemeral_range_and_can_be_bound():
